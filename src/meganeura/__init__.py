@@ -1,0 +1,12 @@
+"""meganeura: compile a typed static neural-network graph into one GPU program (WebGPU)."""
+
+from . import init, ops  # noqa: F401
+from .autodiff import grad  # noqa: F401
+from .dtypes import bool_, f16, f32, i32, u32  # noqa: F401
+from .errors import (  # noqa: F401
+    AutodiffError, AxisError, CheckpointError, DeviceError, DTypeError, FeedError,
+    GraphBuildError, LimitError, MeganeuraError, NameConflictError, ShapeError,
+)
+from .graph import Graph, TensorType, Value  # noqa: F401
+
+__version__ = "0.1.0"

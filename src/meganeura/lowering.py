@@ -1,0 +1,56 @@
+"""How an op reaches the GPU, described as data (``OpDef.lowering``).  ``codegen/`` interprets
+these; ops never emit WGSL themselves beyond a pointwise expression.
+
+An ``OpDef.lowering`` is one of these objects, or a function ``(attrs, in_types, out_types) ->``
+one of them when it depends on attributes (``cast``, ``gelu(approximate=…)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    """One WGSL expression per element; ``{0}``, ``{1}``… are the (broadcast) operands in their
+    register types (bool operands/results are WGSL ``bool``).  ``helpers`` are names of WGSL helper
+    functions from ``codegen/wgsl_helpers.py`` that the expression calls."""
+
+    expr: str
+    helpers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """Reduce the ``axes`` attr (keepdims attr) with ``kind`` in "sum" | "max" | "min"."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """Batched matmul with broadcast batch dims (attrs ``transpose_a``/``transpose_b``)."""
+
+
+@dataclass(frozen=True)
+class View:
+    """Pure re-indexing (reshape, permute, broadcast_to, slice…): folded into consumers' indexing
+    where possible, else a copy kernel.  ``kind`` names the index map."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class Composite:
+    """Expanded into simpler ops by a pass before codegen: ``expand(graph, node) -> outputs``."""
+
+    expand: Callable
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A dedicated kernel archetype (gather, scatter_add, softmax, cross_entropy…) with params."""
+
+    archetype: str
+    params: tuple = ()

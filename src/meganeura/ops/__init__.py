@@ -1,0 +1,19 @@
+"""The op registry's families.  Importing this package registers every op; the functions below
+are the public builders (``mn.ops.relu(x)`` and ``x.relu()`` are the same)."""
+
+from . import elementwise, matmul, nn, reduce, shape  # noqa: F401  (registration)
+from .elementwise import (  # noqa: F401
+    abs, add, cast, cos, div, equal, erf, exp, floor, gelu, greater, greater_equal, less,
+    less_equal, log, logical_and, logical_not, logical_or, maximum, minimum, mul, neg,
+    not_equal, ones_like, pow, reciprocal, relu, rsqrt, sigmoid, sign, silu, sin, sqrt, square,
+    stop_gradient, sub, tanh, where, zeros_like,
+)
+from .matmul import matmul  # noqa: F401
+from .nn import (  # noqa: F401
+    bce_with_logits, cross_entropy, l1_loss, log_softmax, mse_loss, softmax,
+)
+from .reduce import logsumexp, max, mean, min, sum, sum_to  # noqa: F401
+from .shape import (  # noqa: F401
+    broadcast_to, concat, getitem, matrix_transpose, permute, reshape, slice_, split, squeeze,
+    transpose, unsqueeze,
+)

@@ -1,0 +1,89 @@
+"""Small helpers shared by the op families: registration, broadcasting, axes, scalar coercion."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..dtypes import DType
+from ..errors import AxisError, DTypeError, GraphBuildError, ShapeError
+from ..graph import OpDef, TensorType, Value, register_builder, register_op
+
+__all__ = [
+    "defop", "broadcast_shapes", "normalize_axes", "normalize_axis", "coerce_pair",
+    "require_float", "same_dtype", "TensorType", "Value", "register_builder",
+]
+
+
+def defop(name, infer, reference, vjp=None, lowering=None) -> OpDef:
+    return register_op(OpDef(name, infer, reference, vjp, lowering))
+
+
+def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """numpy broadcasting; raises ShapeError naming the incompatible dimension."""
+    nd = max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(nd):
+        dims = {s[len(s) - nd + i] for s in shapes if len(s) - nd + i >= 0}
+        dims.discard(1)
+        if len(dims) > 1:
+            shown = " and ".join(str(tuple(s)) for s in shapes)
+            raise ShapeError(f"shapes {shown} cannot be broadcast (axis {i - nd}: {sorted(dims)})")
+        out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
+def normalize_axis(axis: int, ndim: int) -> int:
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise AxisError(f"axis must be an int, got {axis!r}")
+    if not -ndim <= axis < max(ndim, 1) or (ndim == 0 and axis not in (0, -1)):
+        raise AxisError(f"axis {axis} is out of range for a rank-{ndim} tensor")
+    return axis % ndim if ndim else 0
+
+
+def normalize_axes(axis, ndim: int) -> tuple[int, ...]:
+    """None -> all axes; int or sequence -> sorted non-negative tuple; repeats are errors."""
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    out = tuple(normalize_axis(a, ndim) for a in axes)
+    if len(set(out)) != len(out):
+        raise AxisError(f"repeated axis in {axis!r}")
+    return tuple(sorted(out))
+
+
+def coerce_pair(a, b, op: str) -> tuple[Value, Value]:
+    """Turn a Python scalar operand into a rank-0 constant of the other operand's dtype."""
+    if isinstance(a, Value) and isinstance(b, Value):
+        return a, b
+    if isinstance(a, Value):
+        return a, _scalar_like(b, a, op)
+    if isinstance(b, Value):
+        return _scalar_like(a, b, op), b
+    raise GraphBuildError(f"{op}: at least one operand must be a graph Value, got {a!r}, {b!r}")
+
+
+def _scalar_like(x, like: Value, op: str) -> Value:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        try:
+            x = float(x)  # numpy scalars
+        except (TypeError, ValueError):
+            raise GraphBuildError(
+                f"{op}: cannot combine a graph Value with {type(x).__name__}"
+            ) from None
+    if not like.dtype.is_float and isinstance(x, float) and not float(x).is_integer():
+        raise DTypeError(f"{op}: float scalar {x} meets integer tensor {like.type}; cast first")
+    return like.graph.scalar(x, like.dtype)
+
+
+def require_float(t: TensorType, what: str = "operand") -> None:
+    if not t.dtype.is_float:
+        raise DTypeError(f"{what} must be floating point, got {t.dtype.name}")
+
+
+def same_dtype(types: Sequence[TensorType]) -> DType:
+    dts = {t.dtype for t in types}
+    if len(dts) != 1:
+        raise DTypeError(
+            f"operand dtypes differ ({', '.join(t.dtype.name for t in types)}); use .cast()"
+        )
+    return types[0].dtype

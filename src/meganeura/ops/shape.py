@@ -1,0 +1,373 @@
+"""Shape ops: reshape, permute/transpose, broadcast_to, squeeze/unsqueeze, slice (and its VJP
+``pad_slice``), ``x[...]`` indexing, concat, split.  All are pure index maps (``View``): codegen
+folds them into consumers where it can."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import AxisError, GraphBuildError, ShapeError
+from ..graph import Value, as_shape
+from ..lowering import View
+from ._common import (
+    TensorType,
+    broadcast_shapes,
+    defop,
+    normalize_axes,
+    normalize_axis,
+    register_builder,
+    same_dtype,
+)
+
+# ------------------------------------------------------------------ reshape
+
+
+def _reshape_infer(types, attrs):
+    (t,) = types
+    shape = attrs["shape"]
+    if int(np.prod(shape, dtype=np.int64)) != t.size:
+        raise ShapeError(f"cannot reshape {t.shape} ({t.size} elements) to {shape}")
+    return [TensorType(shape, t.dtype)]
+
+
+defop("reshape", _reshape_infer, lambda xs, a: [xs[0].reshape(a["shape"])],
+      lambda n, c: [reshape(c[0], n.inputs[0].shape)], View("reshape"))
+
+
+@register_builder("reshape")
+def reshape(x: Value, *shape) -> Value:
+    """Reshape (one ``-1`` allowed).  ``x.reshape(2, 3)`` or ``x.reshape((2, 3))``."""
+    if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+        shape = tuple(shape[0])
+    shape = tuple(int(s) for s in shape)
+    if shape.count(-1) > 1:
+        raise ShapeError(f"reshape: only one -1 allowed, got {shape} (operand {x.type})")
+    if -1 in shape:
+        known = int(np.prod([s for s in shape if s != -1], dtype=np.int64))
+        if known == 0 or x.size % known:
+            raise ShapeError(f"reshape: cannot infer -1 in {shape} for operand {x.type}")
+        shape = tuple(x.size // known if s == -1 else s for s in shape)
+    shape = as_shape(shape, "reshape")
+    if shape == x.shape:
+        return x
+    return x.graph.apply("reshape", x, shape=shape)
+
+
+# ------------------------------------------------------------------ permute
+
+
+def _permute_infer(types, attrs):
+    (t,) = types
+    perm = attrs["perm"]
+    if sorted(perm) != list(range(t.ndim)):
+        raise AxisError(f"perm {perm} is not a permutation of {t.ndim} axes")
+    return [TensorType(tuple(t.shape[p] for p in perm), t.dtype)]
+
+
+def _permute_vjp(n, c):
+    inv = tuple(int(i) for i in np.argsort(n.attrs["perm"]))
+    return [permute(c[0], inv)]
+
+
+defop("permute", _permute_infer, lambda xs, a: [np.ascontiguousarray(np.transpose(xs[0], a["perm"]))],
+      _permute_vjp, View("permute"))
+
+
+@register_builder("permute")
+def permute(x: Value, *perm) -> Value:
+    """Reorder axes: output axis i is input axis perm[i]."""
+    if len(perm) == 1 and not isinstance(perm[0], (int, np.integer)):
+        perm = tuple(perm[0])
+    try:
+        perm = tuple(normalize_axis(int(p), x.ndim) for p in perm)
+    except AxisError as e:
+        raise AxisError(f"permute: {e} (operand {x.type})") from None
+    if perm == tuple(range(x.ndim)):
+        return x
+    return x.graph.apply("permute", x, perm=perm)
+
+
+@register_builder("transpose")
+def transpose(x: Value, *axes) -> Value:
+    """No axes: reverse all axes (numpy ``.T``).  Two axes: swap them.  Else a permutation."""
+    if not axes:
+        return permute(x, tuple(reversed(range(x.ndim))))
+    if len(axes) == 2 and all(isinstance(a, (int, np.integer)) for a in axes):
+        try:
+            a, b = (normalize_axis(int(v), x.ndim) for v in axes)
+        except AxisError as e:
+            raise AxisError(f"transpose: {e} (operand {x.type})") from None
+        perm = list(range(x.ndim))
+        perm[a], perm[b] = perm[b], perm[a]
+        return permute(x, perm)
+    return permute(x, *axes)
+
+
+@register_builder("matrix_transpose")
+def matrix_transpose(x: Value) -> Value:
+    if x.ndim < 2:
+        return x
+    return transpose(x, -2, -1)
+
+
+# ------------------------------------------------------------------ broadcast_to
+
+
+def _broadcast_infer(types, attrs):
+    (t,) = types
+    shape = attrs["shape"]
+    if len(shape) < t.ndim or broadcast_shapes(t.shape, shape) != shape:
+        raise ShapeError(f"cannot broadcast {t.shape} to {shape}")
+    return [TensorType(shape, t.dtype)]
+
+
+def _broadcast_vjp(n, c):
+    from .reduce import sum_to
+
+    return [sum_to(c[0], n.inputs[0].shape)]
+
+
+defop("broadcast_to", _broadcast_infer,
+      lambda xs, a: [np.ascontiguousarray(np.broadcast_to(xs[0], a["shape"]))],
+      _broadcast_vjp, View("broadcast"))
+
+
+@register_builder("broadcast_to")
+def broadcast_to(x: Value, shape: Sequence[int]) -> Value:
+    shape = as_shape(shape, "broadcast_to")
+    if shape == x.shape:
+        return x
+    return x.graph.apply("broadcast_to", x, shape=shape)
+
+
+# ------------------------------------------------------------------ squeeze / unsqueeze
+
+
+@register_builder("squeeze")
+def squeeze(x: Value, axis=None) -> Value:
+    """Drop size-1 axes (all of them, or the given ones, which must have size 1)."""
+    if axis is None:
+        axes = tuple(i for i, d in enumerate(x.shape) if d == 1)
+    else:
+        try:
+            axes = normalize_axes(axis, x.ndim)
+        except AxisError as e:
+            raise AxisError(f"squeeze: {e} (operand {x.type})") from None
+        bad = [a for a in axes if x.shape[a] != 1]
+        if bad:
+            raise ShapeError(f"squeeze: axis {bad[0]} has size {x.shape[bad[0]]}, not 1 ({x.type})")
+    return reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in axes))
+
+
+@register_builder("unsqueeze")
+def unsqueeze(x: Value, axis: int) -> Value:
+    """Insert a size-1 axis at ``axis`` (in the output's numbering)."""
+    try:
+        ax = normalize_axis(axis, x.ndim + 1)
+    except AxisError as e:
+        raise AxisError(f"unsqueeze: {e} (operand {x.type})") from None
+    shape = list(x.shape)
+    shape.insert(ax, 1)
+    return reshape(x, tuple(shape))
+
+
+# ------------------------------------------------------------------ slice and its adjoint
+
+
+def _slice_infer(types, attrs):
+    (t,) = types
+    starts, stops, steps = attrs["starts"], attrs["stops"], attrs["steps"]
+    if not (len(starts) == len(stops) == len(steps) == t.ndim):
+        raise ShapeError(f"slice needs one (start, stop, step) per axis of {t.shape}")
+    out = []
+    for d, s, e, st in zip(t.shape, starts, stops, steps):
+        if st <= 0 or not (0 <= s <= d) or not (s <= e <= d):
+            raise ShapeError(f"bad slice {s}:{e}:{st} for an axis of size {d}")
+        out.append(max(0, -(-(e - s) // st)))
+    return [TensorType(tuple(out), t.dtype)]
+
+
+def _slice_ref(xs, a):
+    idx = tuple(slice(s, e, st) for s, e, st in zip(a["starts"], a["stops"], a["steps"]))
+    return [np.ascontiguousarray(xs[0][idx])]
+
+
+def _slice_vjp(n, c):
+    return [c[0].graph.apply("pad_slice", c[0], in_shape=n.inputs[0].shape, **n.attrs)]
+
+
+defop("slice", _slice_infer, _slice_ref, _slice_vjp, View("slice"))
+
+
+def _pad_infer(types, attrs):
+    (t,) = types
+    (expect,) = _slice_infer([TensorType(attrs["in_shape"], t.dtype)],
+                             {k: attrs[k] for k in ("starts", "stops", "steps")})
+    if expect.shape != t.shape:
+        raise ShapeError(f"pad_slice operand {t.shape} does not match slice shape {expect.shape}")
+    return [TensorType(attrs["in_shape"], t.dtype)]
+
+
+def _pad_ref(xs, a):
+    out = np.zeros(a["in_shape"], dtype=xs[0].dtype)
+    idx = tuple(slice(s, e, st) for s, e, st in zip(a["starts"], a["stops"], a["steps"]))
+    out[idx] = xs[0]
+    return [out]
+
+
+def _pad_vjp(n, c):
+    a = n.attrs
+    return [c[0].graph.apply("slice", c[0], starts=a["starts"], stops=a["stops"], steps=a["steps"])]
+
+
+defop("pad_slice", _pad_infer, _pad_ref, _pad_vjp, View("pad_slice"))
+
+
+@register_builder("slice")
+def slice_(x: Value, axis: int, start: int | None = None, stop: int | None = None,
+           step: int = 1) -> Value:
+    """``x`` restricted to ``start:stop:step`` along ``axis`` (Python slice semantics, step > 0)."""
+    ax = normalize_axis(axis, x.ndim)
+    if step is None:
+        step = 1
+    if step <= 0:
+        raise ShapeError(f"slice: step must be positive, got {step} (operand {x.type})")
+    s, e, st = slice(start, stop, step).indices(x.shape[ax])
+    e = max(e, s)
+    starts = [0] * x.ndim
+    stops = list(x.shape)
+    steps = [1] * x.ndim
+    starts[ax], stops[ax], steps[ax] = s, e, st
+    if (s, e, st) == (0, x.shape[ax], 1):
+        return x
+    return x.graph.apply("slice", x, starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
+
+
+@register_builder("getitem")
+def getitem(x: Value, idx) -> Value:
+    """Basic indexing: ints, slices (step > 0), ``None`` and ``...``.  Arrays: use ``gather``."""
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    if sum(i is Ellipsis for i in idx) > 1:
+        raise GraphBuildError(f"index {idx!r}: only one ellipsis allowed")
+    n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    if n_real > x.ndim:
+        raise ShapeError(f"too many indices ({n_real}) for {x.type}")
+    if Ellipsis in idx:
+        k = idx.index(Ellipsis)
+        idx = idx[:k] + (slice(None),) * (x.ndim - n_real) + idx[k + 1:]
+    idx = idx + (slice(None),) * (x.ndim - sum(1 for i in idx if i is not None))
+    out, axis, final_shape = x, 0, []
+    for i in idx:
+        if i is None:
+            final_shape.append(1)
+            continue
+        if isinstance(i, slice):
+            out = slice_(out, axis, i.start, i.stop, i.step)
+            final_shape.append(out.shape[axis])
+        elif isinstance(i, (int, np.integer)):
+            d = x.shape[axis]
+            if not -d <= i < d:
+                raise ShapeError(f"index {i} is out of range for axis {axis} of size {d} ({x.type})")
+            i = int(i) % d
+            out = slice_(out, axis, i, i + 1)
+        else:
+            raise GraphBuildError(
+                f"unsupported index {i!r} for {x.type}; use gather/embedding for tensor indices"
+            )
+        axis += 1
+    return reshape(out, tuple(final_shape))
+
+
+# ------------------------------------------------------------------ concat / split
+
+
+def _concat_infer(types, attrs):
+    if not types:
+        raise ShapeError("concat needs at least one operand")
+    dt = same_dtype(types)
+    ax = attrs["axis"]
+    base = types[0].shape
+    for t in types[1:]:
+        if t.ndim != len(base) or any(
+            d != b for i, (d, b) in enumerate(zip(t.shape, base)) if i != ax
+        ):
+            raise ShapeError(f"concat along axis {ax}: shapes {[t.shape for t in types]} differ "
+                             "off the concat axis")
+    shape = list(base)
+    shape[ax] = sum(t.shape[ax] for t in types)
+    return [TensorType(tuple(shape), dt)]
+
+
+def _concat_vjp(n, c):
+    ax = n.attrs["axis"]
+    sizes = [v.shape[ax] for v in n.inputs]
+    parts = split(c[0], sizes, ax) if len(sizes) > 1 else (c[0],)
+    return [p if v.dtype.is_float else None for p, v in zip(parts, n.inputs)]
+
+
+defop("concat", _concat_infer, lambda xs, a: [np.concatenate(xs, axis=a["axis"])], _concat_vjp,
+      View("concat"))
+
+
+@register_builder("concat")
+def concat(values: Sequence[Value], axis: int = 0) -> Value:
+    values = list(values)
+    if not values:
+        raise ShapeError("concat: needs at least one operand")
+    try:
+        ax = normalize_axis(axis, values[0].ndim)
+    except AxisError as e:
+        raise AxisError(f"concat: {e} (operand {values[0].type})") from None
+    if len(values) == 1:
+        return values[0]
+    return values[0].graph.apply("concat", *values, axis=ax)
+
+
+def _split_infer(types, attrs):
+    (t,) = types
+    ax, sizes = attrs["axis"], attrs["sizes"]
+    if sum(sizes) != t.shape[ax] or any(s < 0 for s in sizes):
+        raise ShapeError(f"split sizes {sizes} do not add up to axis {ax} of {t.shape}")
+    outs = []
+    for s in sizes:
+        shape = list(t.shape)
+        shape[ax] = s
+        outs.append(TensorType(tuple(shape), t.dtype))
+    return outs
+
+
+def _split_ref(xs, a):
+    cuts = np.cumsum(a["sizes"])[:-1]
+    return [np.ascontiguousarray(p) for p in np.split(xs[0], cuts, axis=a["axis"])]
+
+
+def _split_vjp(n, c):
+    from .elementwise import zeros_like
+
+    parts = [ct if ct is not None else zeros_like(o) for ct, o in zip(c, n.outputs)]
+    return [concat(parts, n.attrs["axis"])]
+
+
+defop("split", _split_infer, _split_ref, _split_vjp, View("split"))
+
+
+@register_builder("split")
+def split(x: Value, sizes_or_sections, axis: int = 0) -> tuple[Value, ...]:
+    """Split along ``axis`` into the given sizes, or into N equal sections when given an int."""
+    try:
+        ax = normalize_axis(axis, x.ndim)
+    except AxisError as e:
+        raise AxisError(f"split: {e} (operand {x.type})") from None
+    d = x.shape[ax]
+    if isinstance(sizes_or_sections, (int, np.integer)):
+        n = int(sizes_or_sections)
+        if n <= 0 or d % n:
+            raise ShapeError(f"split: axis {ax} of size {d} cannot be split into {n} equal parts")
+        sizes = (d // n,) * n
+    else:
+        sizes = tuple(int(s) for s in sizes_or_sections)
+    out = x.graph.apply("split", x, axis=ax, sizes=sizes)
+    return out if isinstance(out, tuple) else (out,)
