@@ -389,8 +389,13 @@ def _full_lower(attrs, in_types, out_types):
     return Pointwise(f"{dt.wgsl}({int(v)})")
 
 
-defop("full", _full_infer,
-      lambda xs, a: [np.full(a["shape"], a["value"], dtype=a["dtype"].np)], None, _full_lower)
+def _full_ref(xs, a):
+    # Floats in float64: the interpreter rounds to the graph dtype only when asked to (float32 mode).
+    dt = a["dtype"]
+    return [np.full(a["shape"], a["value"], dtype=np.float64 if dt.is_float else dt.np)]
+
+
+defop("full", _full_infer, _full_ref, None, _full_lower)
 
 
 def zeros_like(x: Value) -> Value:

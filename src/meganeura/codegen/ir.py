@@ -1,0 +1,124 @@
+"""The kernel-level IR between the plan and WGSL: what one dispatch computes, with no graph left.
+
+The planner turns (fused) graph nodes into these descriptions; ``codegen.emit`` turns each into a
+``KernelSpec`` (WGSL source, binding list, workgroup count).  Buffers are bound as exact tensor
+ranges (256-byte aligned by the planner), so a shader indexes every tensor from 0; views
+(permute, broadcast, slice, reshape) are folded in as strides and a constant element offset.
+
+Binding order of every kernel: its inputs in declaration order, then its outputs,
+as ``@group(0) @binding(i)``, all ``var<storage, read_write>`` (so binding usages never conflict).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..dtypes import DType
+
+
+@dataclass(frozen=True)
+class Strided:
+    """How a kernel reads a bound tensor: logical ``shape`` with element ``strides`` (0 where
+    broadcast) and an element ``offset``.  A contiguous row-major tensor has the usual strides."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int = 0
+    # Number of elements of the bound buffer range (for bounds/size checks).
+    extent: int = 0
+
+    @staticmethod
+    def contiguous(dtype: DType, shape: tuple[int, ...]) -> Strided:
+        strides, acc = [], 1
+        for d in reversed(shape):
+            strides.append(acc)
+            acc *= d
+        return Strided(dtype, tuple(shape), tuple(reversed(strides)), 0, acc)
+
+
+@dataclass(frozen=True)
+class Instr:
+    """One pointwise step: ``expr`` (a ``lowering.Pointwise`` expression) applied to ``args``.
+    An arg ``("in", i)`` reads input ``i`` at the current element (through its Strided map,
+    broadcast to the iteration shape); ``("t", j)`` is the result of instruction ``j``."""
+
+    expr: str
+    args: tuple[tuple[str, int], ...]
+    dtype: DType
+    helpers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PointwiseKernel:
+    """Fused elementwise DAG over iteration ``shape``: writes instruction ``outputs[k]``
+    (contiguous, row-major, ``shape``) to output binding k."""
+
+    shape: tuple[int, ...]
+    inputs: tuple[Strided, ...]
+    instrs: tuple[Instr, ...]
+    outputs: tuple[int, ...]
+    name: str = "pointwise"
+
+
+@dataclass(frozen=True)
+class ReduceKernel:
+    """Reduce ``axes`` of the iteration shape ``shape`` with ``kind`` (sum|max|min).
+
+    ``prologue`` computes the value to reduce at each element of ``shape`` (instrs over
+    ``("in", i)``/``("t", j)``; the value reduced is its last instruction).  ``epilogue`` maps the
+    reduced value ``("acc", 0)``, epilogue-local results ``("t", j)`` and ``extra`` inputs
+    ``("x", i)`` (Strided over the *output* shape) to the stored result (its last instruction;
+    empty epilogue = store the reduced value).  Output: contiguous, shape = ``shape`` without
+    ``axes`` (keepdims changes only the logical shape, not the data)."""
+
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    kind: str
+    inputs: tuple[Strided, ...]
+    prologue: tuple[Instr, ...]
+    epilogue: tuple[Instr, ...] = ()
+    extra: tuple[Strided, ...] = ()
+    out_dtype: DType | None = None
+    name: str = "reduce"
+
+
+@dataclass(frozen=True)
+class MatmulKernel:
+    """C[b, m, n] = sum_k A[b, m, k] * B[b, k, n] (+ epilogue).  ``a`` and ``b`` are Strided
+    views of rank 3 (batch, rows, cols) *after* transposes, so transposed operands are read in
+    place via strides; batch broadcast = stride 0.  ``epilogue`` instrs see ``("acc", 0)`` as the
+    dot product, ``("t", j)`` earlier epilogue results and ``("x", i)`` the ``extra`` inputs
+    (Strided over (batch, M, N): bias, residual); the stored value is the last epilogue instr
+    (none: the dot product).  Output contiguous (batch, M, N).  Bindings: a, b, extra…, out."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    a: Strided
+    b: Strided
+    extra: tuple[Strided, ...] = ()
+    epilogue: tuple[Instr, ...] = ()
+    out_dtype: DType | None = None
+    name: str = "matmul"
+
+
+@dataclass(frozen=True)
+class OneHotKernel:
+    labels: Strided
+    num_classes: int
+    out_dtype: DType
+    name: str = "one_hot"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What the runtime needs to create a pipeline and dispatch it."""
+
+    name: str
+    wgsl: str
+    n_bindings: int
+    workgroups: tuple[int, int, int]
+    entry: str = "main"
+    meta: dict = field(default_factory=dict, compare=False)
