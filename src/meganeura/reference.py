@@ -53,3 +53,56 @@ def _as(arr: np.ndarray, v: Value, dtype) -> np.ndarray:
     if arr.shape != v.shape:
         raise FeedError(f"internal: value {v!r} evaluated to shape {arr.shape}")
     return arr if arr.dtype == want else arr.astype(want)
+
+
+def _session_base():
+    from .session import Session
+
+    return Session
+
+
+class ReferenceSession(_session_base()):
+    """The Session API on the numpy interpreter: the oracle for GPU tests and a CPU fallback.
+
+    ``dtype=np.float64`` runs everything in double precision (persistent tensors are kept in
+    float64 and rounded to their graph dtype only when read out)."""
+
+    def __init__(self, program, dtype=np.float32, check_finite: bool = True):
+        super().__init__(program, check_finite)
+        self.dtype = np.dtype(dtype)
+        self.env: dict[str, np.ndarray] = {}
+        self.init_params(0)
+
+    def _roots(self, inference: bool):
+        p = self.program
+        names = list(p.outputs)
+        values = [p.outputs[n] for n in names]
+        if not inference and p.loss is not None:
+            names.append("__loss__")
+            values.append(p.loss)
+        return names, values
+
+    def _step(self, feeds):
+        p = self.program
+        names, values = self._roots(False)
+        upd = list(p.graph.updates.items())
+        res = evaluate(p.graph, values + [v for _, v in upd], {**self.env, **feeds}, self.dtype)
+        out = dict(zip(names, res[: len(names)]))
+        for (name, _), val in zip(upd, res[len(names):]):
+            self.env[name] = val
+        return lambda: out
+
+    def _run(self, feeds):
+        names, values = self._roots(True)
+        return dict(zip(names, evaluate(self.program.graph, values, {**self.env, **feeds},
+                                        self.dtype)))
+
+    def _read(self, names):
+        pers = self.program.persistent
+        return {n: self.env[n].astype(pers[n].dtype.np) for n in names}
+
+    def _write(self, values):
+        pers = self.program.persistent
+        for n, v in values.items():
+            want = self.dtype if pers[n].dtype.is_float else pers[n].dtype.np
+            self.env[n] = np.array(v, dtype=want)

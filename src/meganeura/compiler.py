@@ -1,0 +1,37 @@
+"""``compile``: graph → Program → Session on the chosen backend."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from .errors import GraphBuildError
+from .graph import Graph, Value
+from .program import build_program
+
+PRECISIONS = ("strict", "fast")
+
+
+def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value] | None = None,
+            optimizer=None, precision: str = "strict", backend: str | None = None,
+            check_finite: bool = True, **options):
+    """Compile ``graph`` into a Session.
+
+    loss/optimizer: training (``step``); outputs: named values returned by ``run``/``step``.
+    backend: "wgpu" (default), "dawn", "auto" or "reference" (numpy interpreter; option
+    ``dtype=np.float64`` for double precision).  Options for the GPU backend: ``fuse``,
+    ``plan_memory`` (both default True), ``device``.
+    """
+    if precision not in PRECISIONS:
+        raise GraphBuildError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    program = build_program(graph, loss, outputs, optimizer)
+    if backend == "reference":
+        from .reference import ReferenceSession
+
+        return ReferenceSession(program, dtype=options.pop("dtype", np.float32),
+                                check_finite=check_finite)
+    from .runtime.session import GPUSession
+
+    return GPUSession(program, precision=precision, backend=backend, check_finite=check_finite,
+                      **options)
