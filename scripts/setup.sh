@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up meganeura on a fresh Debian/Ubuntu machine: a Vulkan driver if none is present (Mesa's
+# lavapipe CPU driver, installed through apt when running as root), and a virtualenv in .venv
+# with the package (and, with --test, the test dependencies).  Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+want_test=0
+[ "${1:-}" = "--test" ] && want_test=1
+
+have_vulkan() {
+  ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json >/dev/null 2>&1 || [ -n "${VK_DRIVER_FILES:-}${VK_ICD_FILENAMES:-}" ]
+}
+if ! have_vulkan || ! ldconfig -p 2>/dev/null | grep -q libvulkan.so.1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] no Vulkan driver found: installing Mesa lavapipe (CPU Vulkan) via apt"
+    apt-get update -qq >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      mesa-vulkan-drivers libvulkan1 >/dev/null
+  else
+    echo "[setup] no Vulkan driver found. Install one, e.g.:" >&2
+    echo "        sudo apt-get install -y mesa-vulkan-drivers libvulkan1" >&2
+  fi
+fi
+
+py=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$py" -m venv .venv
+fi
+pipq() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+if [ $want_test = 1 ]; then pipq -e ".[test]"; else pipq -e .; fi
+.venv/bin/python -c "import meganeura" || { echo "[setup] install failed" >&2; exit 1; }
+mkdir -p "${XDG_RUNTIME_DIR:-/tmp/meganeura-xdg}" 2>/dev/null || true

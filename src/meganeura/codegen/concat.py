@@ -1,0 +1,119 @@
+"""Index-remapping copy kernels that strides cannot express: concat and pad_slice (the adjoint
+of slice: the slice region filled from the input, zeros elsewhere)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dtypes import DType, f16
+from .ir import KernelSpec, Strided
+
+WG = 256
+
+
+@dataclass(frozen=True)
+class ConcatKernel:
+    shape: tuple[int, ...]
+    axis: int
+    inputs: tuple[Strided, ...]
+    dtype: DType
+    name: str = "concat"
+
+
+@dataclass(frozen=True)
+class PadSliceKernel:
+    shape: tuple[int, ...]
+    starts: tuple[int, ...]
+    steps: tuple[int, ...]
+    input: Strided
+    dtype: DType
+    name: str = "pad_slice"
+
+
+def _storage(dt: DType) -> str:
+    return "u32" if dt.name == "bool" else dt.wgsl
+
+
+def _header(dt: DType, n_in: int) -> str:
+    lines = ["enable f16;"] if dt is f16 else []
+    for i in range(n_in + 1):
+        lines.append(f"@group(0) @binding({i}) var<storage, read_write> b{i}: "
+                     f"array<{_storage(dt)}>;")
+    return "\n".join(lines)
+
+
+def _grid(total: int) -> tuple[tuple[int, int, int], int]:
+    groups = max(1, -(-total // WG))
+    gx = min(groups, 65535)
+    gy = -(-groups // gx)
+    return (gx, gy, 1), gx
+
+
+def _coords(shape) -> list[str]:
+    """WGSL lines computing c0..c{n-1} from the linear index i (row-major)."""
+    lines, rem = [], "i"
+    for d in range(len(shape) - 1, -1, -1):
+        lines.append(f"  let c{d} = ({rem}) % {shape[d]}u;")
+        rem = f"({rem}) / {shape[d]}u"
+    return lines
+
+
+def _addr(s: Strided, coord: list[str]) -> str:
+    terms = [f"{s.offset}"] + [f"i32({c}) * {st}" for c, st in zip(coord, s.strides) if st]
+    return "u32(" + " + ".join(terms) + ")"
+
+
+def _main(total: int, gx: int, body: list[str]) -> str:
+    return "\n".join([
+        f"@compute @workgroup_size({WG})",
+        "fn main(@builtin(workgroup_id) wid: vec3<u32>, "
+        "@builtin(local_invocation_index) lid: u32) {",
+        f"  let i = (wid.y * {gx}u + wid.x) * {WG}u + lid;",
+        f"  if (i >= {total}u) {{ return; }}",
+        *body,
+        "}",
+    ])
+
+
+def emit_concat(k: ConcatKernel, limits=None) -> KernelSpec:
+    total = max(1, _size(k.shape))
+    grid, gx = _grid(total)
+    n = len(k.inputs)
+    body = _coords(k.shape)
+    start = 0
+    for j, s in enumerate(k.inputs):
+        d = s.shape[k.axis]
+        coord = [f"c{a}" if a != k.axis else f"(c{a} - {start}u)" for a in range(len(k.shape))]
+        cond = f"c{k.axis} < {start + d}u"
+        kw = "if" if j == 0 else "else if"
+        if j == n - 1:
+            body.append(f"  else {{ b{n}[i] = b{j}[{_addr(s, coord)}]; }}" if n > 1 else
+                        f"  b{n}[i] = b{j}[{_addr(s, coord)}];")
+        else:
+            body.append(f"  {kw} ({cond}) {{ b{n}[i] = b{j}[{_addr(s, coord)}]; }}")
+        start += d
+    src = _header(k.dtype, n) + "\n" + _main(total, gx, body)
+    return KernelSpec(k.name, src, n + 1, grid)
+
+
+def emit_pad_slice(k: PadSliceKernel, limits=None) -> KernelSpec:
+    total = max(1, _size(k.shape))
+    grid, gx = _grid(total)
+    body = _coords(k.shape)
+    conds, coord = [], []
+    for a, (st, step, n) in enumerate(zip(k.starts, k.steps, k.input.shape)):
+        conds.append(f"c{a} >= {st}u && (c{a} - {st}u) % {step}u == 0u && "
+                     f"(c{a} - {st}u) / {step}u < {n}u")
+        coord.append(f"((c{a} - {st}u) / {step}u)")
+    zero = "0u" if k.dtype.name == "bool" else f"{k.dtype.wgsl}(0)"
+    cond = " && ".join(f"({c})" for c in conds) or "true"
+    body.append(f"  if ({cond}) {{ b1[i] = b0[{_addr(k.input, coord)}]; }} else {{ b1[i] = {zero}; }}")
+    src = _header(k.dtype, 1) + "\n" + _main(total, gx, body)
+    return KernelSpec(k.name, src, 2, grid)
+
+
+def _size(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,43 @@
+"""Dead-code elimination and common-subexpression elimination."""
+
+from __future__ import annotations
+
+from ..graph import DType
+from ..program import Program
+from .rebuild import rebuild
+
+
+def _key(a):
+    if isinstance(a, dict):
+        return tuple(sorted((k, _key(v)) for k, v in a.items()))
+    if isinstance(a, (list, tuple)):
+        return tuple(_key(x) for x in a)
+    if isinstance(a, DType):
+        return ("dtype", a.name)
+    return a
+
+
+def eliminate_dead_code(program: Program) -> Program:
+    roots = program.roots(inference=False)
+    live = program.graph.ancestors(roots)
+    # leaves stay (inputs/params/states are part of the interface even if unused)
+    keep = live | {n.id for n in program.graph.nodes if n.opdef.leaf}
+    return rebuild(program, lambda g, n, ins: None, keep)
+
+
+def eliminate_common_subexpressions(program: Program) -> Program:
+    seen: dict = {}
+
+    def rewrite(g, node, ins):
+        key = (node.op, tuple(v.id for v in ins), _key(node.attrs))
+        if key in seen:
+            return seen[key]
+        outs = g._add_node(node.op, ins, node.attrs, [o.type for o in node.outputs], loc=node.loc)
+        seen[key] = outs
+        return outs
+
+    return rebuild(program, rewrite)
+
+
+def simplify(program: Program) -> Program:
+    return eliminate_dead_code(eliminate_common_subexpressions(program))

@@ -1,0 +1,451 @@
+"""The plan: kernel list, buffer liveness and aliasing — everything the runtime needs, nothing
+it has to decide.
+
+Input: a Program whose graph holds only primitive ops (after ``passes``).  Output: a ``Plan``
+with
+  * kernels in execution order, each a codegen IR description plus the tensor ranges it binds,
+  * copies (parameter/state updates, contiguous views of results) done at the end of a step,
+  * a temp arena whose offsets come from liveness (values whose lifetimes do not overlap share
+    memory), and pinned tensors (inputs, parameters, states, constants, fetched results).
+
+Fusion happens here, by grouping (``passes/fuse.py`` decides which values are materialized):
+pointwise producers are inlined into their consumer kernel (pointwise, reduce prologue, matmul
+epilogue); views (reshape, permute, broadcast, slice, split) become strides of their reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .codegen import ir
+from .dtypes import DType
+from .graph import Graph, Node, TensorType, Value
+from .lowering import Kernel, Matmul, Pointwise, Reduce, View
+from .passes.fuse import materialized_values
+from .program import Program
+
+ALIGN = 256  # bytes; >= minStorageBufferOffsetAlignment on every adapter we know
+
+
+@dataclass(frozen=True)
+class Loc:
+    """A tensor's home: pool ("temp" arena, or "param"/"state"/"input"/"const"/"out" by name)."""
+
+    pool: str
+    name: str  # buffer name (pinned) or "" for the arena
+    offset: int  # bytes
+    nbytes: int
+
+
+@dataclass
+class PlannedKernel:
+    desc: object  # a codegen.ir kernel description
+    binds: list[Loc]  # inputs then outputs, in the kernel's binding order
+    label: str = ""
+
+
+@dataclass
+class PlannedCopy:
+    src: Loc
+    dst: Loc
+
+
+@dataclass
+class Plan:
+    kernels: list = field(default_factory=list)  # PlannedKernel | PlannedCopy, in order
+    arena_bytes: int = 0
+    pinned: dict[str, tuple[str, TensorType]] = field(default_factory=dict)  # name -> (kind, t)
+    fetch: dict[str, tuple[Loc, TensorType]] = field(default_factory=dict)
+    naive_bytes: int = 0
+    dispatches_unfused: int = 0
+
+    @property
+    def dispatch_count(self) -> int:
+        return sum(isinstance(k, PlannedKernel) for k in self.kernels)
+
+
+def _nbytes(t: TensorType) -> int:
+    return max(t.size, 1) * t.dtype.gpu_itemsize
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    return ir.Strided.contiguous(DType("x", "float32", True, False, 4, "f32"), shape).strides
+
+
+class _Views:
+    """Resolve a value to (materialized base value, Strided view over the value's own shape)."""
+
+    def __init__(self, materialized: set[int]):
+        self.materialized = materialized
+        self.cache: dict[int, tuple[Value, ir.Strided] | None] = {}
+
+    def resolve(self, v: Value) -> tuple[Value, ir.Strided] | None:
+        """None when the value is a view that strides cannot express (needs a copy)."""
+        if v.id in self.cache:
+            return self.cache[v.id]
+        res = self._resolve(v)
+        self.cache[v.id] = res
+        return res
+
+    def _resolve(self, v: Value):
+        n = v.node
+        if v.id in self.materialized or not isinstance(n.opdef.lowering, View):
+            return v, ir.Strided.contiguous(v.dtype, v.shape)
+        kind = n.opdef.lowering.kind
+        if kind not in ("reshape", "permute", "broadcast", "slice", "split"):
+            return v, ir.Strided.contiguous(v.dtype, v.shape)  # concat, pad_slice: kernels
+        inner = self.resolve(n.inputs[0])
+        if inner is None:
+            return None
+        base, s = inner
+        if kind == "reshape":
+            if s.strides != _contiguous(s.shape) and s.shape != ():
+                return None if not _all_unit(s) else (base, _restride(s, v.shape))
+            return base, ir.Strided(v.dtype, v.shape, _contiguous(v.shape), s.offset, s.extent)
+        if kind == "permute":
+            perm = n.attrs["perm"]
+            return base, ir.Strided(v.dtype, v.shape, tuple(s.strides[p] for p in perm),
+                                    s.offset, s.extent)
+        if kind == "broadcast":
+            lead = len(v.shape) - len(s.shape)
+            strides = (0,) * lead + tuple(
+                0 if (d == 1 and v.shape[lead + i] != 1) else st
+                for i, (d, st) in enumerate(zip(s.shape, s.strides)))
+            return base, ir.Strided(v.dtype, v.shape, strides, s.offset, s.extent)
+        if kind == "slice":
+            off = s.offset + sum(st * a for st, a in zip(s.strides, n.attrs["starts"]))
+            strides = tuple(st * k for st, k in zip(s.strides, n.attrs["steps"]))
+            return base, ir.Strided(v.dtype, v.shape, strides, off, s.extent)
+        # split output v.index: a slice along the split axis
+        ax = n.attrs["axis"]
+        start = sum(n.attrs["sizes"][: v.index])
+        return base, ir.Strided(v.dtype, v.shape, s.strides, s.offset + start * s.strides[ax],
+                                s.extent)
+
+
+def _all_unit(s: ir.Strided) -> bool:
+    return all(d == 1 for d in s.shape)
+
+
+def _restride(s: ir.Strided, shape) -> ir.Strided:
+    return ir.Strided(s.dtype, tuple(shape), _contiguous(shape), s.offset, s.extent)
+
+
+def broadcast_to(s: ir.Strided, shape) -> ir.Strided:
+    lead = len(shape) - len(s.shape)
+    strides = (0,) * lead + tuple(
+        0 if (d == 1 and shape[lead + i] != 1) else st
+        for i, (d, st) in enumerate(zip(s.shape, s.strides)))
+    return ir.Strided(s.dtype, tuple(shape), strides, s.offset, s.extent)
+
+
+def _pointwise_expr(node: Node):
+    low = node.opdef.lowering
+    if callable(low) and not isinstance(low, Pointwise):
+        low = low(node.attrs, [v.type for v in node.inputs], [o.type for o in node.outputs])
+    return low
+
+
+def is_pointwise(node: Node) -> bool:
+    return isinstance(_pointwise_expr(node), Pointwise) if not node.opdef.leaf else False
+
+
+class _KernelBuilder:
+    """Collects the inputs (dedup by base and view) and instructions of one fused kernel."""
+
+    def __init__(self, planner: _Planner, shape):
+        self.p = planner
+        self.shape = tuple(shape)
+        self.inputs: list[ir.Strided] = []
+        self.bases: list[Value] = []
+        self.instrs: list[ir.Instr] = []
+        self.memo: dict[int, tuple[str, int]] = {}
+
+    def read(self, v: Value, shape=None) -> tuple[str, int]:
+        base, s = self.p.views.resolve(v)
+        s = broadcast_to(s, shape or self.shape)
+        for i, (b, t) in enumerate(zip(self.bases, self.inputs)):
+            if b is base and t == s:
+                return ("in", i)
+        self.bases.append(base)
+        self.inputs.append(s)
+        return ("in", len(self.inputs) - 1)
+
+    def value(self, v: Value) -> tuple[str, int]:
+        """Operand for ``v``: inline its pointwise producer unless ``v`` is materialized."""
+        if v.id in self.memo:
+            return self.memo[v.id]
+        n = v.node
+        if (v.id not in self.p.materialized and is_pointwise(n)
+                and _broadcastable(v.shape, self.shape)):
+            args = tuple(self.value(a) for a in n.inputs)
+            low = _pointwise_expr(n)
+            self.instrs.append(ir.Instr(low.expr, args, v.dtype, low.helpers))
+            ref = ("t", len(self.instrs) - 1)
+        else:
+            ref = self.read(v)
+        self.memo[v.id] = ref
+        return ref
+
+
+def _broadcastable(src, dst) -> bool:
+    if len(src) > len(dst):
+        return False
+    return all(a in (1, b) for a, b in zip(src[::-1], dst[::-1]))
+
+
+class _Planner:
+    def __init__(self, program: Program, roots: list[Value], fuse: bool):
+        self.program = program
+        self.graph: Graph = program.graph
+        self.roots = roots
+        self.materialized = materialized_values(self.graph, roots, fuse)
+        self.views = _Views(self.materialized)
+        self.kernels: list = []
+        # value id -> Loc for materialized values once placed
+        self.loc: dict[int, Loc] = {}
+        self.temp_values: list[Value] = []
+
+    # -- kernels per node kind ------------------------------------------------------------
+    def kernel_for(self, v: Value) -> None:
+        n = v.node
+        low = _pointwise_expr(n)
+        if isinstance(low, Pointwise) or isinstance(low, View) and self.views.resolve(v) is None:
+            self.pointwise([v])
+        elif isinstance(low, Reduce):
+            self.reduce(v, low.kind)
+        elif isinstance(low, Matmul):
+            self.matmul(v)
+        elif isinstance(low, View):
+            self.view_kernel(v, low.kind)
+        elif isinstance(low, Kernel) and low.archetype == "one_hot":
+            base, s = self.views.resolve(n.inputs[0])
+            self.emit(ir.OneHotKernel(s, n.attrs["num_classes"], n.attrs["dtype"]),
+                      [base], [v], f"one_hot {v.shape}")
+        else:
+            raise NotImplementedError(f"no GPU lowering for op {n.op!r} ({low!r})")
+
+    def pointwise(self, outs: list[Value]) -> None:
+        kb = _KernelBuilder(self, outs[0].shape)
+        res = []
+        for v in outs:
+            if is_pointwise(v.node):
+                n = v.node
+                args = tuple(kb.value(a) for a in n.inputs)
+                low = _pointwise_expr(n)
+                kb.instrs.append(ir.Instr(low.expr, args, v.dtype, low.helpers))
+                res.append(len(kb.instrs) - 1)
+            else:  # materializing copy of a view
+                ref = kb.read(v)
+                kb.instrs.append(ir.Instr("{0}", (ref,), v.dtype))
+                res.append(len(kb.instrs) - 1)
+        ops = "+".join(sorted({i.expr.split("(")[0] or "copy" for i in kb.instrs}))[:40]
+        desc = ir.PointwiseKernel(kb.shape, tuple(kb.inputs), tuple(kb.instrs), tuple(res),
+                                  name=f"pw_{len(kb.instrs)}")
+        self.emit(desc, kb.bases, outs, f"pointwise[{len(kb.instrs)}] {kb.shape} {ops}")
+
+    def reduce(self, v: Value, kind: str) -> None:
+        n = v.node
+        x = n.inputs[0]
+        kb = _KernelBuilder(self, x.shape)
+        ref = kb.value(x)
+        if ref[0] == "in" or not kb.instrs:
+            kb.instrs.append(ir.Instr("{0}", (ref,), x.dtype))
+        desc = ir.ReduceKernel(x.shape, n.attrs["axes"], kind, tuple(kb.inputs), tuple(kb.instrs),
+                               out_dtype=v.dtype, name=f"reduce_{kind}")
+        self.emit(desc, kb.bases, [v], f"reduce_{kind} {x.shape}->{v.shape} "
+                  f"[{len(kb.instrs)} prologue]")
+
+    def matmul(self, v: Value) -> None:
+        n = v.node
+        a, b = n.inputs
+        ta, tb = n.attrs["transpose_a"], n.attrs["transpose_b"]
+        batch = v.shape[:-2]
+        M, N = v.shape[-2:]
+        K = a.shape[-1] if not ta else a.shape[-2]
+        ops = []
+        bases = []
+        for val, t in ((a, ta), (b, tb)):
+            base, s = self.views.resolve(val)
+            s = _as_batched(s, batch, t)
+            ops.append(s)
+            bases.append(base)
+        nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
+        desc = ir.MatmulKernel(nb, M, N, K, ops[0], ops[1], out_dtype=v.dtype)
+        self.emit(desc, bases, [v], f"matmul {nb}x{M}x{N}x{K}")
+
+    def view_kernel(self, v: Value, kind: str) -> None:
+        from .codegen.concat import ConcatKernel, PadSliceKernel
+
+        n = v.node
+        if kind == "concat":
+            srcs = [self.views.resolve(x) for x in n.inputs]
+            desc = ConcatKernel(v.shape, n.attrs["axis"], tuple(s for _, s in srcs), v.dtype)
+            self.emit(desc, [b for b, _ in srcs], [v], f"concat {v.shape}")
+        elif kind == "pad_slice":
+            base, s = self.views.resolve(n.inputs[0])
+            desc = PadSliceKernel(v.shape, n.attrs["starts"], n.attrs["steps"], s, v.dtype)
+            self.emit(desc, [base], [v], f"pad_slice {v.shape}")
+        else:
+            raise NotImplementedError(f"view kind {kind}")
+
+    def emit(self, desc, in_values: list[Value], out_values: list[Value], label: str) -> None:
+        self.kernels.append((desc, list(in_values), list(out_values), label))
+
+
+def _as_batched(s: ir.Strided, batch, transposed: bool) -> ir.Strided:
+    """Rank-3 (batch, rows, cols) view of a matmul operand, with the transpose applied."""
+    s = broadcast_to(s, tuple(batch) + s.shape[-2:]) if len(s.shape) < len(batch) + 2 else \
+        ir.Strided(s.dtype, s.shape, s.strides, s.offset, s.extent)
+    lead_shape, lead_strides = s.shape[:-2], s.strides[:-2]
+    # broadcast lead dims of the operand to the output batch
+    lb = len(batch) - len(lead_shape)
+    lead_shape = (1,) * lb + tuple(lead_shape)
+    lead_strides = (0,) * lb + tuple(lead_strides)
+    lead_strides = tuple(0 if d == 1 else st for d, st in zip(lead_shape, lead_strides))
+    bstride = _merge_batch(tuple(batch), lead_strides)
+    r, c = s.shape[-2:]
+    rs, cs = s.strides[-2:]
+    if transposed:
+        r, c, rs, cs = c, r, cs, rs
+    nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    return ir.Strided(s.dtype, (nb, r, c), (bstride, rs, cs), s.offset, s.extent)
+
+
+def _merge_batch(batch, strides) -> int:
+    """One stride for the flattened batch, when the batch dims are mergeable."""
+    dims = [(d, st) for d, st in zip(batch, strides) if d != 1]
+    if not dims:
+        return 0
+    if all(st == 0 for _, st in dims):
+        return 0
+    for (d1, s1), (d2, s2) in zip(dims, dims[1:]):
+        if s1 != d2 * s2:
+            raise NotImplementedError("matmul batch dims are not mergeable into one stride")
+    return dims[-1][1]
+
+
+def make_plan(program: Program, inference: bool, fuse: bool = True,
+              plan_memory: bool = True) -> Plan:
+    """Schedule, fuse and place every tensor of ``program`` (training step or inference run)."""
+    graph = program.graph
+    roots = program.roots(inference)
+    updates = {} if inference else dict(graph.updates)
+    fetch_values: dict[str, Value] = dict(program.outputs)
+    if not inference and program.loss is not None:
+        fetch_values["__loss__"] = program.loss
+
+    pl = _Planner(program, roots, fuse)
+    needed = graph.ancestors(roots)
+    # 1) kernels in graph order for every materialized non-leaf value
+    done: set[int] = set()
+    for node in graph.nodes:
+        if node.id not in needed or node.opdef.leaf:
+            continue
+        for v in node.outputs:
+            if v.id in pl.materialized and v.id not in done:
+                if node.op == "full" and v.id not in {r.id for r in roots}:
+                    continue
+                pl.kernel_for(v)
+                done.add(v.id)
+    # Roots that are non-contiguous views need a copy kernel.
+    for name, v in list(fetch_values.items()) + list(updates.items()):
+        res = pl.views.resolve(v)
+        if res is None or (res[1].strides != _contiguous(v.shape) and v.size > 1):
+            if v.id not in done:
+                pl.pointwise([v])
+                pl.materialized.add(v.id)
+                pl.views.cache[v.id] = (v, ir.Strided.contiguous(v.dtype, v.shape))
+                done.add(v.id)
+
+    plan = Plan()
+    plan.naive_bytes = sum(_nbytes(v.type) for n in graph.nodes if not n.opdef.leaf
+                           and n.id in needed for v in n.outputs)
+    # 2) pinned tensors
+    for name, lf in graph.leaves.items():
+        if lf.kind in ("param", "state", "input", "constant"):
+            plan.pinned[name] = (lf.kind, lf.value.type)
+
+    def leaf_loc(v: Value) -> Loc | None:
+        lf = graph.leaf_of(v)
+        if lf is None:
+            return None
+        return Loc(lf.kind, lf.name, 0, _nbytes(v.type))
+
+    # 3) liveness over kernel indices for temp values
+    kernels = pl.kernels
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    values: dict[int, Value] = {}
+    for i, (desc, ins, outs, label) in enumerate(kernels):
+        for v in outs:
+            first.setdefault(v.id, i)
+            last[v.id] = max(last.get(v.id, i), i)
+            values[v.id] = v
+        for v in ins:
+            last[v.id] = max(last.get(v.id, i), i)
+            values[v.id] = v
+    end = len(kernels)
+    fetch_bases = {}
+    for name, v in list(fetch_values.items()) + list(updates.items()):
+        base, s = pl.views.resolve(v)
+        fetch_bases[name] = (base, s)
+        if graph.leaf_of(base) is None:
+            last[base.id] = end  # alive until the step's end (updates copy, outputs read back)
+
+    # 4) placement: fetched results get pinned "out" buffers; the rest share the arena
+    out_values = {fetch_bases[n][0].id for n in fetch_values}
+    arena: list[tuple[int, int, int]] = []  # (offset, size, last use)
+    placed: dict[int, Loc] = {}
+    cursor = 0
+    order = sorted(first, key=lambda vid: first[vid])
+    for vid in order:
+        v = values[vid]
+        if graph.leaf_of(v) is not None:
+            continue
+        size = _align(_nbytes(v.type))
+        if vid in out_values:
+            placed[vid] = Loc("out", f"%{vid}", 0, _nbytes(v.type))
+            continue
+        if not plan_memory:
+            placed[vid] = Loc("temp", "", cursor, _nbytes(v.type))
+            cursor += size
+            continue
+        start = first[vid]
+        live = sorted((o, s) for o, s, lst in arena if lst >= start)
+        off = 0
+        for o, s in live:  # first fit among blocks still live
+            if off + size <= o:
+                break
+            off = max(off, o + s)
+        arena.append((off, size, last[vid]))
+        placed[vid] = Loc("temp", "", off, _nbytes(v.type))
+        cursor = max(cursor, off + size)
+    plan.arena_bytes = cursor
+
+    def loc_of(v: Value) -> Loc:
+        return leaf_loc(v) or placed[v.id]
+
+    for desc, ins, outs, label in kernels:
+        plan.kernels.append(PlannedKernel(desc, [loc_of(v) for v in ins + outs], label))
+    for name, v in fetch_values.items():
+        base, s = fetch_bases[name]
+        bl = loc_of(base)
+        plan.fetch[name] = (Loc(bl.pool, bl.name, bl.offset + s.offset * v.dtype.gpu_itemsize,
+                                _nbytes(v.type)), v.type)
+    for name, v in updates.items():
+        base, s = fetch_bases[name]
+        bl = loc_of(base)
+        src = Loc(bl.pool, bl.name, bl.offset + s.offset * v.dtype.gpu_itemsize, _nbytes(v.type))
+        dst = Loc(graph.leaves[name].kind, name, 0, _nbytes(v.type))
+        if src != dst:
+            plan.kernels.append(PlannedCopy(src, dst))
+    plan.dispatches_unfused = sum(1 for n in graph.nodes if n.id in needed and not n.opdef.leaf
+                                  and not isinstance(n.opdef.lowering, View) and n.op != "full")
+    return plan
