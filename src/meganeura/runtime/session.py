@@ -1,0 +1,244 @@
+"""The GPU session: buffers, pipelines and bind groups built once from the Plan; ``step`` encodes
+the fixed kernel list into one command buffer and submits once.
+
+The runtime sees only the Plan (and the Program's interface: feed types, persistent tensors);
+it never looks at ops, autodiff or passes beyond calling the pipeline once at construction."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from .. import codegen
+from ..codegen.concat import ConcatKernel, PadSliceKernel, emit_concat, emit_pad_slice
+from ..errors import GraphBuildError
+from ..passes import run_pipeline
+from ..plan import Loc, Plan, PlannedCopy, PlannedKernel, make_plan
+from ..program import Program
+from ..session import Session
+from .device import get_device
+
+_DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
+
+
+def _emit(desc, limits):
+    if isinstance(desc, ConcatKernel):
+        return emit_concat(desc, limits)
+    if isinstance(desc, PadSliceKernel):
+        return emit_pad_slice(desc, limits)
+    return codegen.emit(desc, limits)
+
+
+class _Executable:
+    """One plan made concrete: pipelines, bind groups, arena and result buffers."""
+
+    def __init__(self, sess: GPUSession, plan: Plan, tag: str):
+        import wgpu
+
+        self.plan = plan
+        dev = sess.dev
+        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self.arena = dev.device.create_buffer(size=max(plan.arena_bytes, 256), usage=usage,
+                                              label=f"{tag}-arena")
+        self.outs: dict[str, object] = {}
+        for k in plan.kernels:
+            locs = k.binds if isinstance(k, PlannedKernel) else [k.src, k.dst]
+            for loc in locs:
+                if loc.pool == "out" and loc.name not in self.outs:
+                    self.outs[loc.name] = dev.device.create_buffer(
+                        size=_round4(loc.nbytes), usage=usage, label=f"{tag}-{loc.name}")
+        for loc, _t in plan.fetch.values():
+            if loc.pool == "out" and loc.name not in self.outs:
+                self.outs[loc.name] = dev.device.create_buffer(
+                    size=_round4(loc.offset + loc.nbytes), usage=usage)
+        self.ops: list[tuple] = []
+        self.specs = []
+        for k in plan.kernels:
+            if isinstance(k, PlannedCopy):
+                self.ops.append(("copy", sess._buffer(self, k.src), k.src.offset,
+                                 sess._buffer(self, k.dst), k.dst.offset, _round4(k.src.nbytes)))
+                continue
+            spec = _emit(k.desc, dev.limits)
+            if "wgsl" in _DEBUG:
+                print(f"// ---- {k.label}\n{spec.wgsl}")
+            pipeline = dev.pipeline(spec)
+            layout = pipeline.get_bind_group_layout(0)
+            entries = [{"binding": i, "resource": {"buffer": sess._buffer(self, loc),
+                                                   "offset": loc.offset,
+                                                   "size": _round4(loc.nbytes)}}
+                       for i, loc in enumerate(k.binds)]
+            bg = dev.device.create_bind_group(layout=layout, entries=entries)
+            self.ops.append(("dispatch", pipeline, bg, spec.workgroups))
+            self.specs.append((spec, k.label))
+
+    def encode(self, dev, staging=None):
+        enc = dev.device.create_command_encoder()
+        cp = None
+        for op in self.ops:
+            if op[0] == "dispatch":
+                if cp is None:
+                    cp = enc.begin_compute_pass()
+                cp.set_pipeline(op[1])
+                cp.set_bind_group(0, op[2])
+                cp.dispatch_workgroups(*op[3])
+            else:
+                if cp is not None:
+                    cp.end()
+                    cp = None
+                enc.copy_buffer_to_buffer(op[1], op[2], op[3], op[4], op[5])
+        if cp is not None:
+            cp.end()
+        if staging is not None:
+            for src, off, dst, doff, n in staging:
+                enc.copy_buffer_to_buffer(src, off, dst, doff, n)
+        return enc.finish()
+
+
+def _round4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+class GPUSession(Session):
+    """Session on a WebGPU device (wgpu-native or Dawn)."""
+
+    def __init__(self, program: Program, precision: str = "strict", backend: str | None = None,
+                 check_finite: bool = True, fuse: bool = True, plan_memory: bool = True,
+                 device=None):
+        super().__init__(program, check_finite)
+        if precision != "strict":
+            raise GraphBuildError(f"precision={precision!r} is not available on the GPU backend "
+                                  "yet; use precision='strict'")
+        t0 = time.perf_counter()
+        self.dev = device or get_device(backend)
+        lowered = run_pipeline(program, debug="graph" in _DEBUG)
+        self.lowered = lowered
+        self.fuse, self.plan_memory = fuse, plan_memory
+        self.pinned: dict[str, object] = {}
+        self._make_pinned(lowered)
+        self.train = (_Executable(self, make_plan(lowered, False, fuse, plan_memory), "train")
+                      if program.training or program.loss is not None else None)
+        self.infer = (_Executable(self, make_plan(lowered, True, fuse, plan_memory), "infer")
+                      if program.outputs else None)
+        if "plan" in _DEBUG:
+            for ex in (self.train, self.infer):
+                if ex is not None:
+                    for k in ex.plan.kernels:
+                        print(getattr(k, "label", k))
+        self.compile_seconds = time.perf_counter() - t0
+        self.init_params(0)
+
+    # buffers -----------------------------------------------------------------------------
+    def _make_pinned(self, lowered: Program) -> None:
+        import wgpu
+
+        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        for name, lf in lowered.graph.leaves.items():
+            nbytes = _round4(max(lf.value.size, 1) * lf.value.dtype.gpu_itemsize)
+            buf = self.dev.device.create_buffer(size=max(nbytes, 4), usage=usage, label=name)
+            self.pinned[name] = buf
+            if lf.kind == "constant":
+                self.dev.queue.write_buffer(buf, 0, _to_gpu(lf.data, lf.value.dtype))
+
+    def _buffer(self, ex: _Executable, loc: Loc):
+        if loc.pool == "temp":
+            return ex.arena
+        if loc.pool == "out":
+            return ex.outs[loc.name]
+        return self.pinned[loc.name]
+
+    # Session primitives ----------------------------------------------------------------------
+    def _upload_feeds(self, feeds):
+        leaves = self.lowered.graph.leaves
+        for name, arr in feeds.items():
+            self.dev.queue.write_buffer(self.pinned[name], 0, _to_gpu(arr, leaves[name].value.dtype))
+
+    def _submit(self, ex: _Executable, feeds):
+        import wgpu
+
+        self._upload_feeds(feeds)
+        staging, layout, total = [], [], 0
+        for name, (loc, t) in ex.plan.fetch.items():
+            n = _round4(loc.nbytes)
+            layout.append((name, total, t))
+            staging.append((self._buffer(ex, loc), loc.offset, None, total, n))
+            total += n
+        dst = None
+        if total:
+            dst = self.dev.device.create_buffer(
+                size=total, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+            staging = [(s, o, dst, d, n) for s, o, _, d, n in staging]
+        self.dev.queue.submit([ex.encode(self.dev, staging if total else None)])
+
+        def fetch():
+            if dst is None:
+                return {}
+            dst.map_sync(wgpu.MapMode.READ)
+            raw = bytes(dst.read_mapped())
+            dst.unmap()
+            return {name: _from_gpu(raw[off: off + t.size * t.dtype.gpu_itemsize], t)
+                    for name, off, t in layout}
+
+        return fetch
+
+    def _step(self, feeds):
+        return self._submit(self.train, feeds)
+
+    def _run(self, feeds):
+        return self._submit(self.infer, feeds)()
+
+    def _read(self, names):
+        out = {}
+        leaves = self.lowered.graph.leaves
+        for n in names:
+            t = leaves[n].value.type
+            raw = self.dev.queue.read_buffer(self.pinned[n], 0,
+                                             _round4(max(t.size, 1) * t.dtype.gpu_itemsize))
+            out[n] = _from_gpu(bytes(raw)[: t.size * t.dtype.gpu_itemsize], t)
+        return out
+
+    def _write(self, values):
+        leaves = self.lowered.graph.leaves
+        for n, v in values.items():
+            self.dev.queue.write_buffer(self.pinned[n], 0, _to_gpu(v, leaves[n].value.dtype))
+
+    # reports -----------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        """Naive size (one buffer per value) vs the planned peak of intermediates, in bytes."""
+        rep = {}
+        for tag, ex in (("train", self.train), ("infer", self.infer)):
+            if ex is None:
+                continue
+            p = ex.plan
+            outs = sum(_round4(loc.nbytes) for loc, _ in p.fetch.values())
+            rep[tag] = {"naive_bytes": p.naive_bytes, "planned_peak_bytes": p.arena_bytes + outs,
+                        "arena_bytes": p.arena_bytes, "result_bytes": outs,
+                        "ratio": (p.arena_bytes + outs) / max(p.naive_bytes, 1),
+                        "dispatches": p.dispatch_count, "dispatches_unfused": p.dispatches_unfused}
+        leaves = self.lowered.graph.leaves
+        rep["persistent_bytes"] = sum(lf.value.size * lf.value.dtype.gpu_itemsize
+                                      for lf in leaves.values() if lf.kind in ("param", "state"))
+        rep["input_bytes"] = sum(lf.value.size * lf.value.dtype.gpu_itemsize
+                                 for lf in leaves.values() if lf.kind == "input")
+        return rep
+
+    def kernel_labels(self, inference: bool = False) -> list[str]:
+        ex = self.infer if inference else self.train
+        return [label for _, label in ex.specs] if ex else []
+
+
+def _to_gpu(arr, dtype) -> np.ndarray:
+    a = np.ascontiguousarray(arr, dtype=dtype.np)
+    if dtype.name == "bool":
+        a = a.astype(np.uint32)
+    b = a.reshape(-1).view(np.uint8)
+    if b.size % 4:
+        b = np.concatenate([b, np.zeros(4 - b.size % 4, np.uint8)])
+    return b
+
+
+def _from_gpu(raw: bytes, t) -> np.ndarray:
+    if t.dtype.name == "bool":
+        return np.frombuffer(raw, dtype=np.uint32, count=t.size).astype(bool).reshape(t.shape)
+    return np.frombuffer(raw, dtype=t.dtype.np, count=t.size).reshape(t.shape).copy()
