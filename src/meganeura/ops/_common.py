@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..dtypes import DType
 from ..errors import AxisError, DTypeError, GraphBuildError, ShapeError

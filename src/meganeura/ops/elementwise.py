@@ -8,7 +8,7 @@ import math
 import numpy as np
 from scipy import special as _special
 
-from ..dtypes import DType, as_dtype, bool_
+from ..dtypes import DType, as_dtype, bool_, u32
 from ..errors import DTypeError
 from ..graph import Value, as_shape
 from ..lowering import Pointwise
@@ -42,7 +42,7 @@ def _unary_infer(kind: str):
         (t,) = types
         if kind == "float":
             require_float(t)
-        elif kind == "signed" and t.dtype in (bool_,) or (kind == "signed" and t.dtype.name == "u32"):
+        elif kind == "signed" and t.dtype in (bool_, u32):
             raise DTypeError(f"operand must be a signed number, got {t.dtype.name}")
         return [t]
 
@@ -91,7 +91,8 @@ sigmoid = _unary(
     lambda n, c: [c[0] * n.out * (1.0 - n.out)], "mn_sigmoid({0})", ["mn_sigmoid"],
 )
 tanh = _unary(
-    "tanh", "float", np.tanh, lambda n, c: [c[0] * (1.0 - n.out * n.out)], "mn_tanh({0})", ["mn_tanh"]
+    "tanh", "float", np.tanh, lambda n, c: [c[0] * (1.0 - n.out * n.out)], "mn_tanh({0})",
+    ["mn_tanh"],
 )
 sin = _unary("sin", "float", np.sin, lambda n, c: [c[0] * cos(n.inputs[0])], "sin({0})")
 cos = _unary("cos", "float", np.cos, lambda n, c: [-c[0] * sin(n.inputs[0])], "cos({0})")
@@ -226,15 +227,18 @@ div = _binary(
 
 
 def _pow_grad_base(n, c):
+    # PyTorch's convention: d/da is 0 where the exponent is 0 (also at a == 0, where the
+    # unmasked formula would give 0 * inf).
     a, b = n.inputs
-    return c * b * pow(a, b - 1.0)
+    return where(b.eq(0.0), 0.0, c * b * pow(a, b - 1.0))
 
 
 def _pow_grad_exp(n, c):
-    # PyTorch's convention: d/db is 0 where the base is 0 (and the exponent ≥ 0).
-    a = n.inputs[0]
-    safe = where(a.eq(0.0), 1.0, a)
-    return where(a.eq(0.0), 0.0, c * n.out * log(safe))
+    # PyTorch's convention: d/db is 0 where the base is 0 and the exponent is >= 0.
+    a, b = n.inputs
+    zero_base = logical_and(a.eq(0.0), b >= 0.0)
+    safe = where(zero_base, 1.0, a)  # keeps log (and its own VJP) finite where masked
+    return where(zero_base, 0.0, c * n.out * log(safe))
 
 
 pow = _binary(
@@ -354,7 +358,16 @@ def _cast_lower(attrs, in_types, out_types):
     return Pointwise(f"{reg}({{0}})")
 
 
-defop("cast", _cast_infer, lambda xs, a: [xs[0].astype(a["dtype"].np)], _cast_vjp, _cast_lower)
+def _cast_ref(xs, a):
+    x, dt = xs[0], a["dtype"]
+    if dt.is_float and np.issubdtype(x.dtype, np.floating):
+        # float -> float: the interpreter rounds to the graph dtype itself (float32 mode) and
+        # keeps double precision in float64 mode, like every other float op.
+        return [x]
+    return [x.astype(dt.np)]
+
+
+defop("cast", _cast_infer, _cast_ref, _cast_vjp, _cast_lower)
 
 
 @register_builder("cast")
@@ -390,7 +403,8 @@ def _full_lower(attrs, in_types, out_types):
 
 
 def _full_ref(xs, a):
-    # Floats in float64: the interpreter rounds to the graph dtype only when asked to (float32 mode).
+    # Floats in float64: the interpreter rounds to the graph dtype only when asked to
+    # (float32 mode).
     dt = a["dtype"]
     return [np.full(a["shape"], a["value"], dtype=np.float64 if dt.is_float else dt.np)]
 

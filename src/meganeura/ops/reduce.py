@@ -92,7 +92,8 @@ def _logsumexp_ref(x, axis, keepdims):
 def _logsumexp_vjp(n, c):
     x = n.inputs[0]
     axes, kd = n.attrs["axes"], n.attrs["keepdims"]
-    return [expand_back(c[0], x.shape, axes, kd) * _ew.exp(x - expand_back(n.out, x.shape, axes, kd))]
+    lse = expand_back(n.out, x.shape, axes, kd)
+    return [expand_back(c[0], x.shape, axes, kd) * _ew.exp(x - lse)]
 
 
 def _expand_logsumexp(graph, node):

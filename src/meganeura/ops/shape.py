@@ -4,7 +4,7 @@ folds them into consumers where it can."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -71,8 +71,9 @@ def _permute_vjp(n, c):
     return [permute(c[0], inv)]
 
 
-defop("permute", _permute_infer, lambda xs, a: [np.ascontiguousarray(np.transpose(xs[0], a["perm"]))],
-      _permute_vjp, View("permute"))
+defop("permute", _permute_infer,
+      lambda xs, a: [np.ascontiguousarray(np.transpose(xs[0], a["perm"]))], _permute_vjp,
+      View("permute"))
 
 
 @register_builder("permute")
@@ -182,15 +183,21 @@ def _slice_infer(types, attrs):
     if not (len(starts) == len(stops) == len(steps) == t.ndim):
         raise ShapeError(f"slice needs one (start, stop, step) per axis of {t.shape}")
     out = []
-    for d, s, e, st in zip(t.shape, starts, stops, steps):
+    for d, s, e, st in zip(t.shape, starts, stops, steps, strict=True):
         if st <= 0 or not (0 <= s <= d) or not (s <= e <= d):
             raise ShapeError(f"bad slice {s}:{e}:{st} for an axis of size {d}")
         out.append(max(0, -(-(e - s) // st)))
     return [TensorType(tuple(out), t.dtype)]
 
 
+def _slices(a) -> tuple[slice, ...]:
+    return tuple(
+        slice(s, e, st) for s, e, st in zip(a["starts"], a["stops"], a["steps"], strict=True)
+    )
+
+
 def _slice_ref(xs, a):
-    idx = tuple(slice(s, e, st) for s, e, st in zip(a["starts"], a["stops"], a["steps"]))
+    idx = _slices(a)
     return [np.ascontiguousarray(xs[0][idx])]
 
 
@@ -212,7 +219,7 @@ def _pad_infer(types, attrs):
 
 def _pad_ref(xs, a):
     out = np.zeros(a["in_shape"], dtype=xs[0].dtype)
-    idx = tuple(slice(s, e, st) for s, e, st in zip(a["starts"], a["stops"], a["steps"]))
+    idx = _slices(a)
     out[idx] = xs[0]
     return [out]
 
@@ -270,7 +277,9 @@ def getitem(x: Value, idx) -> Value:
         elif isinstance(i, (int, np.integer)):
             d = x.shape[axis]
             if not -d <= i < d:
-                raise ShapeError(f"index {i} is out of range for axis {axis} of size {d} ({x.type})")
+                raise ShapeError(
+                    f"index {i} is out of range for axis {axis} of size {d} ({x.type})"
+                )
             i = int(i) % d
             out = slice_(out, axis, i, i + 1)
         else:
@@ -292,7 +301,7 @@ def _concat_infer(types, attrs):
     base = types[0].shape
     for t in types[1:]:
         if t.ndim != len(base) or any(
-            d != b for i, (d, b) in enumerate(zip(t.shape, base)) if i != ax
+            d != b for i, (d, b) in enumerate(zip(t.shape, base, strict=True)) if i != ax
         ):
             raise ShapeError(f"concat along axis {ax}: shapes {[t.shape for t in types]} differ "
                              "off the concat axis")
@@ -305,7 +314,7 @@ def _concat_vjp(n, c):
     ax = n.attrs["axis"]
     sizes = [v.shape[ax] for v in n.inputs]
     parts = split(c[0], sizes, ax) if len(sizes) > 1 else (c[0],)
-    return [p if v.dtype.is_float else None for p, v in zip(parts, n.inputs)]
+    return [p if v.dtype.is_float else None for p, v in zip(parts, n.inputs, strict=True)]
 
 
 defop("concat", _concat_infer, lambda xs, a: [np.concatenate(xs, axis=a["axis"])], _concat_vjp,
@@ -347,7 +356,7 @@ def _split_ref(xs, a):
 def _split_vjp(n, c):
     from .elementwise import zeros_like
 
-    parts = [ct if ct is not None else zeros_like(o) for ct, o in zip(c, n.outputs)]
+    parts = [ct if ct is not None else zeros_like(o) for ct, o in zip(c, n.outputs, strict=True)]
     return [concat(parts, n.attrs["axis"])]
 
 
