@@ -1,6 +1,6 @@
 """meganeura: compile a typed static neural-network graph into one GPU program (WebGPU)."""
 
-from . import init, ops  # noqa: F401
+from . import init, nn, ops, optim  # noqa: F401
 from .autodiff import grad  # noqa: F401
 from .compiler import compile  # noqa: F401
 from .dtypes import bool_, f16, f32, i32, u32  # noqa: F401

@@ -64,7 +64,7 @@ class _Executable:
             if "wgsl" in _DEBUG:
                 print(f"// ---- {k.label}\n{spec.wgsl}")
             pipeline = dev.pipeline(spec)
-            layout = pipeline.get_bind_group_layout(0)
+            layout = dev.bind_group_layout(spec.n_bindings)[0]
             entries = [{"binding": i, "resource": {"buffer": sess._buffer(self, loc),
                                                    "offset": loc.offset,
                                                    "size": _round4(loc.nbytes)}}
