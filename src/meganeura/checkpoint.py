@@ -25,8 +25,12 @@ def save_checkpoint(path, tensors: Mapping[str, np.ndarray], fingerprint: str, s
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    meta = {"format": FORMAT, "fingerprint": fingerprint, "step": str(int(step))}
-    data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
+    # safetensors' numpy writer stores rank-0 arrays as shape [1]: remember which were scalars
+    scalars = sorted(k for k, v in tensors.items() if np.ndim(v) == 0)
+    meta = {"format": FORMAT, "fingerprint": fingerprint, "step": str(int(step)),
+            "scalars": ",".join(scalars)}
+    data = save({k: np.ascontiguousarray(v).reshape(np.shape(v) or (1,))
+                 for k, v in tensors.items()}, metadata=meta)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -66,6 +70,9 @@ def read_checkpoint(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path!r} is not a meganeura checkpoint (format "
                               f"{meta.get('format')!r})")
+    for k in filter(None, meta.get("scalars", "").split(",")):
+        if k in tensors and tensors[k].size == 1:
+            tensors[k] = tensors[k].reshape(())
     return tensors, meta
 
 
