@@ -132,7 +132,7 @@ def cmd_profile(args) -> int:
     if not hasattr(sess, "profile"):
         print("profiling needs a GPU backend", file=sys.stderr)
         return 1
-    table = sess.profile(steps=args.steps, x=xb, y=yb)
+    table = sess.profile(steps=args.steps, x=xb, y=yb.astype(np.int32))
     print(table)
     if args.trace:
         sess.export_trace(args.trace)

@@ -223,6 +223,21 @@ class GPUSession(Session):
                                  for lf in leaves.values() if lf.kind == "input")
         return rep
 
+    def profile(self, steps: int = 10, inference: bool = False, **feeds):
+        """Per-kernel GPU times (timestamp queries) over ``steps`` steps; returns a Profile
+        whose ``str`` is a table.  Profiling runs the kernels but applies no updates twice:
+        the parameters do change, as in ``steps`` real steps."""
+        from .profile import profile_session
+
+        self._last_profile = profile_session(self, steps, feeds, inference)
+        return self._last_profile
+
+    def export_trace(self, path: str) -> None:
+        """Chrome/Perfetto trace of the last ``profile`` call."""
+        if getattr(self, "_last_profile", None) is None:
+            raise RuntimeError("export_trace: call profile() first")
+        self._last_profile.export_trace(path)
+
     def kernel_labels(self, inference: bool = False) -> list[str]:
         ex = self.infer if inference else self.train
         return [label for _, label in ex.specs] if ex else []

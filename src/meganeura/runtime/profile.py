@@ -1,0 +1,131 @@
+"""Per-kernel GPU time from timestamp queries, host encode cost, and a Chrome/Perfetto trace.
+
+Profiling encodes each dispatch in its own compute pass with begin/end timestamp writes (the
+WebGPU core way; passes add a little overhead, so the sum can exceed the plain step time)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import DeviceError
+
+
+@dataclass
+class KernelTime:
+    label: str
+    calls: int = 0
+    total_ns: float = 0.0
+
+
+@dataclass
+class Profile:
+    device: str
+    steps: int
+    kernels: list[KernelTime]
+    step_wall_ms: float
+    encode_us_per_step: float
+    dispatches_per_step: int
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def gpu_ms_per_step(self) -> float:
+        return sum(k.total_ns for k in self.kernels) / 1e6 / max(self.steps, 1)
+
+    def rows(self, top: int | None = None) -> list[KernelTime]:
+        rows = sorted(self.kernels, key=lambda k: -k.total_ns)
+        return rows[:top] if top else rows
+
+    def __str__(self) -> str:
+        total = sum(k.total_ns for k in self.kernels) or 1.0
+        lines = [f"device: {self.device}",
+                 f"steps: {self.steps}; dispatches/step: {self.dispatches_per_step}; "
+                 f"GPU time/step: {self.gpu_ms_per_step:.3f} ms; wall/step: "
+                 f"{self.step_wall_ms:.3f} ms; host encode/step: {self.encode_us_per_step:.1f} µs "
+                 f"({self.encode_us_per_step / max(self.dispatches_per_step, 1):.2f} µs/dispatch)",
+                 f"{'kernel':<60} {'calls':>6} {'mean µs':>10} {'total %':>8}"]
+        for k in self.rows(25):
+            lines.append(f"{k.label[:60]:<60} {k.calls:>6} {k.total_ns / k.calls / 1e3:>10.1f} "
+                         f"{100 * k.total_ns / total:>7.1f}%")
+        return "\n".join(lines)
+
+    def export_trace(self, path: str) -> None:
+        """Chrome trace-event JSON (open in ui.perfetto.dev or chrome://tracing)."""
+        with open(path, "w") as f:
+            json.dump({"traceEvents": self.events, "displayTimeUnit": "ns"}, f)
+
+
+def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> Profile:
+    import wgpu
+
+    from ..session import check_feeds
+
+    dev = sess.dev
+    if not dev.has_timestamps:
+        raise DeviceError(f"adapter {dev.adapter_name!r} has no timestamp-query feature; "
+                          "per-kernel GPU times are unavailable")
+    ex = sess.infer if inference else sess.train
+    expected = sess.program.inference_feeds() if inference else sess.program.feeds
+    arrays = check_feeds(expected, feeds, sess.check_finite)
+    sess._upload_feeds(arrays)
+    dispatches = [op for op in ex.ops if op[0] == "dispatch"]
+    labels = [label for _, label in ex.specs]
+    n = len(dispatches)
+    qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=max(2 * n, 2))
+    resolve = dev.device.create_buffer(size=max(16 * n, 16), usage=wgpu.BufferUsage.QUERY_RESOLVE
+                                       | wgpu.BufferUsage.COPY_SRC)
+    times = {label: KernelTime(label) for label in labels}
+    events: list[dict] = []
+    t_cursor = 0.0
+    # warm-up (pipelines JIT-compiled on first use) and host encode cost of the real step
+    dev.queue.submit([ex.encode(dev)])
+    t0 = time.perf_counter()
+    cbs = [ex.encode(dev) for _ in range(steps)]
+    encode_us = (time.perf_counter() - t0) / steps * 1e6
+    t0 = time.perf_counter()
+    for cb in cbs:
+        dev.queue.submit([cb])
+    dev.read_buffer(resolve, 0, 16)  # waits for the queue
+    wall_ms = (time.perf_counter() - t0) / steps * 1e3
+    for _ in range(steps):
+        enc = dev.device.create_command_encoder()
+        i = 0
+        for op in ex.ops:
+            if op[0] == "dispatch":
+                cp = enc.begin_compute_pass(timestamp_writes={
+                    "query_set": qs, "beginning_of_pass_write_index": 2 * i,
+                    "end_of_pass_write_index": 2 * i + 1})
+                cp.set_pipeline(op[1])
+                cp.set_bind_group(0, op[2])
+                cp.dispatch_workgroups(*op[3])
+                cp.end()
+                i += 1
+            else:
+                enc.copy_buffer_to_buffer(*op[1:])
+        enc.resolve_query_set(qs, 0, 2 * n, resolve, 0)
+        dev.queue.submit([enc.finish()])
+        ts = np.frombuffer(dev.read_buffer(resolve, 0, 16 * n), dtype=np.uint64).astype(np.float64)
+        period = _timestamp_period(dev)
+        for j, label in enumerate(labels):
+            dur = max(ts[2 * j + 1] - ts[2 * j], 0.0) * period
+            times[label].calls += 1
+            times[label].total_ns += dur
+            events.append({"name": label, "ph": "X", "pid": 1, "tid": 1,
+                           "ts": t_cursor / 1e3, "dur": dur / 1e3})
+            t_cursor += dur
+    return Profile(dev.adapter_name, steps, list(times.values()), wall_ms, encode_us, n, events)
+
+
+def _timestamp_period(dev) -> float:
+    """Nanoseconds per timestamp tick (WebGPU reports ns; older natives expose a period)."""
+    q = dev.queue
+    fn = getattr(q, "get_timestamp_period", None)
+    if fn is not None:
+        try:
+            return float(fn())
+        except Exception:  # noqa: BLE001
+            return 1.0
+    return 1.0
