@@ -12,8 +12,9 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -272,13 +273,14 @@ class Graph:
     def _leaf(self, kind: str, name: str, shape, dtype, **extra) -> Value:
         if not isinstance(name, str) or not name:
             raise NameConflictError(f"{kind} name must be a non-empty string, got {name!r}")
+        shape = _as_shape(shape, f"{kind} {name!r}")
+        dt = as_dtype(dtype)
         if name in self.leaves:
             other = self.leaves[name]
             raise NameConflictError(
-                f"duplicate name {name!r}: already used by {other.kind} {other.value.type}"
+                f"{kind}: duplicate name {name!r} for {kind} {TensorType(shape, dt)}: already used "
+                f"by {other.kind} {other.value.type} (at {_user_location()})"
             )
-        shape = _as_shape(shape, f"{kind} {name!r}")
-        dt = as_dtype(dtype)
         v = self._add_node(kind, (), {"name": name}, [TensorType(shape, dt)])[0]
         self.leaves[name] = Leaf(kind, name, v, **extra)
         return v
@@ -357,9 +359,11 @@ class Graph:
     # building ----------------------------------------------------------------------------------
     def _check_owned(self, v: object, op: str) -> None:
         if not isinstance(v, Value):
-            raise GraphBuildError(f"{op}: expected a graph Value, got {type(v).__name__}")
+            raise GraphBuildError(f"{op}: expected a graph Value, got {type(v).__name__} "
+                                  f"(at {_user_location()})")
         if v.graph is not self:
-            raise GraphBuildError(f"{op}: operand {v!r} belongs to another graph")
+            raise GraphBuildError(f"{op}: operand {v!r} belongs to another graph (graph "
+                                  f"{v.graph.name!r}, not {self.name!r}; at {_user_location()})")
 
     def apply(self, op: str, *inputs: Value, **attrs) -> Any:
         """Add a node applying ``op``; returns its Value (or a tuple when it has several)."""
@@ -401,7 +405,7 @@ class Graph:
         return g
 
     def __getitem__(self, v: Value) -> Value:
-        """The value of this graph with the same id as ``v`` (from the graph this was copied from)."""
+        """The value of this graph with the same id as ``v`` (of the graph this was copied from)."""
         if v.graph is self:
             return v
         mine = self.values[v.id] if v.id < len(self.values) else None
@@ -432,7 +436,8 @@ class Graph:
     __repr__ = __str__
 
     def fingerprint(self) -> str:
-        """Hash of the structure (ops, attrs, types, leaf names): identifies a graph in checkpoints."""
+        """Hash of the structure (ops, attrs, types, leaf names): identifies a graph in
+        checkpoints."""
         h = hashlib.sha256()
         for n in self.nodes:
             h.update(repr((n.op, [v.id for v in n.inputs], sorted(

@@ -9,7 +9,7 @@ import numpy as np
 from scipy import special as _special
 
 from ..dtypes import DType, as_dtype, bool_, u32
-from ..errors import DTypeError
+from ..errors import DTypeError, GraphBuildError
 from ..graph import Value, as_shape
 from ..lowering import Pointwise
 from . import reduce as _reduce
@@ -148,7 +148,9 @@ def _gelu_lower(attrs, in_types, out_types):
 def _gelu_infer(types, attrs):
     require_float(types[0])
     if attrs.get("approximate") not in ("none", "tanh"):
-        raise DTypeError(f"approximate must be 'none' or 'tanh', got {attrs.get('approximate')!r}")
+        raise GraphBuildError(
+            f"approximate must be 'none' or 'tanh', got {attrs.get('approximate')!r}"
+        )
     return [types[0]]
 
 

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import DTypeError, ShapeError
+from ..errors import DTypeError, GraphBuildError, ShapeError
 from ..graph import Value
 from ..lowering import Matmul
 from . import reduce as _reduce
 from . import shape as _shape
-from ._common import TensorType, broadcast_shapes, defop, register_builder, same_dtype
+from ._common import (
+    TensorType,
+    broadcast_shapes,
+    build_error,
+    defop,
+    register_builder,
+    same_dtype,
+)
 
 
 def _mk(shape, t):
@@ -68,9 +75,9 @@ def matmul(a: Value, b: Value, transpose_a: bool = False, transpose_b: bool = Fa
     """``a @ b`` with numpy semantics (vectors lifted and dropped again); ``transpose_a/b``
     contract the operand's last two axes swapped without materializing the transpose."""
     if not isinstance(a, Value) or not isinstance(b, Value):
-        raise ShapeError("matmul: both operands must be graph Values")
+        raise build_error(GraphBuildError, "matmul", "both operands must be graph Values", a, b)
     if a.ndim == 0 or b.ndim == 0:
-        raise ShapeError(f"matmul: operands must not be scalars ({a.type} @ {b.type})")
+        raise build_error(ShapeError, "matmul", "operands must not be rank-0 (scalars)", a, b)
     va, vb = a.ndim == 1, b.ndim == 1
     a2 = _shape.reshape(a, (1, a.shape[0])) if va else a
     b2 = _shape.reshape(b, (b.shape[0], 1)) if vb else b

@@ -12,7 +12,14 @@ from ..lowering import Composite, Kernel
 from . import elementwise as E
 from . import reduce as R
 from . import shape as S
-from ._common import TensorType, defop, normalize_axis, register_builder, require_float
+from ._common import (
+    TensorType,
+    axis_for,
+    build_error,
+    defop,
+    register_builder,
+    require_float,
+)
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -28,12 +35,14 @@ def _axis_infer(types, attrs):
 
 
 def _softmax_np(x, axis):
+    axis = axis if x.ndim else None  # a rank-0 tensor: softmax is 1, log_softmax 0
     m = np.max(x, axis=axis, keepdims=True)
     e = np.exp(x - m)
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
 def _log_softmax_np(x, axis):
+    axis = axis if x.ndim else None
     m = np.max(x, axis=axis, keepdims=True)
     z = x - m
     return z - np.log(np.sum(np.exp(z), axis=axis, keepdims=True))
@@ -69,12 +78,12 @@ defop("log_softmax", _axis_infer, lambda xs, a: [_log_softmax_np(xs[0], a["axis"
 
 @register_builder("softmax")
 def softmax(x: Value, axis: int = -1) -> Value:
-    return x.graph.apply("softmax", x, axis=normalize_axis(axis, x.ndim))
+    return x.graph.apply("softmax", x, axis=axis_for("softmax", axis, x))
 
 
 @register_builder("log_softmax")
 def log_softmax(x: Value, axis: int = -1) -> Value:
-    return x.graph.apply("log_softmax", x, axis=normalize_axis(axis, x.ndim))
+    return x.graph.apply("log_softmax", x, axis=axis_for("log_softmax", axis, x))
 
 
 # ------------------------------------------------------------------ one_hot
@@ -206,32 +215,42 @@ def cross_entropy(logits: Value, labels: Value, reduction: str = "mean", ignore_
 
 def _check_pair(pred: Value, target: Value, name: str):
     if not isinstance(pred, Value) or not isinstance(target, Value):
-        raise GraphBuildError(f"{name}: prediction and target must be graph Values")
+        raise build_error(GraphBuildError, name, "prediction and target must be graph Values",
+                          pred, target)
+    if pred.graph is not target.graph:
+        raise build_error(GraphBuildError, name, "prediction and target belong to different "
+                          "graphs", pred, target)
     if pred.shape != target.shape:
-        raise ShapeError(f"{name}: prediction {pred.type} and target {target.type} differ in shape")
+        raise build_error(ShapeError, name, "prediction and target differ in shape", pred, target)
     if pred.dtype != target.dtype or not pred.dtype.is_float:
-        raise DTypeError(f"{name}: prediction {pred.type} and target {target.type} must share a "
-                         "floating dtype")
+        raise build_error(DTypeError, name, "prediction and target must share a floating dtype",
+                          pred, target)
 
 
-def _reduce_loss(per: Value, reduction: str, name: str) -> Value:
+def _check_reduction(reduction: str, name: str, *operands) -> None:
+    if reduction not in _REDUCTIONS:
+        raise build_error(GraphBuildError, name,
+                          f"reduction must be one of {_REDUCTIONS}, got {reduction!r}", *operands)
+
+
+def _reduce_loss(per: Value, reduction: str) -> Value:
     if reduction == "mean":
         return R.mean(per)
     if reduction == "sum":
         return R.sum(per)
-    if reduction == "none":
-        return per
-    raise GraphBuildError(f"{name}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    return per
 
 
 def mse_loss(pred: Value, target: Value, reduction: str = "mean") -> Value:
     _check_pair(pred, target, "mse_loss")
-    return _reduce_loss(E.square(pred - target), reduction, "mse_loss")
+    _check_reduction(reduction, "mse_loss", pred, target)
+    return _reduce_loss(E.square(pred - target), reduction)
 
 
 def l1_loss(pred: Value, target: Value, reduction: str = "mean") -> Value:
     _check_pair(pred, target, "l1_loss")
-    return _reduce_loss(E.abs(pred - target), reduction, "l1_loss")
+    _check_reduction(reduction, "l1_loss", pred, target)
+    return _reduce_loss(E.abs(pred - target), reduction)
 
 
 def _bce_infer(types, attrs):
@@ -263,8 +282,9 @@ defop("bce_with_logits", _bce_infer, _bce_ref, _bce_vjp, Composite(_expand_bce))
 def bce_with_logits(logits: Value, targets: Value, reduction: str = "mean") -> Value:
     """Binary cross-entropy on logits (numerically stable form); targets in [0, 1]."""
     _check_pair(logits, targets, "bce_with_logits")
+    _check_reduction(reduction, "bce_with_logits", logits, targets)
     per = logits.graph.apply("bce_with_logits", logits, targets)
-    return _reduce_loss(per, reduction, "bce_with_logits")
+    return _reduce_loss(per, reduction)
 
 
 del bool_

@@ -12,7 +12,7 @@ from ..graph import Value
 from ..lowering import Composite, Reduce
 from . import elementwise as _ew
 from . import shape as _shape
-from ._common import TensorType, defop, normalize_axes, register_builder, require_float
+from ._common import TensorType, axes_for, defop, register_builder, require_float
 
 
 def _reduced_shape(shape, axes, keepdims):
@@ -115,10 +115,7 @@ defop("logsumexp", _reduce_infer(True), _ref(_logsumexp_ref), _logsumexp_vjp,
 
 def _builder(name):
     def build(x: Value, axis=None, keepdims: bool = False) -> Value:
-        try:
-            axes = normalize_axes(axis, x.ndim)
-        except Exception as e:
-            raise type(e)(f"{name}: {e} (operand: {x.type})") from None
+        axes = axes_for(name, axis, x)
         return x.graph.apply(name, x, axes=axes, keepdims=bool(keepdims))
 
     build.__name__ = name

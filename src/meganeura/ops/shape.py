@@ -13,10 +13,11 @@ from ..graph import Value, as_shape
 from ..lowering import View
 from ._common import (
     TensorType,
+    axes_for,
+    axis_for,
     broadcast_shapes,
+    build_error,
     defop,
-    normalize_axes,
-    normalize_axis,
     register_builder,
     same_dtype,
 )
@@ -43,12 +44,14 @@ def reshape(x: Value, *shape) -> Value:
         shape = tuple(shape[0])
     shape = tuple(int(s) for s in shape)
     if shape.count(-1) > 1:
-        raise ShapeError(f"reshape: only one -1 allowed, got {shape} (operand {x.type})")
+        raise build_error(ShapeError, "reshape", f"only one -1 allowed, got {shape}", x)
     if -1 in shape:
         known = int(np.prod([s for s in shape if s != -1], dtype=np.int64))
         if known == 0 or x.size % known:
-            raise ShapeError(f"reshape: cannot infer -1 in {shape} for operand {x.type}")
+            raise build_error(ShapeError, "reshape", f"cannot infer -1 in {shape}", x)
         shape = tuple(x.size // known if s == -1 else s for s in shape)
+    if any(s < 0 for s in shape):
+        raise build_error(ShapeError, "reshape", f"invalid target shape {shape}", x)
     shape = as_shape(shape, "reshape")
     if shape == x.shape:
         return x
@@ -81,10 +84,7 @@ def permute(x: Value, *perm) -> Value:
     """Reorder axes: output axis i is input axis perm[i]."""
     if len(perm) == 1 and not isinstance(perm[0], (int, np.integer)):
         perm = tuple(perm[0])
-    try:
-        perm = tuple(normalize_axis(int(p), x.ndim) for p in perm)
-    except AxisError as e:
-        raise AxisError(f"permute: {e} (operand {x.type})") from None
+    perm = tuple(axis_for("permute", int(p), x) for p in perm)
     if perm == tuple(range(x.ndim)):
         return x
     return x.graph.apply("permute", x, perm=perm)
@@ -96,10 +96,9 @@ def transpose(x: Value, *axes) -> Value:
     if not axes:
         return permute(x, tuple(reversed(range(x.ndim))))
     if len(axes) == 2 and all(isinstance(a, (int, np.integer)) for a in axes):
-        try:
-            a, b = (normalize_axis(int(v), x.ndim) for v in axes)
-        except AxisError as e:
-            raise AxisError(f"transpose: {e} (operand {x.type})") from None
+        a, b = (axis_for("transpose", int(v), x) for v in axes)
+        if x.ndim == 0:
+            return x
         perm = list(range(x.ndim))
         perm[a], perm[b] = perm[b], perm[a]
         return permute(x, perm)
@@ -152,23 +151,18 @@ def squeeze(x: Value, axis=None) -> Value:
     if axis is None:
         axes = tuple(i for i, d in enumerate(x.shape) if d == 1)
     else:
-        try:
-            axes = normalize_axes(axis, x.ndim)
-        except AxisError as e:
-            raise AxisError(f"squeeze: {e} (operand {x.type})") from None
+        axes = axes_for("squeeze", axis, x)
         bad = [a for a in axes if x.shape[a] != 1]
         if bad:
-            raise ShapeError(f"squeeze: axis {bad[0]} has size {x.shape[bad[0]]}, not 1 ({x.type})")
+            raise build_error(ShapeError, "squeeze",
+                              f"axis {bad[0]} has size {x.shape[bad[0]]}, not 1", x)
     return reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in axes))
 
 
 @register_builder("unsqueeze")
 def unsqueeze(x: Value, axis: int) -> Value:
     """Insert a size-1 axis at ``axis`` (in the output's numbering)."""
-    try:
-        ax = normalize_axis(axis, x.ndim + 1)
-    except AxisError as e:
-        raise AxisError(f"unsqueeze: {e} (operand {x.type})") from None
+    ax = axis_for("unsqueeze", axis, x, ndim=x.ndim + 1)
     shape = list(x.shape)
     shape.insert(ax, 1)
     return reshape(x, tuple(shape))
@@ -236,11 +230,13 @@ defop("pad_slice", _pad_infer, _pad_ref, _pad_vjp, View("pad_slice"))
 def slice_(x: Value, axis: int, start: int | None = None, stop: int | None = None,
            step: int = 1) -> Value:
     """``x`` restricted to ``start:stop:step`` along ``axis`` (Python slice semantics, step > 0)."""
-    ax = normalize_axis(axis, x.ndim)
+    if x.ndim == 0:
+        raise build_error(ShapeError, "slice", "cannot slice a rank-0 tensor", x)
+    ax = axis_for("slice", axis, x)
     if step is None:
         step = 1
     if step <= 0:
-        raise ShapeError(f"slice: step must be positive, got {step} (operand {x.type})")
+        raise build_error(ShapeError, "slice", f"step must be positive, got {step}", x)
     s, e, st = slice(start, stop, step).indices(x.shape[ax])
     e = max(e, s)
     starts = [0] * x.ndim
@@ -258,10 +254,11 @@ def getitem(x: Value, idx) -> Value:
     if not isinstance(idx, tuple):
         idx = (idx,)
     if sum(i is Ellipsis for i in idx) > 1:
-        raise GraphBuildError(f"index {idx!r}: only one ellipsis allowed")
+        raise build_error(GraphBuildError, "getitem", f"index {idx!r}: only one ellipsis allowed",
+                          x)
     n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
     if n_real > x.ndim:
-        raise ShapeError(f"too many indices ({n_real}) for {x.type}")
+        raise build_error(ShapeError, "getitem", f"too many indices ({n_real}) in {idx!r}", x)
     if Ellipsis in idx:
         k = idx.index(Ellipsis)
         idx = idx[:k] + (slice(None),) * (x.ndim - n_real) + idx[k + 1:]
@@ -277,14 +274,14 @@ def getitem(x: Value, idx) -> Value:
         elif isinstance(i, (int, np.integer)):
             d = x.shape[axis]
             if not -d <= i < d:
-                raise ShapeError(
-                    f"index {i} is out of range for axis {axis} of size {d} ({x.type})"
-                )
+                raise build_error(ShapeError, "getitem",
+                                  f"index {i} is out of range for axis {axis} of size {d}", x)
             i = int(i) % d
             out = slice_(out, axis, i, i + 1)
         else:
-            raise GraphBuildError(
-                f"unsupported index {i!r} for {x.type}; use gather/embedding for tensor indices"
+            raise build_error(
+                GraphBuildError, "getitem",
+                f"unsupported index {i!r}; use gather/embedding for tensor indices", x,
             )
         axis += 1
     return reshape(out, tuple(final_shape))
@@ -325,11 +322,12 @@ defop("concat", _concat_infer, lambda xs, a: [np.concatenate(xs, axis=a["axis"])
 def concat(values: Sequence[Value], axis: int = 0) -> Value:
     values = list(values)
     if not values:
-        raise ShapeError("concat: needs at least one operand")
-    try:
-        ax = normalize_axis(axis, values[0].ndim)
-    except AxisError as e:
-        raise AxisError(f"concat: {e} (operand {values[0].type})") from None
+        raise build_error(ShapeError, "concat", "needs at least one operand")
+    if not isinstance(values[0], Value):
+        raise build_error(GraphBuildError, "concat", "operands must be graph Values", *values)
+    if values[0].ndim == 0:
+        raise build_error(ShapeError, "concat", "cannot concatenate rank-0 tensors", *values)
+    ax = axis_for("concat", axis, values[0])
     if len(values) == 1:
         return values[0]
     return values[0].graph.apply("concat", *values, axis=ax)
@@ -366,15 +364,15 @@ defop("split", _split_infer, _split_ref, _split_vjp, View("split"))
 @register_builder("split")
 def split(x: Value, sizes_or_sections, axis: int = 0) -> tuple[Value, ...]:
     """Split along ``axis`` into the given sizes, or into N equal sections when given an int."""
-    try:
-        ax = normalize_axis(axis, x.ndim)
-    except AxisError as e:
-        raise AxisError(f"split: {e} (operand {x.type})") from None
+    if x.ndim == 0:
+        raise build_error(ShapeError, "split", "cannot split a rank-0 tensor", x)
+    ax = axis_for("split", axis, x)
     d = x.shape[ax]
     if isinstance(sizes_or_sections, (int, np.integer)):
         n = int(sizes_or_sections)
         if n <= 0 or d % n:
-            raise ShapeError(f"split: axis {ax} of size {d} cannot be split into {n} equal parts")
+            raise build_error(ShapeError, "split",
+                              f"axis {ax} of size {d} cannot be split into {n} equal parts", x)
         sizes = (d // n,) * n
     else:
         sizes = tuple(int(s) for s in sizes_or_sections)
