@@ -5,7 +5,7 @@ with ordinary ops, so gradients can be compiled, fused and even differentiated a
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .errors import AutodiffError
 from .graph import Graph, Value
@@ -20,7 +20,9 @@ def _targets(graph: Graph, wrt) -> list[str]:
         if isinstance(w, Value):
             leaf = w.graph.leaf_of(w)
             if leaf is None or leaf.kind != "param":
-                what = f"a {leaf.kind} ({leaf.name!r})" if leaf else f"the result of {w.node.op}"
+                article = "an" if leaf and leaf.kind[0] in "aeiou" else "a"
+                what = (f"{article} {leaf.kind} ({leaf.name!r})" if leaf
+                        else f"the result of {w.node.op} (at {w.node.loc})")
                 raise AutodiffError(f"grad: can only differentiate with respect to parameters; "
                                     f"{w!r} is {what}")
             w = leaf.name
@@ -71,7 +73,7 @@ def grad(graph: Graph, loss: Value, wrt: Iterable | None = None) -> tuple[Graph,
             raise AutodiffError(f"grad: op {node.op!r} (at {node.loc}) has no gradient rule, but "
                                 "the loss depends on a parameter through it")
         in_cts = opdef.vjp(node, cts)
-        for v, c in zip(node.inputs, in_cts):
+        for v, c in zip(node.inputs, in_cts, strict=True):
             if c is None or v.id not in depends:
                 continue
             if c.shape != v.shape or c.dtype != v.dtype:

@@ -422,7 +422,7 @@ class Graph:
             if n.op in _LEAF_KINDS:
                 lf = self.leaves[n.attrs["name"]]
                 extra = f"  init={lf.init}" if lf.init is not None else ""
-                lines.append(f"  {outs} = {n.op} {lf.name!r} : {typ}{extra}")
+                lines.append(f"  {outs} = {n.op} {lf.name!r} : {typ}{extra}    # {n.loc}")
                 continue
             args = ", ".join(f"%{v.id}" for v in n.inputs)
             attrs = ", ".join(f"{k}={_fmt_attr(a)}" for k, a in n.attrs.items())

@@ -337,7 +337,7 @@ def _split_infer(types, attrs):
     (t,) = types
     ax, sizes = attrs["axis"], attrs["sizes"]
     if sum(sizes) != t.shape[ax] or any(s < 0 for s in sizes):
-        raise ShapeError(f"split sizes {sizes} do not add up to axis {ax} of {t.shape}")
+        raise ShapeError(f"sizes {sizes} do not add up to axis {ax} of {t.shape}")
     outs = []
     for s in sizes:
         shape = list(t.shape)
