@@ -1,0 +1,354 @@
+"""Batched matmul ``C[b] = A[b] @ B[b]`` (+ epilogue), operands read in place through strides.
+
+Two variants, chosen at compile time:
+
+* **tiled** — a workgroup of 16×16 invocations computes a 64×64 tile of C, 4×4 results per
+  invocation (rows ``ty + 16 i``, columns ``tx + 16 j``: stores are coalesced), stepping K by 16
+  with A and B tiles staged through workgroup memory (8 KiB).  The staging loop's thread→element
+  map follows the operand's contiguous axis, so a transposed operand is still read with
+  neighbouring threads on neighbouring addresses.  Edges are bounds-checked (any M, N, K ≥ 1).
+* **gemv** — when one of M, N is ≤ 4 (a matrix–vector product, M = 1 decoding, a 1-wide output
+  layer): invocations split the long dimension *and* K, fold their share of K serially, and a
+  tree in workgroup memory adds the K partial sums.
+
+The batch index comes from the (wrapped) workgroup id, so batches beyond 65,535 work; batch
+broadcast is stride 0.  f16 operands are converted to f32 and accumulated in f32.
+"""
+
+from __future__ import annotations
+
+from ..dtypes import DType, f32
+from .common import (
+    CodegenError,
+    bcast_strides,
+    binding_decls,
+    check_binding_size,
+    check_bindings,
+    check_dtypes,
+    check_extent,
+    check_invocations,
+    check_workgroup_storage,
+    emit_instrs,
+    helpers_code,
+    index_code,
+    load,
+    make_grid,
+    make_target,
+    module_header,
+    pow2ceil,
+    store_value,
+    u,
+)
+from .ir import KernelSpec, MatmulKernel
+
+TILE = 64  # output tile edge (rows and columns)
+THREADS = 16  # invocations per tile edge
+PER = TILE // THREADS  # results per invocation per edge
+BK = 16  # K step
+GEMV_MAX = 4  # M or N up to this use the gemv variant
+GEMV_THREADS = 256
+
+
+def _norm(s, shape, what, name):
+    if len(s.shape) == 2:  # allow rank-2 views for batch 1 / broadcast
+        s = type(s)(s.dtype, (1,) + tuple(s.shape), (0,) + tuple(s.strides), s.offset, s.extent)
+    if len(s.shape) != 3:
+        raise CodegenError(f"kernel {name!r}: {what} must be a rank-3 view, got shape {s.shape}")
+    return s, bcast_strides(s, shape, f"{name} {what}")
+
+
+def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
+    t = make_target(limits, features)
+    name = k.name
+    B, M, N, K = int(k.batch), int(k.m), int(k.n), int(k.k)
+    a, sa = _norm(k.a, (B, M, K), "operand a", name)
+    b, sb = _norm(k.b, (B, K, N), "operand b", name)
+    if a.dtype is not b.dtype:
+        raise CodegenError(f"kernel {name!r}: operand dtypes differ ({a.dtype}, {b.dtype})")
+    op_dt: DType = a.dtype
+    if not (op_dt.is_float or op_dt.is_int):
+        raise CodegenError(f"kernel {name!r}: matmul of {op_dt.name} operands")
+    acc_t = f32 if op_dt.is_float else op_dt
+    check_extent(name, "operand a", a, (B, M, K), sa, t)
+    check_extent(name, "operand b", b, (B, K, N), sb, t)
+    used_x = sorted({i for ins in k.epilogue for kind, i in ins.args if kind == "x"})
+    xs = {}
+    for i in used_x:
+        if i >= len(k.extra):
+            raise CodegenError(f"kernel {name!r}: epilogue reads extra input {i} of {len(k.extra)}")
+        s = k.extra[i]
+        if len(s.shape) < 3:
+            st = bcast_strides(s, (B, M, N), f"{name} extra {i}")
+        else:
+            _, st = _norm(s, (B, M, N), f"extra {i}", name)
+        check_extent(name, f"extra input {i}", s, (B, M, N), st, t)
+        xs[i] = st
+    res_dt = k.epilogue[-1].dtype if k.epilogue else op_dt
+    out_dt: DType = k.out_dtype or res_dt
+    check_binding_size(name, "output", B * M * N, out_dt, t)
+    n_in = 2 + len(k.extra)
+    n_bind = n_in + 1
+    check_bindings(name, n_bind, t)
+    dts = [op_dt, op_dt] + [s.dtype for s in k.extra] + [out_dt]
+    uses_f16 = check_dtypes(name, dts + [i.dtype for i in k.epilogue], t)
+
+    ctx = _Ctx(name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in)
+    if min(M, N) <= GEMV_MAX:
+        body, shared, wg_size, grid, helpers, variant = _gemv(ctx, t)
+    else:
+        body, shared, wg_size, grid, helpers, variant = _tiled(ctx, t)
+    check_invocations(name, wg_size, t)
+    check_workgroup_storage(name, shared[1], t)
+
+    lines = module_header(uses_f16)
+    lines += binding_decls(dts)
+    lines += shared[0]
+    lines += [""] + helpers_code(helpers)
+    lines.append(f"@compute @workgroup_size({wg_size})")
+    lines.append(
+        "fn main(@builtin(workgroup_id) wid: vec3<u32>, "
+        "@builtin(local_invocation_index) lid: u32) {"
+    )
+    lines += body
+    lines.append("}")
+    return KernelSpec(
+        name=name,
+        wgsl="\n".join(lines) + "\n",
+        n_bindings=n_bind,
+        workgroups=grid.workgroups,
+        meta={
+            "archetype": "matmul",
+            "variant": variant,
+            "workgroup_size": wg_size,
+            "workgroup_storage": shared[1],
+            "binding_dtypes": tuple(dts),
+            "flops": 2 * B * M * N * K,
+        },
+    )
+
+
+class _Ctx:
+    def __init__(self, name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in):
+        self.name, self.B, self.M, self.N, self.K = name, B, M, N, K
+        self.a, self.sa, self.b, self.sb = a, sa, b, sb
+        self.k, self.xs, self.op_dt, self.acc_t, self.out_dt = k, xs, op_dt, acc_t, out_dt
+        self.n_in = n_in
+
+    def read(self, which: str, idx: str) -> str:
+        """Operand element converted to the accumulator type."""
+        binding = "b0" if which == "a" else "b1"
+        v = load(binding, idx, self.op_dt)
+        return v if self.op_dt is self.acc_t else f"{self.acc_t.wgsl}({v})"
+
+    def store(self, lines, ind, bi: str, row: str, col: str, acc: str, helpers: set) -> None:
+        """Epilogue and store of one result ``acc`` at (bi, row, col) (bounds checked by the
+        caller)."""
+        k = self.k
+        lines.append(f"{ind}{{")
+        i2 = ind + "    "
+        conv = acc if self.acc_t is self.op_dt else f"{self.op_dt.wgsl}({acc})"
+        lines.append(f"{i2}let accv: {self.op_dt.wgsl} = {conv};")
+        names = {}
+        for i, st in self.xs.items():
+            s = k.extra[i]
+            idx = index_code([bi, row, col], st, s.offset)
+            lines.append(f"{i2}let e{i} = {load(f'b{2 + i}', idx, s.dtype)};")
+            names[i] = (f"e{i}", s.dtype)
+
+        def arg(a):
+            kind, i = a
+            if kind == "acc":
+                return "accv", self.op_dt
+            if kind == "x":
+                return names[i]
+            raise CodegenError(f"kernel {self.name!r}: epilogue operand {a!r}")
+
+        if k.epilogue:
+            res = emit_instrs(k.epilogue, arg, "q", lines, i2, helpers)
+            v, vdt = res[-1]
+        else:
+            v, vdt = "accv", self.op_dt
+        oidx = index_code([bi, row, col], (self.M * self.N, self.N, 1))
+        lines.append(f"{i2}b{self.n_in}[{oidx}] = {store_value(v, vdt, self.out_dt)};")
+        lines.append(f"{ind}}}")
+
+
+def _fma(acc_t, x, y, c):
+    return f"fma({x}, {y}, {c})" if acc_t is f32 else f"{c} + {x} * {y}"
+
+
+def _tiled(c: _Ctx, t):
+    B, M, N, K = c.B, c.M, c.N, c.K
+    mt, nt = -(-M // TILE), -(-N // TILE)
+    grid = make_grid(c.name, mt * nt * B, t)
+    acc = c.acc_t.wgsl
+    ind, i2, i3 = "    ", "        ", "            "
+    L: list[str] = []
+    L.append(f"{ind}let wg = {grid.wg_expr};")
+    L.append(f"{ind}let tn = wg % {u(nt)};")
+    L.append(f"{ind}let tq = wg / {u(nt)};")
+    L.append(f"{ind}let tm = tq % {u(mt)};")
+    L.append(f"{ind}let bi = tq / {u(mt)};")
+    L.append(f"{ind}let tx = lid % {u(THREADS)};")
+    L.append(f"{ind}let ty = lid / {u(THREADS)};")
+    L.append(f"{ind}let row0 = tm * {u(TILE)};")
+    L.append(f"{ind}let col0 = tn * {u(TILE)};")
+    L.append(f"{ind}let live = bi < {u(B)};")
+    sab, sam, sak = c.sa
+    sbb, sbk, sbn = c.sb
+    L.append(f"{ind}let abase = {index_code(['bi'], [sab], c.a.offset)};")
+    L.append(f"{ind}let bbase = {index_code(['bi'], [sbb], c.b.offset)};")
+    for i in range(PER):
+        for j in range(PER):
+            L.append(f"{ind}var c{i}{j}: {acc} = {acc}(0);")
+    nthreads = THREADS * THREADS
+    loads = TILE * BK // nthreads
+    L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(K)}; k0 = k0 + {u(BK)}) {{")
+    # A tile: TILE rows x BK ks -> As[kk * TILE + r]
+    a_k_fast = not (sam == 1 and sak != 1)  # neighbouring threads walk k unless A is m-major
+    b_n_fast = not (sbk == 1 and sbn != 1)  # neighbouring threads walk n unless B is k-major
+    for l in range(loads):
+        e = f"(lid + {u(l * nthreads)})"
+        if a_k_fast:
+            L.append(f"{i2}let ak{l} = {e} % {u(BK)};")
+            L.append(f"{i2}let ar{l} = {e} / {u(BK)};")
+        else:
+            L.append(f"{i2}let ar{l} = {e} % {u(TILE)};")
+            L.append(f"{i2}let ak{l} = {e} / {u(TILE)};")
+        L.append(f"{i2}var av{l}: {acc} = {acc}(0);")
+        L.append(f"{i2}if (row0 + ar{l} < {u(M)} && k0 + ak{l} < {u(K)} && live) {{")
+        aidx = "abase + " + index_code([f"(row0 + ar{l})", f"(k0 + ak{l})"], [sam, sak])
+        L.append(f"{i3}av{l} = {c.read('a', aidx)};")
+        L.append(f"{i2}}}")
+        L.append(f"{i2}As[ak{l} * {u(TILE)} + ar{l}] = av{l};")
+        if b_n_fast:
+            L.append(f"{i2}let bn{l} = {e} % {u(TILE)};")
+            L.append(f"{i2}let bk{l} = {e} / {u(TILE)};")
+        else:
+            L.append(f"{i2}let bk{l} = {e} % {u(BK)};")
+            L.append(f"{i2}let bn{l} = {e} / {u(BK)};")
+        L.append(f"{i2}var bv{l}: {acc} = {acc}(0);")
+        L.append(f"{i2}if (col0 + bn{l} < {u(N)} && k0 + bk{l} < {u(K)} && live) {{")
+        bidx = "bbase + " + index_code([f"(k0 + bk{l})", f"(col0 + bn{l})"], [sbk, sbn])
+        L.append(f"{i3}bv{l} = {c.read('b', bidx)};")
+        L.append(f"{i2}}}")
+        L.append(f"{i2}Bs[bk{l} * {u(TILE)} + bn{l}] = bv{l};")
+    L.append(f"{i2}workgroupBarrier();")
+    L.append(f"{i2}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
+    for i in range(PER):
+        L.append(f"{i3}let a{i} = As[kk * {u(TILE)} + ty + {u(THREADS * i)}];")
+    for j in range(PER):
+        L.append(f"{i3}let b{j} = Bs[kk * {u(TILE)} + tx + {u(THREADS * j)}];")
+    for i in range(PER):
+        for j in range(PER):
+            L.append(f"{i3}c{i}{j} = {_fma(c.acc_t, f'a{i}', f'b{j}', f'c{i}{j}')};")
+    L.append(f"{i2}}}")
+    L.append(f"{i2}workgroupBarrier();")
+    L.append(f"{ind}}}")
+    helpers: set[str] = set()
+    L.append(f"{ind}if (live) {{")
+    for i in range(PER):
+        L.append(f"{i2}let r{i} = row0 + ty + {u(THREADS * i)};")
+    for j in range(PER):
+        L.append(f"{i2}let n{j} = col0 + tx + {u(THREADS * j)};")
+    for i in range(PER):
+        for j in range(PER):
+            L.append(f"{i2}if (r{i} < {u(M)} && n{j} < {u(N)}) {{")
+            c.store(L, i3, "bi", f"r{i}", f"n{j}", f"c{i}{j}", helpers)
+            L.append(f"{i2}}}")
+    L.append(f"{ind}}}")
+    nbytes = 2 * BK * TILE * 4
+    shared = (
+        [f"var<workgroup> As: array<{acc}, {BK * TILE}>;",
+         f"var<workgroup> Bs: array<{acc}, {BK * TILE}>;"],
+        nbytes,
+    )
+    return L, shared, nthreads, grid, helpers, "tiled64x64"
+
+
+def _gemv(c: _Ctx, t):
+    """One of M, N is small (S ≤ 4): parallel over the long dim P and over K."""
+    B, M, N, K = c.B, c.M, c.N, c.K
+    sab, sam, sak = c.sa
+    sbb, sbk, sbn = c.sb
+    if M <= GEMV_MAX:
+        # vector = rows of A (s = m), matrix = B indexed (p = n, k)
+        S, P = M, N
+        vec, vst_s, vst_k = "a", sam, sak
+        mat, mst_p, mst_k = "b", sbn, sbk
+    else:
+        S, P = N, M
+        vec, vst_s, vst_k = "b", sbn, sbk
+        mat, mst_p, mst_k = "a", sam, sak
+    k_fast = mst_k == 1 and mst_p != 1  # the matrix is contiguous along k
+    nth = GEMV_THREADS
+    if k_fast:
+        tk = min(32, pow2ceil(K))
+        tp = nth // tk
+    else:
+        tp = min(64, pow2ceil(P))
+        tk = nth // tp
+    tk = max(1, min(tk, pow2ceil(K)))
+    wg_size = tp * tk
+    pt = -(-P // tp)
+    grid = make_grid(c.name, pt * B, t)
+    acc = c.acc_t.wgsl
+    ind, i2, i3 = "    ", "        ", "            "
+    L: list[str] = []
+    L.append(f"{ind}let wg = {grid.wg_expr};")
+    L.append(f"{ind}let tpi = wg % {u(pt)};")
+    L.append(f"{ind}let bi = wg / {u(pt)};")
+    if k_fast:
+        L.append(f"{ind}let kl = lid % {u(tk)};")
+        L.append(f"{ind}let pl = lid / {u(tk)};")
+        kstep = 1
+    else:
+        L.append(f"{ind}let pl = lid % {u(tp)};")
+        L.append(f"{ind}let kl = lid / {u(tp)};")
+        kstep = tp
+    L.append(f"{ind}let p = tpi * {u(tp)} + pl;")
+    L.append(f"{ind}let valid = p < {u(P)} && bi < {u(B)};")
+    for s in range(S):
+        L.append(f"{ind}var s{s}: {acc} = {acc}(0);")
+    vb, mb = (c.a, c.b) if vec == "a" else (c.b, c.a)
+    vsb, msb = (sab, sbb) if vec == "a" else (sbb, sab)
+    L.append(f"{ind}if (valid) {{")
+    L.append(f"{i2}let mbase = {index_code(['bi', 'p'], [msb, mst_p], mb.offset)};")
+    L.append(f"{i2}let vbase = {index_code(['bi'], [vsb], vb.offset)};")
+    L.append(f"{i2}for (var kk: u32 = kl; kk < {u(K)}; kk = kk + {u(tk)}) {{")
+    midx = "mbase" + ("" if mst_k == 0 else " + " + index_code(["kk"], [mst_k]))
+    L.append(f"{i3}let mv = {c.read(mat, midx)};")
+    for s in range(S):
+        vidx = "vbase + " + index_code([u(s), "kk"], [vst_s, vst_k])
+        if vidx.endswith("+ 0u"):
+            vidx = "vbase"
+        L.append(f"{i3}s{s} = {_fma(c.acc_t, c.read(vec, vidx), 'mv', f's{s}')};")
+    L.append(f"{i2}}}")
+    L.append(f"{ind}}}")
+    if tk > 1:
+        for s in range(S):
+            L.append(f"{ind}red[{u(s * wg_size)} + lid] = s{s};")
+        L.append(f"{ind}workgroupBarrier();")
+        h = tk // 2
+        while h >= 1:
+            L.append(f"{ind}if (kl < {u(h)}) {{")
+            for s in range(S):
+                o = s * wg_size
+                L.append(
+                    f"{i2}red[{u(o)} + lid] = red[{u(o)} + lid] + "
+                    f"red[{u(o)} + lid + {u(h * kstep)}];"
+                )
+            L.append(f"{ind}}}")
+            L.append(f"{ind}workgroupBarrier();")
+            h //= 2
+        for s in range(S):
+            L.append(f"{ind}s{s} = red[{u(s * wg_size)} + lid];")
+    helpers: set[str] = set()
+    L.append(f"{ind}if (valid && kl == 0u) {{")
+    for s in range(S):
+        row, col = (u(s), "p") if vec == "a" else ("p", u(s))
+        c.store(L, i2, "bi", row, col, f"s{s}", helpers)
+    L.append(f"{ind}}}")
+    nbytes = S * wg_size * 4 if tk > 1 else 0
+    shared = ([f"var<workgroup> red: array<{acc}, {S * wg_size}>;"] if tk > 1 else [], nbytes)
+    return L, shared, wg_size, grid, helpers, f"gemv{'_t' if vec == 'b' else ''}"

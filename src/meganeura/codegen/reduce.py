@@ -1,0 +1,288 @@
+"""Axis reductions (sum | max | min) with a pointwise prologue and epilogue.
+
+A workgroup of ``TX × TY`` invocations owns ``TX`` neighbouring output elements; the ``TY``
+invocations of one output each fold a strided share of the reduced elements (``r = y, y+TY, …``)
+serially, then a tree in workgroup memory combines the ``TY`` partial results.  The order of
+the arithmetic depends only on the shapes, never on timing: results are bit-for-bit
+deterministic (no atomics).
+
+* reduced dims contiguous in memory (a row reduction): ``TX = 1, TY ≤ 256`` — one workgroup per
+  output, coalesced reads along the row;
+* kept dims contiguous (a column reduction, e.g. over the batch): ``TX`` outputs side by side so
+  a warp reads neighbouring addresses, ``TY`` lanes split the reduced extent;
+* tiny reduced extents (≤ 16): ``TY = 1``, one invocation per output, a serial loop.
+
+Reduced axes may be any subset (need not be last or contiguous); they are iterated through a
+linear index decomposed over the (merged) reduced dims.  f16 and f32 accumulate in f32.
+"""
+
+from __future__ import annotations
+
+from ..dtypes import DType, bool_
+from .common import (
+    CodegenError,
+    acc_dtype,
+    bcast_strides,
+    binding_decls,
+    check_binding_size,
+    check_bindings,
+    check_dtypes,
+    check_extent,
+    check_invocations,
+    check_workgroup_storage,
+    combine,
+    convert,
+    coords_code,
+    emit_instrs,
+    helpers_code,
+    identity,
+    index_code,
+    load,
+    make_grid,
+    make_target,
+    merge_dims,
+    module_header,
+    pow2ceil,
+    prod,
+    store_value,
+    u,
+)
+from .ir import KernelSpec, ReduceKernel
+
+SERIAL_MAX = 16  # reduced extents up to this are folded by one invocation per output
+MAX_THREADS = 256
+
+
+def _extra_strides(s, shape, axes, out_shape, what):
+    """Strides of an epilogue input over the output shape (it may be given with keepdims)."""
+    if len(s.shape) == len(shape) and len(shape) != len(out_shape):
+        st = bcast_strides(s, tuple(1 if d in axes else n for d, n in enumerate(shape)), what)
+        return tuple(x for d, x in enumerate(st) if d not in axes)
+    return bcast_strides(s, out_shape, what)
+
+
+def choose_layout(rshape, kept_contig: bool, red_total: int, out_total: int, max_threads: int):
+    """(TX, TY): outputs per workgroup and invocations per output."""
+    if red_total <= SERIAL_MAX:
+        return min(max_threads, 64 if out_total >= 64 else pow2ceil(out_total)), 1
+    if kept_contig and out_total > 1:
+        tx = min(32, pow2ceil(out_total))
+        ty = max(1, min(max_threads // tx, pow2ceil(red_total)))
+        return tx, ty
+    return 1, min(max_threads, pow2ceil(red_total))
+
+
+def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
+    t = make_target(limits, features)
+    name = k.name
+    shape = tuple(int(n) for n in k.shape)
+    nd = len(shape)
+    axes = tuple(sorted({a % nd if nd else a for a in k.axes}))
+    if any(not 0 <= a < max(nd, 1) for a in axes) or (nd == 0 and axes):
+        raise CodegenError(f"kernel {name!r}: axes {k.axes} out of range for shape {shape}")
+    if k.kind not in ("sum", "max", "min"):
+        raise CodegenError(f"kernel {name!r}: unknown reduction {k.kind!r}")
+    kept = [d for d in range(nd) if d not in axes]
+    out_shape = tuple(shape[d] for d in kept)
+    rshape_full = tuple(shape[d] for d in axes)
+    out_total = prod(out_shape)
+    red_total = prod(rshape_full)
+    if red_total == 0 and k.kind != "sum":
+        raise CodegenError(f"kernel {name!r}: {k.kind} over an empty axis")
+
+    # the value reduced
+    if k.prologue:
+        val_dtype = k.prologue[-1].dtype
+    else:
+        if not k.inputs:
+            raise CodegenError(f"kernel {name!r} has neither inputs nor a prologue")
+        val_dtype = k.inputs[0].dtype
+    acc_t = acc_dtype(val_dtype)
+    if k.epilogue:
+        res_dtype = k.epilogue[-1].dtype
+    else:
+        res_dtype = val_dtype
+    out_dtype: DType = k.out_dtype or res_dtype
+
+    n_in, n_x = len(k.inputs), len(k.extra)
+    n_bind = n_in + n_x + 1
+    check_bindings(name, n_bind, t)
+    all_dtypes = [s.dtype for s in k.inputs] + [s.dtype for s in k.extra] + [out_dtype]
+    all_dtypes += [i.dtype for i in k.prologue] + [i.dtype for i in k.epilogue]
+    uses_f16 = check_dtypes(name, all_dtypes, t)
+
+    used = sorted({i for ins in k.prologue for kind, i in ins.args if kind == "in"})
+    if not k.prologue:
+        used = [0]
+    used_x = sorted({i for ins in k.epilogue for kind, i in ins.args if kind == "x"})
+    for i in used:
+        if i >= n_in:
+            raise CodegenError(f"kernel {name!r}: prologue reads input {i} of {n_in}")
+    for i in used_x:
+        if i >= n_x:
+            raise CodegenError(f"kernel {name!r}: epilogue reads extra input {i} of {n_x}")
+    full = {i: bcast_strides(k.inputs[i], shape, f"{name} input {i}") for i in used}
+    for i in used:
+        check_extent(name, f"input {i}", k.inputs[i], shape, full[i], t)
+    xst = {i: _extra_strides(k.extra[i], shape, axes, out_shape, f"{name} extra {i}")
+           for i in used_x}
+    for i in used_x:
+        check_extent(name, f"extra input {i}", k.extra[i], out_shape, xst[i], t)
+    check_binding_size(name, "output", out_total, out_dtype, t)
+
+    # kept dims: merged over inputs (kept part), extras and the contiguous output
+    contig, acc = [], 1
+    for n in reversed(out_shape):
+        contig.append(acc)
+        acc *= n
+    contig = tuple(reversed(contig))
+    kshape, kstr = merge_dims(
+        out_shape,
+        [contig]
+        + [tuple(full[i][d] for d in kept) for i in used]
+        + [xst[i] for i in used_x],
+    )
+    kin = dict(zip(used, kstr[1 : 1 + len(used)], strict=False))
+    kx = dict(zip(used_x, kstr[1 + len(used) :], strict=False))
+    rshape, rstr = merge_dims(rshape_full, [tuple(full[i][d] for d in axes) for i in used])
+    rin = dict(zip(used, rstr, strict=False))
+
+    # layout: are the kept (output) dims the fast-moving ones in memory?
+    main = used[0] if used else None
+    kept_contig = bool(main is not None and kshape and kin[main] and kin[main][-1] == 1
+                       and not (rshape and rin[main][-1] == 1))
+    max_threads = min(MAX_THREADS, t.lim("max_compute_invocations_per_workgroup"))
+    tx, ty = choose_layout(rshape, kept_contig, red_total, out_total, max_threads)
+    wg = tx * ty
+    check_invocations(name, wg, t)
+    shared_bytes = wg * 4 if ty > 1 else 0
+    check_workgroup_storage(name, shared_bytes, t)
+    grid = make_grid(name, -(-max(out_total, 1) // tx), t)
+
+    ind = "    "
+    body: list[str] = []
+    body.append(f"{ind}let wg = {grid.wg_expr};")
+    if tx > 1:
+        body.append(f"{ind}let x = lid % {u(tx)};")
+        body.append(f"{ind}let y = lid / {u(tx)};")
+        body.append(f"{ind}let o = wg * {u(tx)} + x;")
+    else:
+        body.append(f"{ind}let x = 0u;")
+        body.append(f"{ind}let y = lid;")
+        body.append(f"{ind}let o = wg;")
+    body.append(f"{ind}let valid = o < {u(out_total)};")
+    body.append(f"{ind}var acc: {acc_t.wgsl} = {identity(k.kind, acc_t)};")
+    body.append(f"{ind}if (valid) {{")
+    i2 = ind * 2
+    kc = coords_code("o", kshape, "k", body, i2)
+    for i in used:
+        base = index_code(kc, kin[i], k.inputs[i].offset)
+        body.append(f"{i2}let base{i} = {base};")
+    i3 = ind * 3
+    if ty > 1:
+        body.append(f"{i2}for (var r: u32 = y; r < {u(red_total)}; r = r + {u(ty)}) {{")
+    else:
+        body.append(f"{i2}for (var r: u32 = 0u; r < {u(red_total)}; r = r + 1u) {{")
+    rc = coords_code("r", rshape, "rr", body, i3)
+    names = {}
+    for i in used:
+        rel = index_code(rc, rin[i], 0)
+        idx = f"base{i}" if rel == "0u" else f"base{i} + {rel}"
+        body.append(f"{i3}let v{i} = {load(f'b{i}', idx, k.inputs[i].dtype)};")
+        names[i] = (f"v{i}", k.inputs[i].dtype)
+
+    def parg(a):
+        kind, i = a
+        if kind != "in":
+            raise CodegenError(f"kernel {name!r}: prologue operand {a!r} (use ('in', i))")
+        return names[i]
+
+    helpers: set[str] = set()
+    if k.prologue:
+        res = emit_instrs(k.prologue, parg, "p", body, i3, helpers)
+        val, vdt = res[-1]
+    else:
+        val, vdt = names[0]
+    if vdt is bool_:
+        v = f"select(0u, 1u, {val})"
+    else:
+        v = convert(val, vdt, acc_t) if vdt is not acc_t else val
+    body.append(f"{i3}acc = {combine(k.kind, 'acc', v)};")
+    body.append(f"{i2}}}")
+    body.append(f"{ind}}}")
+
+    store_lines: list[str] = []
+    if ty > 1:
+        body.append(f"{ind}red[lid] = acc;")
+        body.append(f"{ind}workgroupBarrier();")
+        s = ty // 2
+        while s >= 1:
+            body.append(f"{ind}if (y < {u(s)}) {{")
+            body.append(f"{i2}red[lid] = {combine(k.kind, 'red[lid]', f'red[lid + {u(s * tx)}]')};")
+            body.append(f"{ind}}}")
+            body.append(f"{ind}workgroupBarrier();")
+            s //= 2
+        body.append(f"{ind}if (y == 0u && valid) {{")
+        store_lines.append(f"{i2}let total = red[x];")
+    else:
+        body.append(f"{ind}if (valid) {{")
+        store_lines.append(f"{i2}let total = acc;")
+
+    # epilogue: ("acc", 0) is the reduced value in the prologue's dtype
+    if val_dtype is bool_:
+        store_lines.append(f"{i2}let accv: bool = total != 0u;")
+    else:
+        conv = convert("total", acc_t, val_dtype)
+        store_lines.append(f"{i2}let accv: {val_dtype.wgsl} = {conv};")
+    xnames = {}
+    if used_x:
+        kc2 = coords_code("o", kshape, "ko", store_lines, i2)
+        for i in used_x:
+            idx = index_code(kc2, kx[i], k.extra[i].offset)
+            store_lines.append(f"{i2}let e{i} = {load(f'b{n_in + i}', idx, k.extra[i].dtype)};")
+            xnames[i] = (f"e{i}", k.extra[i].dtype)
+
+    def earg(a):
+        kind, i = a
+        if kind == "acc":
+            return "accv", val_dtype
+        if kind == "x":
+            return xnames[i]
+        raise CodegenError(f"kernel {name!r}: epilogue operand {a!r}")
+
+    if k.epilogue:
+        res = emit_instrs(k.epilogue, earg, "q", store_lines, i2, helpers)
+        out_v, out_vdt = res[-1]
+    else:
+        out_v, out_vdt = "accv", val_dtype
+    store_lines.append(f"{i2}b{n_in + n_x}[o] = {store_value(out_v, out_vdt, out_dtype)};")
+    body += store_lines
+    body.append(f"{ind}}}")
+
+    lines = module_header(uses_f16)
+    lines += binding_decls([s.dtype for s in k.inputs] + [s.dtype for s in k.extra] + [out_dtype])
+    if ty > 1:
+        lines.append(f"var<workgroup> red: array<{acc_t.wgsl}, {wg}>;")
+    lines += [""] + helpers_code(helpers)
+    lines.append(f"@compute @workgroup_size({wg})")
+    lines.append(
+        "fn main(@builtin(workgroup_id) wid: vec3<u32>, "
+        "@builtin(local_invocation_index) lid: u32) {"
+    )
+    lines += body
+    lines.append("}")
+    return KernelSpec(
+        name=name,
+        wgsl="\n".join(lines) + "\n",
+        n_bindings=n_bind,
+        workgroups=grid.workgroups,
+        meta={
+            "archetype": "reduce",
+            "layout": (tx, ty),
+            "workgroup_size": wg,
+            "workgroup_storage": shared_bytes,
+            "binding_dtypes": tuple(all_dtypes[: n_bind]),
+            "reduced": red_total,
+            "outputs": out_total,
+        },
+    )

@@ -1,0 +1,558 @@
+"""The GPU device: which WebGPU implementation, which adapter, its features and limits.
+
+``get_device(backend)`` returns one cached ``Device`` per process and implementation:
+
+* ``"wgpu"`` — wgpu-native through the ``wgpu`` package (default; runs on Mesa lavapipe too);
+* ``"dawn"`` — Google's Dawn through the optional ``wgpudawn`` package (imported lazily);
+* ``"auto"`` — Dawn when it imports and finds an adapter, else wgpu-native.
+
+With ``backend=None`` the environment variable ``MEGANEURA_WEBGPU`` (``wgpu|dawn|auto``) decides,
+defaulting to ``wgpu``.  Only Vulkan, Metal or D3D12 adapters are taken: wgpu-native would silently
+fall back to an OpenGL adapter (no f16, no subgroups, different numerics); here that is an error
+that says what was found and how to get a Vulkan driver.
+
+The device is requested with the adapter's real limits (storage binding size, workgroup storage,
+storage buffers per stage …) and the features the compiler uses when the adapter has them
+(``shader-f16``, ``subgroup``, ``timestamp-query`` …).  ``Device.pipeline(spec)`` compiles a
+``codegen.ir.KernelSpec`` once per process (cached by WGSL source and entry point) against an
+explicit bind-group layout in which every binding is ``storage`` (read_write).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..codegen.common import DEFAULT_LIMITS  # noqa: F401  (re-exported)
+from ..errors import DeviceError, LimitError
+
+IMPLEMENTATIONS = ("wgpu", "dawn", "auto")
+ENV_VAR = "MEGANEURA_WEBGPU"
+
+# Backends we accept; everything else (OpenGL, D3D11, Null, WebGPU-in-browser) is refused.
+_GOOD_BACKENDS = {"vulkan", "metal", "d3d12", "dx12"}
+
+# Limits requested from the adapter (its real values, not WebGPU's defaults).  Underscore names;
+# the wgpu-py API spells them with hyphens.
+LIMIT_NAMES = (
+    "max_storage_buffer_binding_size",
+    "max_buffer_size",
+    "max_compute_workgroup_storage_size",
+    "max_storage_buffers_per_shader_stage",
+    "max_compute_workgroups_per_dimension",
+    "max_compute_invocations_per_workgroup",
+    "max_compute_workgroup_size_x",
+    "max_compute_workgroup_size_y",
+    "max_compute_workgroup_size_z",
+    "min_storage_buffer_offset_alignment",
+    "min_uniform_buffer_offset_alignment",
+    "max_uniform_buffer_binding_size",
+    "max_uniform_buffers_per_shader_stage",
+    "max_bind_groups",
+    "max_bindings_per_bind_group",
+    "max_immediate_size",
+)
+
+# Features used when present.  wgpu-native calls the subgroup feature "subgroup", Dawn "subgroups".
+_WANTED_FEATURES = (
+    "shader-f16",
+    "subgroup",
+    "subgroups",
+    "timestamp-query",
+    "timestamp-query-inside-passes",  # wgpu-native only
+    "timestamp-query-inside-encoders",  # wgpu-native only
+    "chromium-experimental-subgroup-matrix",  # Dawn only (tensor cores)
+)
+
+# Dawn needs these before its instance exists (see GPU-NOTES.md): experimental features
+# (subgroup matrix) and f16 on NVIDIA drivers older than 615.71.
+_DAWN_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
+
+_INSTALL_HINT = (
+    "install a Vulkan driver: on Debian/Ubuntu `apt-get install mesa-vulkan-drivers libvulkan1` "
+    "(Mesa lavapipe runs on the CPU) or your GPU vendor's driver; on macOS Metal is built in"
+)
+
+_ADAPTER_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
+
+
+class BackendNameError(DeviceError, ValueError):
+    """An unknown WebGPU implementation name (argument or ``MEGANEURA_WEBGPU``)."""
+
+
+def _norm_key(name: str) -> str:
+    return name.replace("-", "_")
+
+
+@dataclass(eq=False)
+class Device:
+    """An opened WebGPU device and what the compiler needs to know about it."""
+
+    device: Any
+    queue: Any
+    adapter: Any
+    implementation: str  # "wgpu" | "dawn"
+    backend_type: str  # "Vulkan" | "Metal" | "D3D12"
+    adapter_name: str
+    adapter_type: str  # "DiscreteGPU" | "IntegratedGPU" | "CPU" | …
+    is_cpu: bool
+    features: frozenset
+    limits: dict
+    module: Any = field(default=None, repr=False)  # the wgpu / wgpudawn module
+    _pipelines: dict = field(default_factory=dict, repr=False)
+    _layouts: dict = field(default_factory=dict, repr=False)
+    _lock: Any = field(default_factory=threading.Lock, repr=False)
+
+    # ------------------------------------------------------------------ information
+
+    @property
+    def has_f16(self) -> bool:
+        return "shader-f16" in self.features
+
+    @property
+    def has_subgroups(self) -> bool:
+        return "subgroup" in self.features or "subgroups" in self.features
+
+    @property
+    def has_timestamps(self) -> bool:
+        return "timestamp-query" in self.features
+
+    def describe(self) -> dict:
+        """Plain-data summary (for ``meganeura info``, logs and benchmark records)."""
+        info = {}
+        try:
+            info = dict(self.adapter.info)
+        except Exception:  # pragma: no cover - info is best effort
+            pass
+        return {
+            "implementation": self.implementation,
+            "backend_type": self.backend_type,
+            "adapter": self.adapter_name,
+            "adapter_type": self.adapter_type,
+            "description": info.get("description", ""),
+            "vendor": info.get("vendor", ""),
+            "is_cpu": self.is_cpu,
+            "features": sorted(self.features),
+            "limits": dict(self.limits),
+        }
+
+    # ------------------------------------------------------------------ pipelines
+
+    def bind_group_layout(self, n_bindings: int):
+        """The explicit layout shared by all kernels with ``n_bindings`` storage bindings."""
+        with self._lock:
+            hit = self._layouts.get(n_bindings)
+            if hit is not None:
+                return hit
+        maxb = self.limits.get("max_storage_buffers_per_shader_stage", 8)
+        if n_bindings > maxb:
+            raise LimitError(
+                f"a kernel needs {n_bindings} storage buffers but the device allows "
+                f"{maxb} per shader stage"
+            )
+        wgpu = self.module
+        entries = [
+            {
+                "binding": i,
+                "visibility": wgpu.ShaderStage.COMPUTE,
+                "buffer": {"type": wgpu.BufferBindingType.storage},
+            }
+            for i in range(n_bindings)
+        ]
+        bgl = self.device.create_bind_group_layout(entries=entries)
+        pl = self.device.create_pipeline_layout(bind_group_layouts=[bgl])
+        with self._lock:
+            self._layouts.setdefault(n_bindings, (bgl, pl))
+            return self._layouts[n_bindings]
+
+    def pipeline(self, spec):
+        """The compute pipeline of a ``KernelSpec`` (created once per WGSL source + entry)."""
+        key = (spec.wgsl, spec.entry, spec.n_bindings)
+        with self._lock:
+            hit = self._pipelines.get(key)
+        if hit is not None:
+            return hit
+        self.check_spec(spec)
+        if "enable f16;" in spec.wgsl and not self.has_f16:
+            raise DeviceError(
+                f"kernel {spec.name!r} uses f16 but adapter {self.adapter_name!r} "
+                f"({self.implementation}) has no shader-f16 feature"
+            )
+        _, layout = self.bind_group_layout(spec.n_bindings)
+        try:
+            module = self.device.create_shader_module(label=spec.name, code=spec.wgsl)
+            pipe = self.device.create_compute_pipeline(
+                label=spec.name,
+                layout=layout,
+                compute={"module": module, "entry_point": spec.entry},
+            )
+        except Exception as e:  # wgpu raises GPUValidationError & co. with naga's message
+            msg = str(e)
+            kind = LimitError if "limit" in msg.lower() else DeviceError
+            raise kind(
+                f"WGSL of kernel {spec.name!r} failed to compile on {self.implementation} "
+                f"({self.adapter_name}):\n{msg}\n--- WGSL ---\n{_numbered(spec.wgsl)}"
+            ) from e
+        with self._lock:
+            self._pipelines.setdefault(key, pipe)
+            return self._pipelines[key]
+
+    def check_spec(self, spec) -> None:
+        """Raise ``LimitError`` when a spec's dispatch exceeds this device's limits."""
+        maxwg = self.limits.get("max_compute_workgroups_per_dimension", 65535)
+        for axis, n in zip("xyz", spec.workgroups, strict=False):
+            if n > maxwg:
+                raise LimitError(
+                    f"kernel {spec.name!r} dispatches {n} workgroups along {axis}; the device "
+                    f"allows {maxwg} per dimension"
+                )
+        shared = spec.meta.get("workgroup_storage", 0) if spec.meta else 0
+        maxs = self.limits.get("max_compute_workgroup_storage_size", 16384)
+        if shared > maxs:
+            raise LimitError(
+                f"kernel {spec.name!r} uses {shared} bytes of workgroup storage; the device "
+                f"allows {maxs}"
+            )
+        maxb = self.limits.get("max_storage_buffers_per_shader_stage", 8)
+        if spec.n_bindings > maxb:
+            raise LimitError(
+                f"kernel {spec.name!r} binds {spec.n_bindings} storage buffers; the device "
+                f"allows {maxb} per shader stage"
+            )
+
+    def bind_group(self, spec, buffers):
+        """A bind group for ``spec`` from ``buffers``: GPUBuffers (whole) or
+        ``(buffer, offset, size)`` ranges, in binding order."""
+        if len(buffers) != spec.n_bindings:
+            raise DeviceError(
+                f"kernel {spec.name!r} has {spec.n_bindings} bindings, got {len(buffers)} buffers"
+            )
+        bgl, _ = self.bind_group_layout(spec.n_bindings)
+        entries = []
+        for i, b in enumerate(buffers):
+            if isinstance(b, tuple):
+                buf, off, size = b
+                entries.append(
+                    {"binding": i, "resource": {"buffer": buf, "offset": off, "size": size}}
+                )
+            else:
+                entries.append(
+                    {"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}}
+                )
+        return self.device.create_bind_group(layout=bgl, entries=entries)
+
+    def dispatch(self, spec, buffers, *, bind_group=None) -> None:
+        """Encode one dispatch of ``spec`` into a fresh command buffer and submit it (a
+        convenience for tests and one-off work; sessions batch their dispatches)."""
+        pipe = self.pipeline(spec)
+        bg = bind_group if bind_group is not None else self.bind_group(spec, buffers)
+        enc = self.device.create_command_encoder()
+        cp = enc.begin_compute_pass()
+        cp.set_pipeline(pipe)
+        cp.set_bind_group(0, bg)
+        cp.dispatch_workgroups(*spec.workgroups)
+        cp.end()
+        self.queue.submit([enc.finish()])
+
+    # ------------------------------------------------------------------ buffers
+
+    @property
+    def storage_usage(self) -> int:
+        u = self.module.BufferUsage
+        return u.STORAGE | u.COPY_SRC | u.COPY_DST
+
+    def create_buffer(self, nbytes: int, usage: int | None = None, label: str = ""):
+        """A zero-initialised buffer of at least ``nbytes`` (rounded up to 4, minimum 4)."""
+        size = max(4, (int(nbytes) + 3) // 4 * 4)
+        maxbuf = self.limits.get("max_buffer_size", 1 << 28)
+        if size > maxbuf:
+            raise LimitError(f"buffer {label!r} of {size} bytes exceeds max_buffer_size {maxbuf}")
+        return self.device.create_buffer(
+            label=label, size=size, usage=self.storage_usage if usage is None else usage
+        )
+
+    def upload(self, array, usage: int | None = None, label: str = ""):
+        """A new buffer holding ``array`` in its GPU representation (float64 → f32,
+        int64 → i32, bool → u32), padded to a multiple of 4 bytes."""
+        data = to_gpu_bytes(array)
+        buf = self.create_buffer(len(data), usage, label)
+        if data:
+            self.queue.write_buffer(buf, 0, _pad4(data))
+        return buf
+
+    def write_buffer(self, buf, array, offset: int = 0) -> None:
+        data = to_gpu_bytes(array)
+        if data:
+            self.queue.write_buffer(buf, int(offset), _pad4(data))
+
+    def read_buffer(self, buf, offset: int = 0, nbytes: int | None = None) -> bytes:
+        """Copy ``nbytes`` from ``buf`` at ``offset`` back to the host (waits for the GPU).
+        Offset and size are widened to multiples of 4 for the copy and trimmed afterwards."""
+        nbytes = buf.size - offset if nbytes is None else int(nbytes)
+        if nbytes <= 0:
+            return b""
+        lo = offset // 4 * 4
+        hi = min(buf.size, (offset + nbytes + 3) // 4 * 4)
+        data = bytes(self.queue.read_buffer(buf, lo, hi - lo))
+        return data[offset - lo : offset - lo + nbytes]
+
+    def read_array(self, buf, shape, dtype, offset: int = 0) -> np.ndarray:
+        """Read a tensor of ``shape``/``dtype`` (a meganeura DType or numpy dtype) back."""
+        from ..dtypes import as_dtype, bool_
+
+        dt = as_dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        raw = self.read_buffer(buf, offset, n * dt.gpu_itemsize)
+        if dt is bool_:
+            return (np.frombuffer(raw, dtype=np.uint32) != 0).reshape(shape)
+        return np.frombuffer(raw, dtype=dt.np).reshape(shape).copy()
+
+    def sync(self) -> None:
+        """Wait until all submitted work has finished (by reading 4 bytes back; GPU-NOTES:
+        ``on_submitted_work_done_sync`` raises TypeError in wgpu 0.32)."""
+        if not hasattr(self, "_sync_buf"):
+            self._sync_buf = self.create_buffer(4, label="sync")
+        self.read_buffer(self._sync_buf, 0, 4)
+
+
+def to_gpu_bytes(array) -> bytes:
+    """The bytes of ``array`` as the GPU stores it (see ``dtypes``)."""
+    a = np.asarray(array)
+    if a.dtype == np.bool_:
+        a = a.astype(np.uint32)
+    elif a.dtype == np.float64:
+        a = a.astype(np.float32)
+    elif a.dtype == np.int64:
+        a = a.astype(np.int32)
+    elif a.dtype == np.uint64:
+        a = a.astype(np.uint32)
+    elif a.dtype not in (np.float32, np.float16, np.int32, np.uint32):
+        raise DeviceError(f"cannot upload arrays of dtype {a.dtype} to the GPU")
+    return np.ascontiguousarray(a).tobytes()
+
+
+def _pad4(data: bytes) -> bytes:
+    r = len(data) % 4
+    return data + b"\0" * (4 - r) if r else data
+
+
+def _numbered(src: str) -> str:
+    return "\n".join(f"{i + 1:4d}  {line}" for i, line in enumerate(src.splitlines()))
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing the implementation and adapter
+
+_CACHE: dict[str, Device] = {}
+_CACHE_LOCK = threading.RLock()
+_DAWN_CONFIGURED = False
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """``backend`` or ``$MEGANEURA_WEBGPU`` normalised to ``wgpu|dawn|auto`` (default wgpu)."""
+    src = "backend argument"
+    if backend is None:
+        backend = os.environ.get(ENV_VAR, "").strip()
+        src = f"${ENV_VAR}"
+        if not backend:
+            return "wgpu"
+    if not isinstance(backend, str):
+        raise BackendNameError(f"{src} must be a string, got {backend!r}")
+    name = backend.strip().lower()
+    aliases = {"wgpu-native": "wgpu", "wgpu_native": "wgpu", "native": "wgpu",
+               "wgpudawn": "dawn"}
+    name = aliases.get(name, name)
+    if name not in IMPLEMENTATIONS:
+        raise BackendNameError(
+            f"unknown WebGPU implementation {backend!r} (from {src}); expected one of "
+            f"{', '.join(IMPLEMENTATIONS)}"
+        )
+    return name
+
+
+def get_device(backend: str | None = None) -> Device:
+    """The process-wide ``Device`` for ``backend`` (``wgpu``, ``dawn`` or ``auto``; None reads
+    ``$MEGANEURA_WEBGPU``).  Raises ``DeviceError`` when no Vulkan/Metal/D3D12 adapter exists."""
+    name = resolve_backend(backend)
+    with _CACHE_LOCK:
+        dev = _CACHE.get(name)
+        if dev is not None:
+            return dev
+        if name == "wgpu":
+            dev = _open_wgpu()
+        elif name == "dawn":
+            dev = _open_dawn()
+        else:
+            dev = _open_auto()
+        _CACHE[name] = dev
+        _CACHE.setdefault(dev.implementation, dev)
+        return dev
+
+
+def _open_auto() -> Device:
+    with _CACHE_LOCK:
+        if "dawn" in _CACHE:
+            return _CACHE["dawn"]
+    try:
+        return _open_dawn()
+    except DeviceError:
+        pass
+    with _CACHE_LOCK:
+        if "wgpu" in _CACHE:
+            return _CACHE["wgpu"]
+    return _open_wgpu()
+
+
+def _info(adapter) -> dict:
+    try:
+        return dict(adapter.info)
+    except Exception:  # pragma: no cover
+        return {}
+
+
+def _describe_adapter(adapter) -> str:
+    i = _info(adapter)
+    name = i.get("device") or i.get("description") or "?"
+    return f"{name} via {i.get('backend_type', '?')} ({i.get('adapter_type', '?')})"
+
+
+def _good(adapter) -> bool:
+    return str(_info(adapter).get("backend_type", "")).lower() in _GOOD_BACKENDS
+
+
+def _pick(adapters):
+    """The best Vulkan/Metal/D3D12 adapter (discrete > integrated > virtual > CPU), or None."""
+    good = [a for a in adapters if _good(a)]
+    if not good:
+        return None
+    good.sort(key=lambda a: _ADAPTER_RANK.get(str(_info(a).get("adapter_type", "")), 9))
+    return good[0]
+
+
+def _open_wgpu() -> Device:
+    try:
+        import wgpu
+    except ImportError as e:  # pragma: no cover - wgpu is a hard dependency
+        raise DeviceError(f"the wgpu package is not importable: {e}") from e
+    try:
+        adapters = list(wgpu.gpu.enumerate_adapters_sync())
+    except Exception as e:
+        raise DeviceError(f"wgpu-native could not enumerate adapters: {e}; {_INSTALL_HINT}") from e
+    adapter = _pick(adapters)
+    if adapter is None:
+        found = ", ".join(_describe_adapter(a) for a in adapters) or "no adapters at all"
+        raise DeviceError(
+            f"wgpu-native found no Vulkan, Metal or D3D12 adapter (found: {found}); meganeura "
+            f"does not use OpenGL/D3D11 adapters; {_INSTALL_HINT}"
+        )
+    return _make_device(wgpu, adapter, "wgpu")
+
+
+def _open_dawn() -> Device:
+    global _DAWN_CONFIGURED
+    try:
+        import wgpudawn
+        from wgpudawn.backends.dawn import extras
+    except ImportError as e:
+        raise DeviceError(
+            f"backend 'dawn' needs the optional package wgpudawn (pip install "
+            f"'meganeura[dawn]'): {e}"
+        ) from e
+    if not _DAWN_CONFIGURED:
+        try:
+            toggles = extras.all_toggles()
+            wanted = [t for t in _DAWN_TOGGLES if t in toggles]
+            extras.set_instance_extras(enable_toggles=wanted)
+        except RuntimeError:
+            pass  # the instance already exists (someone requested an adapter before us)
+        _DAWN_CONFIGURED = True
+    adapters = []
+    try:
+        adapters = list(wgpudawn.gpu.enumerate_adapters_sync())
+    except Exception:
+        adapters = []
+    adapter = _pick(adapters)
+    if adapter is None:
+        err = ""
+        try:
+            a = wgpudawn.gpu.request_adapter_sync(power_preference="high-performance")
+            if a is not None and _good(a):
+                adapter = a
+            elif a is not None:
+                adapters.append(a)
+        except Exception as e:
+            err = f": {str(e).strip().splitlines()[0] if str(e).strip() else e}"
+        if adapter is None:
+            found = ", ".join(_describe_adapter(a) for a in adapters) or "no adapter"
+            raise DeviceError(
+                f"Dawn found no usable Vulkan, Metal or D3D12 adapter ({found}{err}); "
+                f"{_INSTALL_HINT}; Dawn does not run on old lavapipe (Mesa 22), use backend "
+                f"'wgpu' there"
+            )
+    return _make_device(wgpudawn, adapter, "dawn")
+
+
+def _make_device(module, adapter, implementation: str) -> Device:
+    info = _info(adapter)
+    adapter_limits = {_norm_key(k): v for k, v in dict(adapter.limits).items()}
+    avail = set(adapter.features)
+    features = [f for f in _WANTED_FEATURES if f in avail]
+    required = {}
+    for name in LIMIT_NAMES:
+        if name in adapter_limits and adapter_limits[name]:
+            required[name.replace("_", "-")] = adapter_limits[name]
+    try:
+        device = adapter.request_device_sync(
+            label=f"meganeura-{implementation}",
+            required_features=features,
+            required_limits=required,
+        )
+    except Exception as e:
+        # Some implementations refuse a feature they list (GPU-NOTES: cooperative-matrix); retry
+        # with the essentials only rather than failing.
+        essentials = [f for f in features if f in ("shader-f16", "timestamp-query")]
+        try:
+            device = adapter.request_device_sync(
+                label=f"meganeura-{implementation}",
+                required_features=essentials,
+                required_limits=required,
+            )
+            features = essentials
+        except Exception:
+            raise DeviceError(
+                f"{implementation} could not open a device on {_describe_adapter(adapter)}: {e}"
+            ) from e
+    try:
+        dev_features = frozenset(device.features)
+    except Exception:  # pragma: no cover
+        dev_features = frozenset(features)
+    try:
+        limits = {_norm_key(k): v for k, v in dict(device.limits).items()}
+    except Exception:  # pragma: no cover
+        limits = adapter_limits
+    name = str(info.get("device") or info.get("description") or "unknown adapter")
+    adapter_type = str(info.get("adapter_type", ""))
+    is_cpu = adapter_type == "CPU" or "llvmpipe" in name.lower() or "swiftshader" in name.lower()
+    return Device(
+        device=device,
+        queue=device.queue,
+        adapter=adapter,
+        implementation=implementation,
+        backend_type=str(info.get("backend_type", "")),
+        adapter_name=name,
+        adapter_type=adapter_type,
+        is_cpu=is_cpu,
+        features=dev_features,
+        limits=limits,
+        module=module,
+    )
+
+
+def clear_cache() -> None:
+    """Forget cached devices (tests); pipelines of forgotten devices are dropped with them."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
