@@ -58,6 +58,8 @@ def grad(graph: Graph, loss: Value, wrt: Iterable | None = None) -> tuple[Graph,
     # Forward sweep: which values depend (differentiably) on a target?
     depends: set[int] = set()
     for node in g.nodes[: loss.node.id + 1]:
+        if node.op == "stop_gradient":  # cuts the dependence: nothing past it needs a VJP
+            continue
         if any(o.id in target_ids for o in node.outputs) or any(
             v.id in depends for v in node.inputs if v.dtype.is_float
         ):
