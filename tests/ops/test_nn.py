@@ -173,3 +173,14 @@ def test_losses_second_order(name, rng):
     twin = {"mse_loss": F.mse_loss, "l1_loss": F.l1_loss,
             "bce_with_logits": F.binary_cross_entropy_with_logits}[name]
     second_order(lambda a, b: getattr(ops, name)(a, b) * 3.0, lambda a, b: twin(a, b) * 3.0, x, t)
+
+
+@pytest.mark.parametrize("bad", [3, -1, 7])
+def test_cross_entropy_reference_rejects_out_of_range_labels(bad, rng):
+    # PyTorch raises for such targets; the oracle does too instead of indexing out of bounds
+    g = mn.Graph()
+    loss = ops.cross_entropy(g.input("x", (2, 3)), g.input("y", (2,), mn.i32))
+    with pytest.raises(mn.FeedError, match=f"label {bad} is out of range for 3 classes"):
+        evaluate(g, [loss], {"x": rand(rng, (2, 3)), "y": np.array([0, bad], np.int32)})
+    with pytest.raises((IndexError, RuntimeError)):
+        F.cross_entropy(torch.zeros(2, 3), torch.tensor([0, bad]))

@@ -224,3 +224,28 @@ def test_noop_shape_ops_return_the_value():
     assert ops.slice_(x, 1, 0, 3) is x
     assert ops.concat([x]) is x
     assert ops.squeeze(x) is x
+
+
+PADS = [((5,), (1,), (4,), (1,)), ((4, 6), (0, 1), (4, 6), (1, 2)),
+        ((3, 7), (1, 2), (2, 7), (1, 3)), ((4,), (2,), (2,), (1,))]
+
+
+@pytest.mark.parametrize("case", PADS, ids=str)
+def test_pad_slice(case, rng):
+    """pad_slice, the VJP of slice: zeros with the operand scattered into the sliced positions."""
+    in_shape, starts, stops, steps = case
+    out_shape = tuple(len(range(s, e, st)) for s, e, st in zip(starts, stops, steps, strict=True))
+
+    def build(x):
+        return x.graph.apply("pad_slice", x, in_shape=in_shape, starts=starts, stops=stops,
+                             steps=steps)
+
+    def twin(x):
+        out = torch.zeros(in_shape, dtype=torch.float64)
+        idx = tuple(slice(s, e, st) for s, e, st in zip(starts, stops, steps, strict=True))
+        return out.index_put(tuple(torch.arange(in_shape[i])[idx[i]].reshape(
+            [-1 if j == i else 1 for j in range(len(in_shape))]) for i in range(len(in_shape))),
+            x)
+
+    check_op(build, twin, rand(rng, out_shape))
+    second_order(lambda x: build(x * x), lambda x: twin(x * x), rand(rng, out_shape))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import bool_, f32
-from ..errors import DTypeError, GraphBuildError, ShapeError
+from ..errors import DTypeError, FeedError, GraphBuildError, ShapeError
 from ..graph import Value
 from ..lowering import Composite, Kernel
 from . import elementwise as E
@@ -138,6 +138,10 @@ def _ce_ref(xs, a):
     C = logits.shape[-1]
     logp = _log_softmax_np(logits, -1)
     valid = labels != a["ignore_index"]
+    bad = valid & ((labels < 0) | (labels >= C))
+    if bad.any():
+        raise FeedError(f"cross_entropy: label {int(labels[bad].flat[0])} is out of range for "
+                        f"{C} classes (and is not ignore_index={a['ignore_index']})")
     safe = np.where(valid, labels, 0).astype(np.int64)
     nll = -np.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
     eps = a["label_smoothing"]
@@ -147,7 +151,6 @@ def _ce_ref(xs, a):
         return [per]
     if a["reduction"] == "sum":
         return [np.asarray(per.sum(), dtype=logits.dtype)]
-    del C
     return [np.asarray(per.sum() / valid.sum(), dtype=logits.dtype)]
 
 
