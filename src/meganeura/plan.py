@@ -81,12 +81,12 @@ def _contiguous(shape) -> tuple[int, ...]:
 class _Views:
     """Resolve a value to (materialized base value, Strided view over the value's own shape)."""
 
-    def __init__(self, materialized: set[int]):
+    def __init__(self, materialized: set[int], copier):
         self.materialized = materialized
-        self.cache: dict[int, tuple[Value, ir.Strided] | None] = {}
+        self.copier = copier  # (value, shape) -> contiguous copy of it (a planner kernel)
+        self.cache: dict[int, tuple[Value, ir.Strided]] = {}
 
-    def resolve(self, v: Value) -> tuple[Value, ir.Strided] | None:
-        """None when the value is a view that strides cannot express (needs a copy)."""
+    def resolve(self, v: Value) -> tuple[Value, ir.Strided]:
         if v.id in self.cache:
             return self.cache[v.id]
         res = self._resolve(v)
@@ -100,13 +100,12 @@ class _Views:
         kind = n.opdef.lowering.kind
         if kind not in ("reshape", "permute", "broadcast", "slice", "split"):
             return v, ir.Strided.contiguous(v.dtype, v.shape)  # concat, pad_slice: kernels
-        inner = self.resolve(n.inputs[0])
-        if inner is None:
-            return None
-        base, s = inner
+        base, s = self.resolve(n.inputs[0])
         if kind == "reshape":
-            if s.strides != _contiguous(s.shape) and s.shape != ():
-                return None if not _all_unit(s) else (base, _restride(s, v.shape))
+            if s.strides != _contiguous(s.shape) and not _all_unit(s):
+                src = n.inputs[0]  # strides cannot reshape it: copy to contiguous first
+                base = self.copier(src, src.shape)
+                s = ir.Strided.contiguous(src.dtype, src.shape)
             return base, ir.Strided(v.dtype, v.shape, _contiguous(v.shape), s.offset, s.extent)
         if kind == "permute":
             perm = n.attrs["perm"]
@@ -131,10 +130,6 @@ class _Views:
 
 def _all_unit(s: ir.Strided) -> bool:
     return all(d == 1 for d in s.shape)
-
-
-def _restride(s: ir.Strided, shape) -> ir.Strided:
-    return ir.Strided(s.dtype, tuple(shape), _contiguous(shape), s.offset, s.extent)
 
 
 def broadcast_to(s: ir.Strided, shape) -> ir.Strided:
@@ -206,7 +201,7 @@ class _Planner:
         self.graph: Graph = program.graph
         self.roots = roots
         self.materialized = materialized_values(self.graph, roots, fuse)
-        self.views = _Views(self.materialized)
+        self.views = _Views(self.materialized, self.copy_value)
         self.kernels: list = []
         # value id -> Loc for materialized values once placed
         self.loc: dict[int, Loc] = {}
@@ -216,7 +211,7 @@ class _Planner:
     def kernel_for(self, v: Value) -> None:
         n = v.node
         low = _pointwise_expr(n)
-        if isinstance(low, Pointwise) or isinstance(low, View) and self.views.resolve(v) is None:
+        if isinstance(low, Pointwise):
             self.pointwise([v])
         elif isinstance(low, Reduce):
             self.reduce(v, low.kind)
@@ -273,12 +268,31 @@ class _Planner:
         bases = []
         for val, t in ((a, ta), (b, tb)):
             base, s = self.views.resolve(val)
-            s = _as_batched(s, batch, t)
+            try:
+                s = _as_batched(s, batch, t)
+            except _Unmergeable:
+                # batch dims that no single stride can walk: copy to a contiguous broadcast
+                base = self.copy_value(val, tuple(batch) + val.shape[-2:])
+                s = _as_batched(ir.Strided.contiguous(val.dtype, base.shape), batch, t)
             ops.append(s)
             bases.append(base)
         nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
         desc = ir.MatmulKernel(nb, M, N, K, ops[0], ops[1], out_dtype=v.dtype)
         self.emit(desc, bases, [v], f"matmul {nb}x{M}x{N}x{K}")
+
+    def copy_value(self, src: Value, shape) -> Value:
+        """A planner-made value: ``src`` broadcast to ``shape`` in its own contiguous buffer."""
+        self.n_copies = getattr(self, "n_copies", 0) + 1
+        node = Node(-self.n_copies, "copy", (src,), {})
+        v = Value(self.graph, -self.n_copies, TensorType(tuple(shape), src.dtype), node, 0)
+        node.outputs = (v,)
+        kb = _KernelBuilder(self, shape)
+        kb.instrs.append(ir.Instr("{0}", (kb.read(src),), src.dtype))
+        self.emit(ir.PointwiseKernel(kb.shape, tuple(kb.inputs), tuple(kb.instrs), (0,),
+                                     name="copy"), kb.bases, [v], f"copy {src.shape}->{shape}")
+        self.materialized.add(v.id)
+        self.views.cache[v.id] = (v, ir.Strided.contiguous(v.dtype, v.shape))
+        return v
 
     def view_kernel(self, v: Value, kind: str) -> None:
         from .codegen.concat import ConcatKernel, PadSliceKernel
@@ -318,6 +332,10 @@ def _as_batched(s: ir.Strided, batch, transposed: bool) -> ir.Strided:
     return ir.Strided(s.dtype, (nb, r, c), (bstride, rs, cs), s.offset, s.extent)
 
 
+class _Unmergeable(Exception):
+    pass
+
+
 def _merge_batch(batch, strides) -> int:
     """One stride for the flattened batch, when the batch dims are mergeable."""
     dims = [(d, st) for d, st in zip(batch, strides) if d != 1]
@@ -327,7 +345,7 @@ def _merge_batch(batch, strides) -> int:
         return 0
     for (d1, s1), (d2, s2) in zip(dims, dims[1:]):
         if s1 != d2 * s2:
-            raise NotImplementedError("matmul batch dims are not mergeable into one stride")
+            raise _Unmergeable()
     return dims[-1][1]
 
 
@@ -350,14 +368,12 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
             continue
         for v in node.outputs:
             if v.id in pl.materialized and v.id not in done:
-                if node.op == "full" and v.id not in {r.id for r in roots}:
-                    continue
                 pl.kernel_for(v)
                 done.add(v.id)
     # Roots that are non-contiguous views need a copy kernel.
     for name, v in list(fetch_values.items()) + list(updates.items()):
         res = pl.views.resolve(v)
-        if res is None or (res[1].strides != _contiguous(v.shape) and v.size > 1):
+        if res[1].strides != _contiguous(v.shape) and v.size > 1:
             if v.id not in done:
                 pl.pointwise([v])
                 pl.materialized.add(v.id)

@@ -15,6 +15,9 @@ def _lowering(node):
     return low
 
 
+_STRIDED = ("reshape", "permute", "broadcast", "slice", "split")
+
+
 def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> set[int]:
     needed = graph.ancestors(roots)
     root_ids = {v.id for v in roots}
@@ -28,12 +31,17 @@ def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> 
         if node.id not in needed or node.opdef.leaf:
             continue
         low = _lowering(node)
+        strided_view = isinstance(low, View) and low.kind in _STRIDED
         for v in node.outputs:
-            if v.id in root_ids:
-                out.add(v.id)
-            elif node.op == "full":
-                continue  # a literal inlined wherever it is read
+            if v.id in root_ids and not strided_view:
+                out.add(v.id)  # (a root view is read through its base; the planner copies it
+                # into its own buffer only when strides cannot express it contiguously)
             elif isinstance(low, Pointwise):
+                # a literal (full) is inlined wherever a fused kernel reads it
+                if node.op == "full" and all(
+                        isinstance(_lowering(c), (Pointwise, Reduce))
+                        for c in consumers.get(v.id, [])):
+                    continue
                 cons = {c.id: c for c in consumers.get(v.id, [])}
                 if not fuse or len(cons) != 1:
                     out.add(v.id)
@@ -42,8 +50,7 @@ def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> 
                 cl = _lowering(c)
                 if not isinstance(cl, (Pointwise, Reduce)):
                     out.add(v.id)
-            elif isinstance(low, View) and low.kind in ("reshape", "permute", "broadcast",
-                                                         "slice", "split"):
+            elif strided_view:
                 continue
             else:
                 out.add(v.id)

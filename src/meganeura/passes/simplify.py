@@ -39,5 +39,20 @@ def eliminate_common_subexpressions(program: Program) -> Program:
     return rebuild(program, rewrite)
 
 
+_SHAPE_ONLY = ("reshape", "broadcast_to", "permute", "slice")
+
+
+def fold_constant_views(program: Program) -> Program:
+    """A view of a ``full`` is a ``full`` of the view's shape (no buffer, inlined as a literal)."""
+
+    def rewrite(g, node, ins):
+        if node.op in _SHAPE_ONLY and ins[0].node.op == "full":
+            a = ins[0].node.attrs
+            return [g.full(node.out.shape, a["value"], a["dtype"])]
+        return None
+
+    return rebuild(program, rewrite)
+
+
 def simplify(program: Program) -> Program:
-    return eliminate_dead_code(eliminate_common_subexpressions(program))
+    return eliminate_dead_code(eliminate_common_subexpressions(fold_constant_views(program)))

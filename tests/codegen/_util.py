@@ -1,0 +1,55 @@
+"""Helpers for the emitter tests (numpy views as Strided maps, a kernel runner, tolerances)."""
+
+import numpy as np
+
+from meganeura import codegen
+from meganeura.codegen.ir import Strided
+from meganeura.dtypes import as_dtype, bool_
+
+def view_of(base: np.ndarray, v: np.ndarray) -> Strided:
+    """The Strided map of numpy view ``v`` into its (contiguous) ``base`` array."""
+    assert base.flags.c_contiguous
+    item = base.itemsize
+    off = (v.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // item
+    strides = tuple(s // item for s in v.strides)
+    return Strided(as_dtype(base.dtype), tuple(v.shape), strides, off, base.size)
+
+
+class Runner:
+    def __init__(self, dev):
+        self.dev = dev
+
+    def __call__(self, desc, inputs, outputs, limits=None):
+        """Emit ``desc``, bind ``inputs`` (numpy arrays: the raw buffers, in binding order) and
+        fresh ``outputs`` ((shape, dtype) pairs), dispatch, return the outputs as numpy."""
+        spec = codegen.emit(desc, self.dev.limits if limits is None else limits,
+                            self.dev.features)
+        bufs = [self.dev.upload(a) for a in inputs]
+        for shape, dt in outputs:
+            dt = as_dtype(dt)
+            n = int(np.prod(shape, dtype=np.int64))
+            bufs.append(self.dev.create_buffer(max(n, 1) * dt.gpu_itemsize))
+        self.dev.dispatch(spec, bufs)
+        res = []
+        for buf, (shape, dt) in zip(bufs[len(inputs):], outputs, strict=True):
+            dt = as_dtype(dt)
+            arr = self.dev.read_array(buf, tuple(shape), dt)
+            res.append(arr if dt is not bool_ else arr.astype(bool))
+        self.last_spec = spec
+        return res
+
+
+
+def assert_close(got, ref, rtol, atol=0.0, what=""):
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    err = np.abs(got - ref)
+    tol = atol + rtol * np.abs(ref)
+    bad = ~(err <= tol) & ~(np.isnan(got) & np.isnan(ref)) & ~(got == ref)
+    if bad.any():
+        i = np.argmax(np.where(bad, err - tol, -np.inf))
+        raise AssertionError(
+            f"{what}: {bad.sum()} of {bad.size} elements off; worst at {np.unravel_index(i, bad.shape)}: "
+            f"got {got.flat[i]!r}, want {ref.flat[i]!r}"
+        )

@@ -1,0 +1,202 @@
+"""Pointwise emitter on the device vs numpy: broadcasting, views (transposes, slices with
+offsets, negative steps), multiple outputs, dtypes, wrapped grids, limits."""
+
+import numpy as np
+import pytest
+
+from meganeura import codegen
+from meganeura.codegen import CodegenError, Instr, PointwiseKernel, Strided
+from meganeura.dtypes import bool_, f16, f32, i32, u32
+from meganeura.errors import DeviceError, LimitError
+
+from ._util import assert_close, view_of
+
+ADD = "({0} + {1})"
+
+
+def _pk(shape, inputs, instrs, outputs=None, name="pw"):
+    return PointwiseKernel(tuple(shape), tuple(inputs), tuple(instrs),
+                           tuple(outputs if outputs is not None else (len(instrs) - 1,)), name)
+
+
+def test_contiguous_same_shape(run, rng):
+    a = rng.standard_normal(1001).astype(np.float32)
+    b = rng.standard_normal(1001).astype(np.float32)
+    k = _pk((1001,), [Strided.contiguous(f32, (1001,))] * 2,
+            [Instr(ADD, (("in", 0), ("in", 1)), f32), Instr("({0} * {1})", (("t", 0), ("in", 0)), f32)])
+    (y,) = run(k, [a, b], [((1001,), f32)])
+    assert_close(y, (a + b) * a, 1e-6, what="(a+b)*a")
+    assert "i % " not in run.last_spec.wgsl  # contiguous: no index arithmetic
+
+
+@pytest.mark.parametrize(
+    "sa,sb",
+    [((4, 1, 6), (5, 1)), ((1,), (3, 7)), ((2, 3, 1, 5), (3, 4, 1)), ((), (9,)), ((7, 1), (1, 8))],
+)
+def test_broadcasting(run, rng, sa, sb):
+    a = rng.standard_normal(sa).astype(np.float32)
+    b = rng.standard_normal(sb).astype(np.float32)
+    out = np.broadcast_shapes(sa, sb)
+    k = _pk(out, [Strided.contiguous(f32, sa), Strided.contiguous(f32, sb)],
+            [Instr("({0} - {1} * 2.0)", (("in", 0), ("in", 1)), f32)])
+    (y,) = run(k, [a, b], [(out, f32)])
+    assert_close(y, a - b * 2.0, 1e-6, what=f"{sa} - {sb}")
+
+
+def test_views_transpose_slice_offset_negative_step(run, rng):
+    base = rng.standard_normal((9, 12)).astype(np.float32)
+    other = rng.standard_normal((40,)).astype(np.float32)
+    views = [
+        base.T[2:8, 1:6],  # transposed and sliced: offset and swapped strides
+        base[1:6, 11:0:-2],  # negative step along the last axis
+        base[::-2, 3:9][:5],  # negative step along the first axis
+    ]
+    for v in views:
+        ov = other[5 : 5 + v.size].reshape(v.shape)  # offset into a flat buffer
+        k = _pk(v.shape, [view_of(base, v), view_of(other, ov)],
+                [Instr("max({0}, {1})", (("in", 0), ("in", 1)), f32),
+                 Instr("({0} * {1})", (("t", 0), ("in", 0)), f32)])
+        (y,) = run(k, [base, other], [(v.shape, f32)])
+        assert_close(y, np.maximum(v, ov) * v, 1e-6, what=f"view strides {v.strides}")
+
+
+def test_broadcast_view_with_stride_zero(run, rng):
+    base = rng.standard_normal((3, 4)).astype(np.float32)
+    v = np.broadcast_to(base[:, 1:2], (2, 3, 5))  # numpy gives stride 0 itself
+    k = _pk((2, 3, 5), [view_of(base, v)], [Instr("exp({0})", (("in", 0),), f32)])
+    (y,) = run(k, [base], [((2, 3, 5), f32)])
+    assert_close(y, np.exp(v.astype(np.float64)), 1e-5, what="exp of broadcast column")
+
+
+def test_rank0_and_rank5(run, rng):
+    a = np.array(2.5, np.float32)
+    k = _pk((), [Strided.contiguous(f32, ())], [Instr("({0} * {0})", (("in", 0),), f32)])
+    (y,) = run(k, [a], [((), f32)])
+    assert y.shape == () and y == 6.25
+    s = (2, 3, 1, 4, 5)
+    b = rng.standard_normal(s).astype(np.float32)
+    c = rng.standard_normal((3, 1, 1, 5)).astype(np.float32)
+    k = _pk(s, [Strided.contiguous(f32, s), Strided.contiguous(f32, (3, 1, 1, 5))],
+            [Instr("({0} / {1})", (("in", 0), ("in", 1)), f32)])
+    (y,) = run(k, [b, c], [(s, f32)])
+    assert_close(y, b / c, 1e-6, what="rank 5")
+
+
+def test_multiple_outputs_and_dtypes(run, rng):
+    """One kernel: compare (bool out), where, cast to i32, integer arithmetic, bool ops."""
+    n = 300
+    a = rng.standard_normal(n).astype(np.float32) * 10
+    b = rng.standard_normal(n).astype(np.float32) * 10
+    m = rng.integers(0, 2, n).astype(bool)
+    j = rng.integers(-50, 50, n).astype(np.int32)
+    instrs = [
+        Instr("({0} > {1})", (("in", 0), ("in", 1)), bool_),  # t0
+        Instr("({0} && {1})", (("t", 0), ("in", 2)), bool_),  # t1
+        Instr("select({2}, {1}, {0})", (("t", 1), ("in", 0), ("in", 1)), f32),  # t2 where
+        Instr("i32({0})", (("t", 2),), i32),  # t3 cast (truncates)
+        Instr("({0} * {1} - 3)", (("t", 3), ("in", 3)), i32),  # t4
+        Instr("(!{0})", (("t", 1),), bool_),  # t5
+        Instr("f32({0})", (("t", 5),), f32),  # t6 bool -> float
+        Instr("abs({0})", (("in", 3),), i32),  # t7
+    ]
+    k = _pk((n,), [Strided.contiguous(f32, (n,)), Strided.contiguous(f32, (n,)),
+                   Strided.contiguous(bool_, (n,)), Strided.contiguous(i32, (n,))],
+            instrs, outputs=(1, 2, 4, 6, 7))
+    outs = run(k, [a, b, m, j], [((n,), bool_), ((n,), f32), ((n,), i32), ((n,), f32), ((n,), i32)])
+    t1 = (a > b) & m
+    t2 = np.where(t1, a, b)
+    np.testing.assert_array_equal(outs[0], t1)
+    np.testing.assert_array_equal(outs[1], t2)
+    np.testing.assert_array_equal(outs[2], np.trunc(t2).astype(np.int32) * j - 3)
+    np.testing.assert_array_equal(outs[3], (~t1).astype(np.float32))
+    np.testing.assert_array_equal(outs[4], np.abs(j))
+
+
+def test_u32_and_constants(run):
+    n = 10
+    x = np.arange(n, dtype=np.uint32) * 3
+    k = _pk((n,), [Strided.contiguous(u32, (n,))],
+            [Instr("u32(7)", (), u32), Instr("({0} % {1})", (("in", 0), ("t", 0)), u32),
+             Instr("f32(-inf)", (), f32), Instr("f32({0})", (("t", 1),), f32),
+             Instr("max({0}, {1})", (("t", 2), ("t", 3)), f32)],
+            outputs=(1, 2, 4))
+    o1, o2, o3 = run(k, [x], [((n,), u32), ((n,), f32), ((n,), f32)])
+    np.testing.assert_array_equal(o1, x % 7)
+    assert np.all(np.isneginf(o2))
+    np.testing.assert_array_equal(o3, (x % 7).astype(np.float32))
+
+
+def test_no_inputs_full(run):
+    k = _pk((5, 3), [], [Instr("f32(1.5)", (), f32)])
+    (y,) = run(k, [], [((5, 3), f32)])
+    np.testing.assert_array_equal(y, np.full((5, 3), 1.5, np.float32))
+
+
+def test_grid_wraps_2d_and_3d(run, dev, rng):
+    n = 5000  # 20 workgroups of 256
+    a = rng.standard_normal(n).astype(np.float32)
+    k = _pk((n,), [Strided.contiguous(f32, (n,))],
+            [Instr("({0} * 3.0 + 1.0)", (("in", 0),), f32)])
+    for maxdim, expect in ((5, (5, 4, 1)), (4, (4, 4, 2)), (3, (3, 3, 3)), (65535, (20, 1, 1))):
+        limits = dict(dev.limits, max_compute_workgroups_per_dimension=maxdim)
+        (y,) = run(k, [a], [((n,), f32)], limits=limits)
+        assert run.last_spec.workgroups == expect
+        assert_close(y, a * 3.0 + 1.0, 1e-6, what=f"grid {expect}")
+
+
+def test_f16(run, dev, rng):
+    if not dev.has_f16:
+        pytest.skip("device has no shader-f16")
+    n = 257
+    a = rng.standard_normal(n).astype(np.float16)
+    b = rng.standard_normal(n).astype(np.float32)
+    k = _pk((n,), [Strided.contiguous(f16, (n,)), Strided.contiguous(f32, (n,))],
+            [Instr("mn_sigmoid({0})", (("in", 0),), f16, ("mn_sigmoid",)),
+             Instr("f32({0})", (("t", 0),), f32),
+             Instr("({0} + {1})", (("t", 1), ("in", 1)), f32)],
+            outputs=(0, 2))
+    h, s = run(k, [a, b], [((n,), f16), ((n,), f32)])
+    ref = 1 / (1 + np.exp(-a.astype(np.float64)))
+    assert_close(h, ref, 1e-3, what="f16 sigmoid")
+    assert_close(s, ref.astype(np.float16).astype(np.float64) + b, 1e-6, what="f16 -> f32")
+    assert "enable f16;" in run.last_spec.wgsl
+    with pytest.raises(DeviceError, match="shader-f16"):
+        codegen.emit(k, dev.limits, features=())
+
+
+def test_limit_errors(dev):
+    ins = [Strided.contiguous(f32, (4,))] * 3
+    k = _pk((4,), ins, [Instr("({0} + {1} + {2})", (("in", 0), ("in", 1), ("in", 2)), f32)])
+    with pytest.raises(LimitError, match="storage buffers"):
+        codegen.emit(k, {"max_storage_buffers_per_shader_stage": 3})
+    codegen.emit(k, {"max_storage_buffers_per_shader_stage": 4})
+    with pytest.raises(LimitError, match="max_storage_buffer_binding_size"):
+        codegen.emit(k, {"max_storage_buffer_binding_size": 8})
+    big = _pk((70000 * 256,), [], [Instr("f32(0.0)", (), f32)])
+    with pytest.raises(LimitError, match="workgroups"):
+        codegen.emit(big, {"max_compute_workgroups_per_dimension": 16})
+    # WebGPU defaults when no limits are given: still fine for small kernels
+    assert codegen.emit(k).workgroups == (1, 1, 1)
+
+
+def test_description_errors():
+    s = Strided(f32, (4,), (1,), 2, 5)  # reads elements 2..5 of a 5-element range
+    k = _pk((4,), [s], [Instr("{0}", (("in", 0),), f32)])
+    with pytest.raises(CodegenError, match="binding holds 5"):
+        codegen.emit(k)
+    k = _pk((4,), [Strided.contiguous(f32, (3,))], [Instr("{0}", (("in", 0),), f32)])
+    with pytest.raises(CodegenError, match="does not broadcast"):
+        codegen.emit(k)
+    k = _pk((4,), [Strided.contiguous(f32, (4,))], [Instr("({0} + {1})", (("in", 0),), f32)])
+    with pytest.raises(CodegenError, match="operand"):
+        codegen.emit(k)
+    with pytest.raises(CodegenError, match="no WGSL emitter"):
+        codegen.emit(object())
+
+
+def test_deterministic_source(dev):
+    k = _pk((3, 4), [Strided.contiguous(f32, (3, 4)), Strided.contiguous(f32, (4,))],
+            [Instr("mn_tanh({0} + {1})", (("in", 0), ("in", 1)), f32, ("mn_tanh",))])
+    a, b = codegen.emit(k, dev), codegen.emit(k, dev)
+    assert a == b and a.wgsl == b.wgsl
+    assert dev.pipeline(a) is dev.pipeline(b)  # cached by source

@@ -1,0 +1,171 @@
+"""Reduce emitter on the device vs numpy: any axes (middle, several, all, none), sum/max/min
+with negative values, prologue/epilogue DAGs with broadcast and extra inputs, strided inputs,
+integer and bool values, f16, a 10^7-element sum, limits."""
+
+import numpy as np
+import pytest
+
+from meganeura import codegen
+from meganeura.codegen import CodegenError, Instr, ReduceKernel, Strided
+from meganeura.dtypes import bool_, f16, f32, i32
+from meganeura.errors import LimitError
+
+from ._util import assert_close, view_of
+
+NP = {"sum": np.sum, "max": np.max, "min": np.min}
+
+
+def _out(shape, axes):
+    return tuple(n for d, n in enumerate(shape) if d not in axes)
+
+
+def _plain(shape, axes, kind, dtype=f32):
+    return ReduceKernel(tuple(shape), tuple(axes), kind, (Strided.contiguous(dtype, shape),), ())
+
+
+@pytest.mark.parametrize(
+    "shape,axes",
+    [
+        ((5, 37, 6), (1,)),  # middle axis
+        ((5, 37, 6), (0,)),  # leading axis (column reduction)
+        ((5, 37, 6), (2,)),  # last axis, tiny: serial
+        ((5, 37, 6), (0, 2)),  # non-adjacent axes
+        ((5, 37, 6), (0, 1, 2)),  # everything
+        ((300, 70), (1,)),  # rows: one workgroup per row
+        ((300, 70), (0,)),  # columns: outputs side by side
+        ((3, 4, 5, 6), (1, 3)),
+        ((7, 1, 9), (1,)),  # size-1 reduced axis
+        ((6, 8), ()),  # nothing reduced: a copy
+    ],
+)
+@pytest.mark.parametrize("kind", ["sum", "max", "min"])
+def test_axes_kinds(run, rng, shape, axes, kind):
+    x = (rng.standard_normal(shape) * 3 - 1).astype(np.float32)
+    (y,) = run(_plain(shape, axes, kind), [x], [(_out(shape, axes), f32)])
+    ref = NP[kind](x.astype(np.float64), axis=axes) if axes else x
+    assert_close(y, ref, 1e-5, 1e-5, what=f"{kind} over {axes} of {shape}")
+
+
+def test_all_negative_max_min(run, rng):
+    x = (-5 - rng.random((13, 50))).astype(np.float32)
+    for kind in ("max", "min"):
+        for axes in ((0,), (1,), (0, 1)):
+            (y,) = run(_plain(x.shape, axes, kind), [x], [(_out(x.shape, axes), f32)])
+            np.testing.assert_array_equal(y, NP[kind](x, axis=axes))
+
+
+def test_strided_input(run, rng):
+    base = rng.standard_normal((20, 30)).astype(np.float32)
+    v = base.T[3:25:2, 1:18]  # transposed, sliced, stepped
+    k = ReduceKernel(v.shape, (1,), "sum", (view_of(base, v),), ())
+    (y,) = run(k, [base], [((v.shape[0],), f32)])
+    assert_close(y, v.astype(np.float64).sum(1), 1e-5, 1e-5, what="strided rows")
+    k = ReduceKernel(v.shape, (0,), "max", (view_of(base, v),), ())
+    (y,) = run(k, [base], [((v.shape[1],), f32)])
+    np.testing.assert_array_equal(y, v.max(0))
+
+
+def test_prologue_epilogue_mean_var(run, rng):
+    """var = mean((x - mean)^2) over the middle axis; mean broadcast with stride 0 along it."""
+    x = rng.standard_normal((4, 33, 5)).astype(np.float32)
+    mean = x.astype(np.float64).mean(1).astype(np.float32)  # (4, 5)
+    mean_view = Strided(f32, (4, 33, 5), (5, 0, 1), 0, 20)
+    k = ReduceKernel(
+        (4, 33, 5), (1,), "sum",
+        (Strided.contiguous(f32, (4, 33, 5)), mean_view),
+        (Instr("({0} - {1})", (("in", 0), ("in", 1)), f32),
+         Instr("({0} * {0})", (("t", 0),), f32)),
+        (Instr("({0} * f32(0.030303030303030304))", (("acc", 0),), f32),
+         Instr("sqrt({0})", (("t", 0),), f32)),
+        name="std",
+    )
+    (y,) = run(k, [x, mean], [((4, 5), f32)])
+    assert_close(y, x.astype(np.float64).std(1), 1e-5, what="std")
+
+
+def test_logsumexp_with_extra(run, rng):
+    """Prologue exp(x - m) (m broadcast), epilogue log(acc) + m with m as an extra input given
+    in keepdims form."""
+    x = (rng.standard_normal((6, 40)) * 4).astype(np.float32)
+    m = x.max(1, keepdims=True)
+    k = ReduceKernel(
+        (6, 40), (1,), "sum",
+        (Strided.contiguous(f32, (6, 40)), Strided(f32, (6, 1), (1, 0), 0, 6)),
+        (Instr("exp({0} - {1})", (("in", 0), ("in", 1)), f32),),
+        (Instr("log({0})", (("acc", 0),), f32), Instr("({0} + {1})", (("t", 0), ("x", 0)), f32)),
+        (Strided(f32, (6, 1), (1, 0), 0, 6),),
+        name="logsumexp",
+    )
+    (y,) = run(k, [x, m, m], [((6,), f32)])
+    ref = np.log(np.exp(x.astype(np.float64) - m).sum(1)) + m[:, 0]
+    assert_close(y, ref, 1e-5, what="logsumexp")
+
+
+def test_int_and_bool(run, rng):
+    j = rng.integers(-1000, 1000, (9, 21)).astype(np.int32)
+    for kind in ("sum", "max", "min"):
+        (y,) = run(_plain(j.shape, (1,), kind, i32), [j], [((9,), i32)])
+        np.testing.assert_array_equal(y, NP[kind](j, axis=1))
+    x = rng.standard_normal((7, 30)).astype(np.float32)
+    # any(x > 1.5) per row: bool prologue reduced with max, stored as bool
+    k = ReduceKernel((7, 30), (1,), "max", (Strided.contiguous(f32, (7, 30)),),
+                     (Instr("({0} > f32(1.5))", (("in", 0),), bool_),), name="any")
+    (y,) = run(k, [x], [((7,), bool_)])
+    np.testing.assert_array_equal(y, (x > 1.5).any(1))
+    # count(x > 0) per column as i32
+    k = ReduceKernel((7, 30), (0,), "sum", (Strided.contiguous(f32, (7, 30)),),
+                     (Instr("({0} > 0.0)", (("in", 0),), bool_),
+                      Instr("i32({0})", (("t", 0),), i32)), name="count")
+    (y,) = run(k, [x], [((30,), i32)])
+    np.testing.assert_array_equal(y, (x > 0).sum(0))
+
+
+def test_out_dtype_and_f16(run, dev, rng):
+    if not dev.has_f16:
+        pytest.skip("device has no shader-f16")
+    x = rng.standard_normal((5, 200)).astype(np.float16)
+    k = ReduceKernel((5, 200), (1,), "sum", (Strided.contiguous(f16, (5, 200)),), (),
+                     out_dtype=f32, name="sum_f16_to_f32")
+    (y,) = run(k, [x], [((5,), f32)])
+    assert_close(y, x.astype(np.float64).sum(1), 1e-5, 1e-5, what="f16 sum in f32")
+
+
+def test_huge_sum(run, rng):
+    n = 10**7
+    x = rng.random(n, dtype=np.float32)
+    (y,) = run(_plain((n,), (0,), "sum"), [x], [((), f32)])
+    assert_close(y, x.astype(np.float64).sum(), 1e-4, what="sum of 1e7")
+    # a column reduction over a long axis too
+    x2 = rng.random((100_000, 3), dtype=np.float32)
+    (y2,) = run(_plain(x2.shape, (0,), "sum"), [x2], [((3,), f32)])
+    assert_close(y2, x2.astype(np.float64).sum(0), 1e-4, what="long columns")
+
+
+def test_deterministic(run, rng):
+    x = rng.standard_normal(100_003).astype(np.float32)
+    k = _plain(x.shape, (0,), "sum")
+    a = run(k, [x], [((), f32)])[0]
+    b = run(k, [x], [((), f32)])[0]
+    assert a.tobytes() == b.tobytes()
+
+
+def test_many_outputs_wrapped_grid(run, dev, rng):
+    x = rng.standard_normal((1000, 20)).astype(np.float32)
+    limits = dict(dev.limits, max_compute_workgroups_per_dimension=30)
+    (y,) = run(_plain(x.shape, (1,), "max"), [x], [((1000,), f32)], limits=limits)
+    assert max(run.last_spec.workgroups) <= 30
+    np.testing.assert_array_equal(y, x.max(1))
+
+
+def test_limits_and_errors():
+    k = _plain((8, 1000), (1,), "sum")
+    spec = codegen.emit(k)
+    assert spec.meta["workgroup_storage"] > 0
+    with pytest.raises(LimitError, match="workgroup storage"):
+        codegen.emit(k, {"max_compute_workgroup_storage_size": 64})
+    with pytest.raises(LimitError, match="storage buffers"):
+        codegen.emit(k, {"max_storage_buffers_per_shader_stage": 1})
+    with pytest.raises(CodegenError, match="unknown reduction"):
+        codegen.emit(ReduceKernel((4,), (0,), "prod", (Strided.contiguous(f32, (4,)),), ()))
+    with pytest.raises(CodegenError, match="out of range"):
+        codegen.emit(ReduceKernel((4,), (3,), "sum", (Strided.contiguous(f32, (4,)),), ()))
