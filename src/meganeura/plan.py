@@ -161,6 +161,7 @@ class _KernelBuilder:
         self.bases: list[Value] = []
         self.instrs: list[ir.Instr] = []
         self.memo: dict[int, tuple[str, int]] = {}
+        self.ops: list[str] = []  # op names fused in (for labels and profiles)
 
     def read(self, v: Value, shape=None) -> tuple[str, int]:
         base, s = self.p.views.resolve(v)
@@ -182,6 +183,7 @@ class _KernelBuilder:
             args = tuple(self.value(a) for a in n.inputs)
             low = _pointwise_expr(n)
             self.instrs.append(ir.Instr(low.expr, args, v.dtype, low.helpers))
+            self.ops.append(n.op)
             ref = ("t", len(self.instrs) - 1)
         else:
             ref = self.read(v)
@@ -235,12 +237,14 @@ class _Planner:
                 args = tuple(kb.value(a) for a in n.inputs)
                 low = _pointwise_expr(n)
                 kb.instrs.append(ir.Instr(low.expr, args, v.dtype, low.helpers))
+                kb.ops.append(n.op)
                 res.append(len(kb.instrs) - 1)
             else:  # materializing copy of a view
                 ref = kb.read(v)
                 kb.instrs.append(ir.Instr("{0}", (ref,), v.dtype))
                 res.append(len(kb.instrs) - 1)
-        ops = "+".join(sorted({i.expr.split("(")[0] or "copy" for i in kb.instrs}))[:40]
+        ops = ",".join([o for o in kb.ops if o != "full"] or ["copy"])
+        ops = ops if len(ops) < 48 else ops[:45] + "..."
         desc = ir.PointwiseKernel(kb.shape, tuple(kb.inputs), tuple(kb.instrs), tuple(res),
                                   name=f"pw_{len(kb.instrs)}")
         self.emit(desc, kb.bases, outs, f"pointwise[{len(kb.instrs)}] {kb.shape} {ops}")
@@ -254,8 +258,9 @@ class _Planner:
             kb.instrs.append(ir.Instr("{0}", (ref,), x.dtype))
         desc = ir.ReduceKernel(x.shape, n.attrs["axes"], kind, tuple(kb.inputs), tuple(kb.instrs),
                                out_dtype=v.dtype, name=f"reduce_{kind}")
-        self.emit(desc, kb.bases, [v], f"reduce_{kind} {x.shape}->{v.shape} "
-                  f"[{len(kb.instrs)} prologue]")
+        pro = ",".join(o for o in kb.ops if o != "full")
+        self.emit(desc, kb.bases, [v], f"reduce_{kind} {x.shape}->{v.shape}"
+                  + (f" <{pro}>" if pro else ""))
 
     def matmul(self, v: Value) -> None:
         n = v.node
