@@ -1,9 +1,13 @@
 """Elementwise ops: forward and VJP against PyTorch (float64), VJP against finite differences."""
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import meganeura as mn
 from meganeura import ops
@@ -358,3 +362,25 @@ def test_stop_gradient_alone_gives_zero_gradient(rng):
 def test_spec_helper_int_inputs_are_not_params():
     assert not Spec(np.array([1, 2])).diff
     assert Spec(np.array([1.0])).diff
+
+
+# ------------------------------------------------------------------------ random broadcasting
+
+
+@st.composite
+def _broadcast_pair(draw):
+    """Two shapes that broadcast: random rank 0-3, size-1 dims and dropped leading dims."""
+    out = draw(st.lists(st.integers(1, 3), min_size=0, max_size=3))
+    shapes = []
+    for _ in range(2):
+        lead = draw(st.integers(0, len(out)))
+        shapes.append(tuple(1 if draw(st.booleans()) else d for d in out[lead:]))
+    return tuple(shapes)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(shapes=_broadcast_pair(), name=st.sampled_from(sorted(BINARY)))
+def test_binary_random_broadcasting(shapes, name):
+    build, twin, da, db = BINARY[name]
+    rng = np.random.default_rng(zlib.crc32(repr((shapes, name)).encode()))
+    check_op(build, twin, rand(rng, shapes[0], da), rand(rng, shapes[1], db))
