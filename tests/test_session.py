@@ -109,7 +109,8 @@ def test_corrupt_truncated_and_mismatched_checkpoints(backend, tmp_path):
         s.load(tmp_path / "missing.safetensors")
 
     other = _session(backend, hidden=(7,))
-    with pytest.raises(mn.CheckpointError, match=r"mismatched tensors \[mlp.0.weight: file float32\[16, 12\] vs graph f32\[7,12\]"):
+    with pytest.raises(mn.CheckpointError, match=r"mismatched tensors \[mlp.0.weight: file "
+                       r"float32\[16, 12\] vs graph f32\[7,12\]"):
         other.load(good)
 
     from safetensors.numpy import save_file

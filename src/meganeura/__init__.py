@@ -5,8 +5,17 @@ from .autodiff import grad  # noqa: F401
 from .compiler import compile  # noqa: F401
 from .dtypes import bool_, f16, f32, i32, u32  # noqa: F401
 from .errors import (  # noqa: F401
-    AutodiffError, AxisError, CheckpointError, DeviceError, DTypeError, FeedError,
-    GraphBuildError, LimitError, MeganeuraError, NameConflictError, ShapeError,
+    AutodiffError,
+    AxisError,
+    CheckpointError,
+    DeviceError,
+    DTypeError,
+    FeedError,
+    GraphBuildError,
+    LimitError,
+    MeganeuraError,
+    NameConflictError,
+    ShapeError,
 )
 from .graph import Graph, TensorType, Value  # noqa: F401
 

@@ -22,7 +22,8 @@ def _model(name: str, batch: int):
         try:
             from .models.cnn import digits_cnn
         except ImportError:
-            raise SystemExit("model 'cnn' is not available in this build (needs the conv ops)")
+            raise SystemExit("model 'cnn' is not available in this build (needs the conv "
+                             "ops)") from None
         return digits_cnn(batch)
     raise SystemExit(f"unknown model {name!r}; choose mlp or cnn")
 

@@ -103,7 +103,8 @@ def _gain(nonlinearity: str, a: float) -> float:
 
 @dataclass(frozen=True)
 class kaiming_uniform(Initializer):
-    """Default ``a=sqrt(5)`` with leaky_relu gives PyTorch's nn.Linear/Conv default: U(±1/√fan_in)."""
+    """Default ``a=sqrt(5)`` with leaky_relu gives PyTorch's nn.Linear/Conv default:
+    U(±1/√fan_in)."""
 
     a: float = math.sqrt(5.0)
     mode: str = "fan_in"

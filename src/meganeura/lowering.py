@@ -7,8 +7,8 @@ one of them when it depends on attributes (``cast``, ``gelu(approximate=…)``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)

@@ -348,7 +348,7 @@ def _merge_batch(batch, strides) -> int:
         return 0
     if all(st == 0 for _, st in dims):
         return 0
-    for (d1, s1), (d2, s2) in zip(dims, dims[1:]):
+    for (_, s1), (d2, s2) in zip(dims, dims[1:]):
         if s1 != d2 * s2:
             raise _Unmergeable()
     return dims[-1][1]
@@ -376,7 +376,7 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
                 pl.kernel_for(v)
                 done.add(v.id)
     # Roots that are non-contiguous views need a copy kernel.
-    for name, v in list(fetch_values.items()) + list(updates.items()):
+    for v in list(fetch_values.values()) + list(updates.values()):
         res = pl.views.resolve(v)
         if res[1].strides != _contiguous(v.shape) and v.size > 1:
             if v.id not in done:
@@ -453,7 +453,7 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
     def loc_of(v: Value) -> Loc:
         return leaf_loc(v) or placed[v.id]
 
-    for desc, ins, outs, label in kernels:
+    for desc, ins, outs, label in kernels:  # noqa: B007
         plan.kernels.append(PlannedKernel(desc, [loc_of(v) for v in ins + outs], label))
     for name, v in fetch_values.items():
         base, s = fetch_bases[name]

@@ -5,8 +5,8 @@ follows (passes, plan, codegen, runtime) only sees the resulting Program."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from .autodiff import grad
 from .errors import GraphBuildError

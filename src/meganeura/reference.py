@@ -6,7 +6,7 @@ checks); ``np.float32`` follows the graph's own dtypes."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 

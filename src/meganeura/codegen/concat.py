@@ -107,7 +107,8 @@ def emit_pad_slice(k: PadSliceKernel, limits=None) -> KernelSpec:
         coord.append(f"((c{a} - {st}u) / {step}u)")
     zero = "0u" if k.dtype.name == "bool" else f"{k.dtype.wgsl}(0)"
     cond = " && ".join(f"({c})" for c in conds) or "true"
-    body.append(f"  if ({cond}) {{ b1[i] = b0[{_addr(k.input, coord)}]; }} else {{ b1[i] = {zero}; }}")
+    body.append(f"  if ({cond}) {{ b1[i] = b0[{_addr(k.input, coord)}]; }} "
+                f"else {{ b1[i] = {zero}; }}")
     src = _header(k.dtype, 1) + "\n" + _main(total, gx, body)
     return KernelSpec(k.name, src, 2, grid)
 

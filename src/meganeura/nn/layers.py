@@ -3,8 +3,8 @@ parameters in the graph (names prefixed by the layer's ``name``) and returns the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..graph import Graph, Value
 from ..init import fan_in_uniform, kaiming_uniform

@@ -152,7 +152,8 @@ class GPUSession(Session):
     def _upload_feeds(self, feeds):
         leaves = self.lowered.graph.leaves
         for name, arr in feeds.items():
-            self.dev.queue.write_buffer(self.pinned[name], 0, _to_gpu(arr, leaves[name].value.dtype))
+            data = _to_gpu(arr, leaves[name].value.dtype)
+            self.dev.queue.write_buffer(self.pinned[name], 0, data)
 
     def _submit(self, ex: _Executable, feeds):
         import wgpu
