@@ -404,7 +404,7 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     values: dict[int, Value] = {}
-    for i, (desc, ins, outs, label) in enumerate(kernels):
+    for i, (_desc, ins, outs, _label) in enumerate(kernels):
         for v in outs:
             first.setdefault(v.id, i)
             last[v.id] = max(last.get(v.id, i), i)
@@ -453,7 +453,7 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
     def loc_of(v: Value) -> Loc:
         return leaf_loc(v) or placed[v.id]
 
-    for desc, ins, outs, label in kernels:  # noqa: B007
+    for desc, ins, outs, label in kernels:
         plan.kernels.append(PlannedKernel(desc, [loc_of(v) for v in ins + outs], label))
     for name, v in fetch_values.items():
         base, s = fetch_bases[name]
