@@ -154,6 +154,18 @@ def _slice_step(g, x, w):
     x[::-1]
 
 
+def _one_hot_classes(g, x, w):
+    g.input("labels", (4,), mn.i32).one_hot(0)
+
+
+def _one_hot_float(g, x, w):
+    ops.nn.one_hot(x, 3)
+
+
+def _bce_dtype(g, x, w):
+    ops.bce_with_logits(x, g.input("t", (2, 3), mn.i32))
+
+
 BAD_BUILDS = {
     "matmul inner dims": (_matmul_inner, ShapeError, ["matmul", "f32[2,3]", "f32[4,5]"]),
     "matmul batch dims": (_matmul_batch, ShapeError, ["matmul", "f32[2,3,4]", "f32[3,4,5]"]),
@@ -188,6 +200,9 @@ BAD_BUILDS = {
     "logical on floats": (_logical_float, DTypeError, ["logical_and", "f32[2,3]"]),
     "unsqueeze axis": (_unsqueeze_axis, AxisError, ["unsqueeze", "f32[2,3]", "axis 4"]),
     "negative slice step": (_slice_step, ShapeError, ["slice", "f32[2,3]", "step"]),
+    "one_hot classes": (_one_hot_classes, ShapeError, ["one_hot", "i32[4]", "num_classes"]),
+    "one_hot float labels": (_one_hot_float, DTypeError, ["one_hot", "f32[2,3]", "integer"]),
+    "bce dtypes": (_bce_dtype, DTypeError, ["bce_with_logits", "f32[2,3]", "i32[2,3]"]),
 }
 
 

@@ -42,7 +42,7 @@ def test_softmax_second_order(name, rng):
 @pytest.mark.parametrize("shape", [(5,), (2, 3), ()], ids=str)
 def test_one_hot(shape, rng):
     labels = rng.integers(0, 4, shape).astype(np.int32)
-    check_forward(lambda y: ops.nn.one_hot(y, 4),
+    check_forward(lambda y: ops.nn.one_hot(y, 4, dtype="f32"),
                   lambda y: F.one_hot(y, 4).to(torch.float64), labels)
     out = check_forward(lambda y: y.one_hot(4, dtype=mn.i32),
                         lambda y: F.one_hot(y, 4).to(torch.int32), labels)[0]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import bool_, f32
-from ..errors import DTypeError, FeedError, GraphBuildError, ShapeError
+from ..dtypes import as_dtype, bool_, f32
+from ..errors import AxisError, DTypeError, FeedError, GraphBuildError, ShapeError
 from ..graph import Value
 from ..lowering import Composite, Kernel
 from . import elementwise as E
@@ -30,7 +30,7 @@ def _axis_infer(types, attrs):
     (t,) = types
     require_float(t)
     if not 0 <= attrs["axis"] < max(t.ndim, 1):
-        raise ShapeError(f"axis {attrs['axis']} out of range for {t.shape}")
+        raise AxisError(f"axis {attrs['axis']} out of range for {t.shape}")
     return [t]
 
 
@@ -93,6 +93,8 @@ def _one_hot_infer(types, attrs):
     (t,) = types
     if not t.dtype.is_int:
         raise DTypeError(f"one_hot needs integer labels, got {t.dtype.name}")
+    if attrs["num_classes"] < 1:
+        raise ShapeError(f"num_classes must be at least 1, got {attrs['num_classes']}")
     return [TensorType(t.shape + (attrs["num_classes"],), attrs["dtype"])]
 
 
@@ -107,7 +109,8 @@ defop("one_hot", _one_hot_infer, _one_hot_ref, lambda n, c: [None], Kernel("one_
 @register_builder("one_hot")
 def one_hot(labels: Value, num_classes: int, dtype=f32) -> Value:
     """Rows of the identity; labels outside [0, num_classes) give all-zero rows."""
-    return labels.graph.apply("one_hot", labels, num_classes=int(num_classes), dtype=dtype)
+    return labels.graph.apply("one_hot", labels, num_classes=int(num_classes),
+                              dtype=as_dtype(dtype))
 
 
 # ------------------------------------------------------------------ cross-entropy
@@ -258,9 +261,10 @@ def l1_loss(pred: Value, target: Value, reduction: str = "mean") -> Value:
 
 def _bce_infer(types, attrs):
     x, y = types
-    if x.shape != y.shape or x.dtype != y.dtype or not x.dtype.is_float:
-        raise ShapeError(f"bce_with_logits: logits {x} and targets {y} must match in shape and "
-                         "floating dtype")
+    if x.shape != y.shape:
+        raise ShapeError("logits and targets differ in shape")
+    if x.dtype != y.dtype or not x.dtype.is_float:
+        raise DTypeError("logits and targets must share a floating dtype")
     return [x]
 
 
