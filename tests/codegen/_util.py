@@ -6,6 +6,7 @@ from meganeura import codegen
 from meganeura.codegen.ir import Strided
 from meganeura.dtypes import as_dtype, bool_
 
+
 def view_of(base: np.ndarray, v: np.ndarray) -> Strided:
     """The Strided map of numpy view ``v`` into its (contiguous) ``base`` array."""
     assert base.flags.c_contiguous
@@ -50,6 +51,6 @@ def assert_close(got, ref, rtol, atol=0.0, what=""):
     if bad.any():
         i = np.argmax(np.where(bad, err - tol, -np.inf))
         raise AssertionError(
-            f"{what}: {bad.sum()} of {bad.size} elements off; worst at {np.unravel_index(i, bad.shape)}: "
-            f"got {got.flat[i]!r}, want {ref.flat[i]!r}"
+            f"{what}: {bad.sum()} of {bad.size} elements off; worst at "
+            f"{np.unravel_index(i, bad.shape)}: got {got.flat[i]!r}, want {ref.flat[i]!r}"
         )

@@ -23,7 +23,8 @@ def test_contiguous_same_shape(run, rng):
     a = rng.standard_normal(1001).astype(np.float32)
     b = rng.standard_normal(1001).astype(np.float32)
     k = _pk((1001,), [Strided.contiguous(f32, (1001,))] * 2,
-            [Instr(ADD, (("in", 0), ("in", 1)), f32), Instr("({0} * {1})", (("t", 0), ("in", 0)), f32)])
+            [Instr(ADD, (("in", 0), ("in", 1)), f32),
+             Instr("({0} * {1})", (("t", 0), ("in", 0)), f32)])
     (y,) = run(k, [a, b], [((1001,), f32)])
     assert_close(y, (a + b) * a, 1e-6, what="(a+b)*a")
     assert "i % " not in run.last_spec.wgsl  # contiguous: no index arithmetic

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..dtypes import DType, bool_, f16, f32, i32, u32
 from ..errors import DeviceError, LimitError, MeganeuraError
 from .ir import Instr, Strided
-from .wgsl_helpers import helper_source, resolve
+from .wgsl_helpers import HELPERS, helper_source, resolve
 
 # WebGPU's guaranteed minimums: what an emitter assumes when it is given no limits.
 DEFAULT_LIMITS = {
@@ -189,6 +189,7 @@ def sanitize(expr: str) -> str:
     return _SPECIAL.sub(rep, expr)
 
 
+_HELPER_CALL = re.compile(r"\b(mn_\w+)\s*\(")
 _PLACEHOLDER = re.compile(r"\{(\d+)\}")
 
 
@@ -387,6 +388,8 @@ def emit_instrs(
         else:
             text = substitute(expr, [n for n, _ in ops])
         helpers.update(ins.helpers)
+        # helpers an expression calls but forgot to declare
+        helpers.update(h for h in _HELPER_CALL.findall(expr) if h in HELPERS)
         name = f"{tag}{j}"
         lines.append(f"{ind}let {name}: {reg_type(ins.dtype)} = {text};")
         res.append((name, ins.dtype))

@@ -167,7 +167,7 @@ class _Ctx:
             res = emit_instrs(k.epilogue, arg, "q", lines, i2, helpers)
             v, vdt = res[-1]
         else:
-            v, vdt = "accv", self.op_dt
+            v, vdt = acc, self.acc_t  # no epilogue: store from the accumulator, unrounded
         oidx = index_code([bi, row, col], (self.M * self.N, self.N, 1))
         lines.append(f"{i2}b{self.n_in}[{oidx}] = {store_value(v, vdt, self.out_dt)};")
         lines.append(f"{ind}}}")

@@ -77,9 +77,11 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
     name = k.name
     shape = tuple(int(n) for n in k.shape)
     nd = len(shape)
-    axes = tuple(sorted({a % nd if nd else a for a in k.axes}))
-    if any(not 0 <= a < max(nd, 1) for a in axes) or (nd == 0 and axes):
+    if any(not -nd <= a < nd for a in k.axes):
         raise CodegenError(f"kernel {name!r}: axes {k.axes} out of range for shape {shape}")
+    axes = tuple(sorted({a % nd for a in k.axes}))
+    if len(axes) != len(k.axes):
+        raise CodegenError(f"kernel {name!r}: repeated axes {k.axes}")
     if k.kind not in ("sum", "max", "min"):
         raise CodegenError(f"kernel {name!r}: unknown reduction {k.kind!r}")
     kept = [d for d in range(nd) if d not in axes]
@@ -253,6 +255,8 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
     if k.epilogue:
         res = emit_instrs(k.epilogue, earg, "q", store_lines, i2, helpers)
         out_v, out_vdt = res[-1]
+    elif val_dtype is not bool_:
+        out_v, out_vdt = "total", acc_t  # no epilogue: store from the accumulator, unrounded
     else:
         out_v, out_vdt = "accv", val_dtype
     store_lines.append(f"{i2}b{n_in + n_x}[o] = {store_value(out_v, out_vdt, out_dtype)};")

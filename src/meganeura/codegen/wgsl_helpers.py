@@ -182,15 +182,17 @@ fn mn_pow(a: f32, b: f32) -> f32 {{
         }}
         return select(r, 1.0 / r, b < 0.0);
     }}
+    let odd = is_int && fract(b * 0.5) != 0.0;
     if (a == 0.0) {{
-        return select(0.0, {_INF}, b < 0.0);
+        // 0^b: 0 or inf; (-0)^odd keeps the sign (as numpy and torch do).
+        let r = select(0.0, {_INF}, b < 0.0);
+        return select(r, -r, odd && (bitcast<u32>(a) & 0x80000000u) != 0u);
     }}
     let m = pow(abs(a), b);
     if (a < 0.0) {{
         if (!is_int) {{
             return {_NAN};
         }}
-        let odd = fract(b * 0.5) != 0.0;
         return select(m, -m, odd);
     }}
     return m;
