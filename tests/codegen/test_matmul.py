@@ -59,6 +59,26 @@ def test_matmul(run, rng, b, m, n, k, ta, tb):
     assert run.last_spec.meta["variant"].startswith("gemv" if min(m, n) <= 4 else "tiled")
 
 
+@pytest.mark.parametrize("variant", ["tiled128", "tiled64", "gemv"])
+def test_forced_variants(run, rng, variant):
+    b, m, n, k = 2, 133 if variant != "gemv" else 7, 140, 37
+    am, a, sa = _operand(rng, b, m, k, True)
+    bm, bb, sb = _operand(rng, b, k, n, False)
+    (y,) = run(MatmulKernel(b, m, n, k, sa, sb, variant=variant), [am, bm], [((b, m, n), f32)])
+    assert run.last_spec.meta["variant"].startswith(variant)
+    assert_close(y, a.astype(np.float64) @ bb.astype(np.float64), 1e-4, 1e-4, what=variant)
+
+
+def test_variant_choice():
+    assert codegen.matmul.choose_variant(1, 4, 4096, 4096) == "gemv"
+    assert codegen.matmul.choose_variant(1, 4096, 4096, 4096) == "tiled128"
+    assert codegen.matmul.choose_variant(1, 512, 512, 4096) == "tiled64"
+    with pytest.raises(CodegenError, match="unknown matmul variant"):
+        codegen.matmul.choose_variant(1, 8, 8, 8, "tiled32")
+    with pytest.raises(CodegenError, match="needs M or N"):
+        codegen.matmul.choose_variant(1, 100, 100, 8, "gemv")
+
+
 @pytest.mark.parametrize("m", [1, 50])
 def test_epilogue_bias_relu_batch_broadcast(run, rng, m):
     """x @ W + bias then relu; W shared by all batches (stride 0), W read transposed."""

@@ -102,6 +102,8 @@ class MatmulKernel:
     epilogue: tuple[Instr, ...] = ()
     out_dtype: DType | None = None
     name: str = "matmul"
+    # Force a codegen variant ("gemv" | "tiled64" | "tiled128"); empty: chosen by shape.
+    variant: str = ""
 
 
 @dataclass(frozen=True)

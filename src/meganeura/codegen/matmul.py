@@ -41,10 +41,10 @@ from .common import (
 )
 from .ir import KernelSpec, MatmulKernel
 
-TILE = 64  # output tile edge (rows and columns)
-THREADS = 16  # invocations per tile edge
-PER = TILE // THREADS  # results per invocation per edge
+THREADS = 16  # invocations per tile edge (16 x 16 = 256 per workgroup)
 BK = 16  # K step
+TILES = {"tiled64": 64, "tiled128": 128}  # output tile edge -> 4x4 or 8x8 results per thread
+BIG_TILE_MIN_WORKGROUPS = 256  # use 128x128 tiles only when that still fills a big GPU
 GEMV_MAX = 4  # M or N up to this use the gemv variant
 GEMV_THREADS = 256
 
@@ -93,10 +93,11 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
     uses_f16 = check_dtypes(name, dts + [i.dtype for i in k.epilogue], t)
 
     ctx = _Ctx(name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in)
-    if min(M, N) <= GEMV_MAX:
+    variant = choose_variant(B, M, N, K, getattr(k, "variant", ""), name)
+    if variant == "gemv":
         body, shared, wg_size, grid, helpers, variant = _gemv(ctx, t)
     else:
-        body, shared, wg_size, grid, helpers, variant = _tiled(ctx, t)
+        body, shared, wg_size, grid, helpers, variant = _tiled(ctx, t, TILES[variant])
     check_invocations(name, wg_size, t)
     check_workgroup_storage(name, shared[1], t)
 
@@ -125,6 +126,27 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
             "flops": 2 * B * M * N * K,
         },
     )
+
+
+def choose_variant(B: int, M: int, N: int, K: int, forced: str = "", name: str = "") -> str:
+    """``gemv`` when M or N ≤ 4; ``tiled128`` (8×8 per invocation) when there are enough
+    128×128 tiles to fill a large GPU; else ``tiled64``.  ``forced`` overrides."""
+    if forced:
+        if forced != "gemv" and forced not in TILES:
+            raise CodegenError(
+                f"kernel {name!r}: unknown matmul variant {forced!r}; expected gemv, "
+                f"{', '.join(TILES)}"
+            )
+        if forced == "gemv" and min(M, N) > 2 * GEMV_MAX:
+            raise CodegenError(
+                f"kernel {name!r}: the gemv variant needs M or N ≤ {2 * GEMV_MAX}, got {M}×{N}"
+            )
+        return forced
+    if min(M, N) <= GEMV_MAX:
+        return "gemv"
+    if B * -(-M // 128) * -(-N // 128) >= BIG_TILE_MIN_WORKGROUPS:
+        return "tiled128"
+    return "tiled64"
 
 
 class _Ctx:
@@ -177,7 +199,8 @@ def _fma(acc_t, x, y, c):
     return f"fma({x}, {y}, {c})" if acc_t is f32 else f"{c} + {x} * {y}"
 
 
-def _tiled(c: _Ctx, t):
+def _tiled(c: _Ctx, t, TILE: int):
+    PER = TILE // THREADS
     B, M, N, K = c.B, c.M, c.N, c.K
     mt, nt = -(-M // TILE), -(-N // TILE)
     grid = make_grid(c.name, mt * nt * B, t)
@@ -263,7 +286,7 @@ def _tiled(c: _Ctx, t):
          f"var<workgroup> Bs: array<{acc}, {BK * TILE}>;"],
         nbytes,
     )
-    return L, shared, nthreads, grid, helpers, "tiled64x64"
+    return L, shared, nthreads, grid, helpers, f"tiled{TILE}"
 
 
 def _gemv(c: _Ctx, t):
@@ -271,7 +294,7 @@ def _gemv(c: _Ctx, t):
     B, M, N, K = c.B, c.M, c.N, c.K
     sab, sam, sak = c.sa
     sbb, sbk, sbn = c.sb
-    if M <= GEMV_MAX:
+    if M <= N:
         # vector = rows of A (s = m), matrix = B indexed (p = n, k)
         S, P = M, N
         vec, vst_s, vst_k = "a", sam, sak
