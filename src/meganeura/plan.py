@@ -162,9 +162,16 @@ class _KernelBuilder:
         self.instrs: list[ir.Instr] = []
         self.memo: dict[int, tuple[str, int]] = {}
         self.ops: list[str] = []  # op names fused in (for labels and profiles)
+        self.epilogue_of: Value | None = None  # a matmul this kernel computes as its prologue
 
     def read(self, v: Value, shape=None) -> tuple[str, int]:
         base, s = self.p.views.resolve(v)
+        if base.id not in self.p.materialized and isinstance(base.node.opdef.lowering, Matmul):
+            if (base is not v or shape is not None or v.shape != self.shape
+                    or self.epilogue_of is not None):
+                self.p.materialize(base)  # not fusable here after all: compute it first
+            else:
+                self.epilogue_of = base
         s = broadcast_to(s, shape or self.shape)
         for i, (b, t) in enumerate(zip(self.bases, self.inputs)):
             if b is base and t == s:
@@ -245,6 +252,11 @@ class _Planner:
                 res.append(len(kb.instrs) - 1)
         ops = ",".join([o for o in kb.ops if o != "full"] or ["copy"])
         ops = ops if len(ops) < 48 else ops[:45] + "..."
+        if kb.epilogue_of is not None and len(outs) == 1:
+            if self.matmul_with_epilogue(kb, outs[0], ops):
+                return
+            self.materialize(kb.epilogue_of)
+            return self.pointwise(outs)
         desc = ir.PointwiseKernel(kb.shape, tuple(kb.inputs), tuple(kb.instrs), tuple(res),
                                   name=f"pw_{len(kb.instrs)}")
         self.emit(desc, kb.bases, outs, f"pointwise[{len(kb.instrs)}] {kb.shape} {ops}")
@@ -254,6 +266,9 @@ class _Planner:
         x = n.inputs[0]
         kb = _KernelBuilder(self, x.shape)
         ref = kb.value(x)
+        if kb.epilogue_of is not None:  # reduce kernels take no matmul prologue
+            self.materialize(kb.epilogue_of)
+            return self.reduce(v, kind)
         if ref[0] == "in" or not kb.instrs:
             kb.instrs.append(ir.Instr("{0}", (ref,), x.dtype))
         desc = ir.ReduceKernel(x.shape, n.attrs["axes"], kind, tuple(kb.inputs), tuple(kb.instrs),
@@ -262,7 +277,52 @@ class _Planner:
         self.emit(desc, kb.bases, [v], f"reduce_{kind} {x.shape}->{v.shape}"
                   + (f" <{pro}>" if pro else ""))
 
+    def materialize(self, v: Value) -> None:
+        self.materialized.add(v.id)
+        self.views.cache.pop(v.id, None)
+        self.kernel_for(v)
+
+    def matmul_with_epilogue(self, kb: _KernelBuilder, out: Value, ops: str) -> bool:
+        """The pointwise kernel ``kb`` as the epilogue of the matmul it reads; False if its
+        other inputs cannot be addressed as (batch, m, n)."""
+        mm = kb.epilogue_of
+        i_mm = kb.bases.index(mm)
+        batch = mm.shape[:-2]
+        extras, bases, remap = [], [], {}
+        for j, (b, s) in enumerate(zip(kb.bases, kb.inputs)):
+            if j == i_mm:
+                continue
+            lead, lead_st = s.shape[:-2], s.strides[:-2]
+            try:
+                bst = _merge_batch(tuple(batch), lead_st) if batch else 0
+            except _Unmergeable:
+                return False
+            nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
+            del lead
+            remap[j] = ("x", len(extras))
+            extras.append(ir.Strided(s.dtype, (nb,) + s.shape[-2:], (bst,) + s.strides[-2:],
+                                     s.offset, s.extent))
+            bases.append(b)
+
+        def arg(a):
+            if a[0] != "in":
+                return a
+            return ("acc", 0) if a[1] == i_mm else remap[a[1]]
+
+        instrs = tuple(ir.Instr(i.expr, tuple(arg(a) for a in i.args), i.dtype, i.helpers)
+                       for i in kb.instrs)
+        desc, mm_bases = self._matmul_desc(mm)
+        desc = ir.MatmulKernel(desc.batch, desc.m, desc.n, desc.k, desc.a, desc.b, tuple(extras),
+                               instrs, out.dtype, name="matmul_ep")
+        self.emit(desc, mm_bases + bases, [out],
+                  f"matmul {desc.batch}x{desc.m}x{desc.n}x{desc.k} +{ops}")
+        return True
+
     def matmul(self, v: Value) -> None:
+        desc, bases = self._matmul_desc(v)
+        self.emit(desc, bases, [v], f"matmul {desc.batch}x{desc.m}x{desc.n}x{desc.k}")
+
+    def _matmul_desc(self, v: Value):
         n = v.node
         a, b = n.inputs
         ta, tb = n.attrs["transpose_a"], n.attrs["transpose_b"]
@@ -282,8 +342,7 @@ class _Planner:
             ops.append(s)
             bases.append(base)
         nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
-        desc = ir.MatmulKernel(nb, M, N, K, ops[0], ops[1], out_dtype=v.dtype)
-        self.emit(desc, bases, [v], f"matmul {nb}x{M}x{N}x{K}")
+        return ir.MatmulKernel(nb, M, N, K, ops[0], ops[1], out_dtype=v.dtype), bases
 
     def copy_value(self, src: Value, shape) -> Value:
         """A planner-made value: ``src`` broadcast to ``shape`` in its own contiguous buffer."""

@@ -5,7 +5,7 @@ strides (views).  The planner builds kernels from this set."""
 from __future__ import annotations
 
 from ..graph import Graph, Value
-from ..lowering import Pointwise, Reduce, View
+from ..lowering import Matmul, Pointwise, Reduce, View
 
 
 def _lowering(node):
@@ -52,6 +52,18 @@ def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> 
                     out.add(v.id)
             elif strided_view:
                 continue
+            elif fuse and isinstance(low, Matmul) and _epilogue_candidate(v, consumers):
+                continue  # computed inside its consumer's kernel, as a matmul epilogue
             else:
                 out.add(v.id)
     return out
+
+
+def _epilogue_candidate(v: Value, consumers) -> bool:
+    """A matmul result read once, elementwise at its own shape: bias, activation, residual…"""
+    cons = {c.id: c for c in consumers.get(v.id, [])}
+    if len(cons) != 1:
+        return False
+    (c,) = cons.values()
+    return isinstance(_lowering(c), Pointwise) and c.outputs[0].shape == v.shape and sum(
+        1 for x in c.inputs if x is v) == 1
