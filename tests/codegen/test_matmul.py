@@ -45,6 +45,7 @@ CASES = [
     (2, 129, 1, 45, True, True),  # N = 1
     (1, 1, 1, 1, False, False),
     (1, 1, 1, 1000, False, False),  # a dot product
+    (1, 2, 50, 1000, False, True),  # gemv, k-contiguous matrix, unrolled K loop
 ]
 
 
@@ -66,6 +67,16 @@ def test_forced_variants(run, rng, variant):
     bm, bb, sb = _operand(rng, b, k, n, False)
     (y,) = run(MatmulKernel(b, m, n, k, sa, sb, variant=variant), [am, bm], [((b, m, n), f32)])
     assert run.last_spec.meta["variant"].startswith(variant)
+    assert_close(y, a.astype(np.float64) @ bb.astype(np.float64), 1e-4, 1e-4, what=variant)
+
+
+@pytest.mark.parametrize("variant", ["tiled128", "tiled64"])
+def test_full_tiles_no_bounds_checks(run, rng, variant):
+    b, m, n, k = 2, 128, 256, 32
+    am, a, sa = _operand(rng, b, m, k, False)
+    bm, bb, sb = _operand(rng, b, k, n, True)
+    (y,) = run(MatmulKernel(b, m, n, k, sa, sb, variant=variant), [am, bm], [((b, m, n), f32)])
+    assert " < 128u" not in run.last_spec.wgsl and " < 256u" not in run.last_spec.wgsl
     assert_close(y, a.astype(np.float64) @ bb.astype(np.float64), 1e-4, 1e-4, what=variant)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from meganeura import codegen
 from meganeura.codegen import CodegenError, Instr, ReduceKernel, Strided
+from meganeura.codegen.reduce import split_plan
 from meganeura.dtypes import bool_, f16, f32, i32
 from meganeura.errors import LimitError
 
@@ -139,6 +140,40 @@ def test_huge_sum(run, rng):
     x2 = rng.random((100_000, 3), dtype=np.float32)
     (y2,) = run(_plain(x2.shape, (0,), "sum"), [x2], [((3,), f32)])
     assert_close(y2, x2.astype(np.float64).sum(0), 1e-4, what="long columns")
+
+
+def _run_split(run, dev, k, inputs, extra_inputs, out_shape, out_dtype=f32):
+    plan = split_plan(k, dev)
+    assert plan is not None
+    partial, final, (tshape, tdt) = plan
+    spec1 = codegen.emit(partial, dev)
+    spec2 = codegen.emit(final, dev)
+    bufs = [dev.upload(a) for a in inputs]
+    temp = dev.create_buffer(int(np.prod(tshape)) * tdt.gpu_itemsize)
+    out = dev.create_buffer(max(1, int(np.prod(out_shape))) * out_dtype.gpu_itemsize)
+    dev.dispatch(spec1, bufs + [temp])
+    dev.dispatch(spec2, [temp] + [dev.upload(a) for a in extra_inputs] + [out])
+    return dev.read_array(out, out_shape, out_dtype), partial.split
+
+
+def test_split_full_sum_and_columns(run, dev, rng):
+    x = rng.random(300_001, dtype=np.float32)
+    k = _plain(x.shape, (0,), "sum")
+    y, split = _run_split(run, dev, k, [x], [], ())
+    assert split > 1
+    assert_close(y, x.astype(np.float64).sum(), 1e-5, what="split full sum")
+    # a column reduction with few outputs, max with an epilogue and an extra input
+    x2 = (rng.standard_normal((20_000, 6)) - 3).astype(np.float32)
+    off = rng.standard_normal(6).astype(np.float32)
+    k2 = ReduceKernel(x2.shape, (0,), "max", (Strided.contiguous(f32, x2.shape),),
+                      (Instr("({0} * 2.0)", (("in", 0),), f32),),
+                      (Instr("({0} + {1})", (("acc", 0), ("x", 0)), f32),),
+                      (Strided.contiguous(f32, (6,)),), name="colmax")
+    y2, split2 = _run_split(run, dev, k2, [x2], [off], (6,))
+    assert split2 > 1
+    np.testing.assert_array_equal(y2, (x2 * 2).max(0) + off)
+    # enough parallelism already: no split
+    assert split_plan(_plain((4096, 300), (1,), "sum"), dev) is None
 
 
 def test_deterministic(run, rng):

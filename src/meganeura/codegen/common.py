@@ -177,13 +177,13 @@ _SPECIAL = re.compile(r"\b(f32|f16)\(\s*([+-]?)\s*(inf|nan)\s*\)")
 
 
 def sanitize(expr: str) -> str:
-    """Turn ``f32(inf)``/``f32(-inf)``/``f32(nan)`` (from Python's float repr) into bit casts:
-    WGSL has no literal for them and rejects overflowing constant expressions."""
+    """Turn ``f32(inf)``/``f32(-inf)``/``f32(nan)`` (from Python's float repr) into calls of the
+    ``mn_inf``/``mn_nan`` helpers: WGSL has no literal for them, and Tint rejects constant
+    expressions that evaluate to them."""
 
     def rep(m):
         ty, sign, what = m.group(1), m.group(2), m.group(3)
-        bits = "0x7fc00000u" if what == "nan" else ("0xff800000u" if sign == "-" else "0x7f800000u")
-        v = f"bitcast<f32>({bits})"
+        v = "mn_nan()" if what == "nan" else ("(-mn_inf())" if sign == "-" else "mn_inf()")
         return v if ty == "f32" else f"f16({v})"
 
     return _SPECIAL.sub(rep, expr)
@@ -417,8 +417,8 @@ def helpers_code(names) -> list[str]:
 
 
 # Identity elements and combiners of reductions, by accumulator type.
-_F32_INF = "bitcast<f32>(0x7f800000u)"
-_F32_NINF = "bitcast<f32>(0xff800000u)"
+_F32_INF = "mn_inf()"  # needs helper "mn_inf"
+_F32_NINF = "(-mn_inf())"
 
 
 def acc_dtype(dt: DType) -> DType:
@@ -442,5 +442,5 @@ def identity(kind: str, acc: DType) -> str:
 
 def combine(kind: str, a: str, b: str) -> str:
     if kind == "sum":
-        return f"{a} + {b}"
+        return f"({a} + {b})"
     return f"{kind}({a}, {b})"

@@ -81,6 +81,10 @@ class ReduceKernel:
     extra: tuple[Strided, ...] = ()
     out_dtype: DType | None = None
     name: str = "reduce"
+    # > 1: partial mode (see codegen.reduce.split_plan): the reduced range is cut into ``split``
+    # contiguous chunks, each reduced separately (prologue, no epilogue) and written to output
+    # element ``chunk * n_out + o`` in the accumulator dtype (f32 for floats).
+    split: int = 1
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ TILES = {"tiled64": 64, "tiled128": 128}  # output tile edge -> 4x4 or 8x8 resul
 BIG_TILE_MIN_WORKGROUPS = 256  # use 128x128 tiles only when that still fills a big GPU
 GEMV_MAX = 4  # M or N up to this use the gemv variant
 GEMV_THREADS = 256
+GEMV_UNROLL = 4
 
 
 def _norm(s, shape, what, name):
@@ -216,7 +217,16 @@ def _tiled(c: _Ctx, t, TILE: int):
     L.append(f"{ind}let ty = lid / {u(THREADS)};")
     L.append(f"{ind}let row0 = tm * {u(TILE)};")
     L.append(f"{ind}let col0 = tn * {u(TILE)};")
-    L.append(f"{ind}let live = bi < {u(B)};")
+    # Specialization: guards only where a tile can stick out (all-full tiles: no checks).
+    live_check = not grid.exact
+    if live_check:
+        L.append(f"{ind}let live = bi < {u(B)};")
+    full_m, full_n, full_k = M % TILE == 0, N % TILE == 0, K % BK == 0
+
+    def guard(*conds):
+        conds = [x for x in conds if x]
+        return " && ".join(conds + (["live"] if live_check else []))
+
     sab, sam, sak = c.sa
     sbb, sbk, sbn = c.sb
     L.append(f"{ind}let abase = {index_code(['bi'], [sab], c.a.offset)};")
@@ -238,24 +248,34 @@ def _tiled(c: _Ctx, t, TILE: int):
         else:
             L.append(f"{i2}let ar{l} = {e} % {u(TILE)};")
             L.append(f"{i2}let ak{l} = {e} / {u(TILE)};")
-        L.append(f"{i2}var av{l}: {acc} = {acc}(0);")
-        L.append(f"{i2}if (row0 + ar{l} < {u(M)} && k0 + ak{l} < {u(K)} && live) {{")
         aidx = "abase + " + index_code([f"(row0 + ar{l})", f"(k0 + ak{l})"], [sam, sak])
-        L.append(f"{i3}av{l} = {c.read('a', aidx)};")
-        L.append(f"{i2}}}")
-        L.append(f"{i2}As[ak{l} * {u(TILE)} + ar{l}] = av{l};")
+        g = guard("" if full_m else f"row0 + ar{l} < {u(M)}",
+                  "" if full_k else f"k0 + ak{l} < {u(K)}")
+        if g:
+            L.append(f"{i2}var av{l}: {acc} = {acc}(0);")
+            L.append(f"{i2}if ({g}) {{")
+            L.append(f"{i3}av{l} = {c.read('a', aidx)};")
+            L.append(f"{i2}}}")
+            L.append(f"{i2}As[ak{l} * {u(TILE)} + ar{l}] = av{l};")
+        else:
+            L.append(f"{i2}As[ak{l} * {u(TILE)} + ar{l}] = {c.read('a', aidx)};")
         if b_n_fast:
             L.append(f"{i2}let bn{l} = {e} % {u(TILE)};")
             L.append(f"{i2}let bk{l} = {e} / {u(TILE)};")
         else:
             L.append(f"{i2}let bk{l} = {e} % {u(BK)};")
             L.append(f"{i2}let bn{l} = {e} / {u(BK)};")
-        L.append(f"{i2}var bv{l}: {acc} = {acc}(0);")
-        L.append(f"{i2}if (col0 + bn{l} < {u(N)} && k0 + bk{l} < {u(K)} && live) {{")
         bidx = "bbase + " + index_code([f"(k0 + bk{l})", f"(col0 + bn{l})"], [sbk, sbn])
-        L.append(f"{i3}bv{l} = {c.read('b', bidx)};")
-        L.append(f"{i2}}}")
-        L.append(f"{i2}Bs[bk{l} * {u(TILE)} + bn{l}] = bv{l};")
+        g = guard("" if full_n else f"col0 + bn{l} < {u(N)}",
+                  "" if full_k else f"k0 + bk{l} < {u(K)}")
+        if g:
+            L.append(f"{i2}var bv{l}: {acc} = {acc}(0);")
+            L.append(f"{i2}if ({g}) {{")
+            L.append(f"{i3}bv{l} = {c.read('b', bidx)};")
+            L.append(f"{i2}}}")
+            L.append(f"{i2}Bs[bk{l} * {u(TILE)} + bn{l}] = bv{l};")
+        else:
+            L.append(f"{i2}Bs[bk{l} * {u(TILE)} + bn{l}] = {c.read('b', bidx)};")
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{i2}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
     for i in range(PER):
@@ -269,16 +289,20 @@ def _tiled(c: _Ctx, t, TILE: int):
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
     helpers: set[str] = set()
-    L.append(f"{ind}if (live) {{")
+    L.append(f"{ind}if ({'live' if live_check else 'true'}) {{")
     for i in range(PER):
         L.append(f"{i2}let r{i} = row0 + ty + {u(THREADS * i)};")
     for j in range(PER):
         L.append(f"{i2}let n{j} = col0 + tx + {u(THREADS * j)};")
     for i in range(PER):
         for j in range(PER):
-            L.append(f"{i2}if (r{i} < {u(M)} && n{j} < {u(N)}) {{")
-            c.store(L, i3, "bi", f"r{i}", f"n{j}", f"c{i}{j}", helpers)
-            L.append(f"{i2}}}")
+            conds = ([] if full_m else [f"r{i} < {u(M)}"]) + ([] if full_n else [f"n{j} < {u(N)}"])
+            if conds:
+                L.append(f"{i2}if ({' && '.join(conds)}) {{")
+                c.store(L, i3, "bi", f"r{i}", f"n{j}", f"c{i}{j}", helpers)
+                L.append(f"{i2}}}")
+            else:
+                c.store(L, i2, "bi", f"r{i}", f"n{j}", f"c{i}{j}", helpers)
     L.append(f"{ind}}}")
     nbytes = 2 * BK * TILE * 4
     shared = (
@@ -309,7 +333,7 @@ def _gemv(c: _Ctx, t):
         tk = min(32, pow2ceil(K))
         tp = nth // tk
     else:
-        tp = min(64, pow2ceil(P))
+        tp = min(32, pow2ceil(P))
         tk = nth // tp
     tk = max(1, min(tk, pow2ceil(K)))
     wg_size = tp * tk
@@ -338,14 +362,32 @@ def _gemv(c: _Ctx, t):
     L.append(f"{ind}if (valid) {{")
     L.append(f"{i2}let mbase = {index_code(['bi', 'p'], [msb, mst_p], mb.offset)};")
     L.append(f"{i2}let vbase = {index_code(['bi'], [vsb], vb.offset)};")
-    L.append(f"{i2}for (var kk: u32 = kl; kk < {u(K)}; kk = kk + {u(tk)}) {{")
-    midx = "mbase" + ("" if mst_k == 0 else " + " + index_code(["kk"], [mst_k]))
-    L.append(f"{i3}let mv = {c.read(mat, midx)};")
-    for s in range(S):
-        vidx = "vbase + " + index_code([u(s), "kk"], [vst_s, vst_k])
-        if vidx.endswith("+ 0u"):
-            vidx = "vbase"
-        L.append(f"{i3}s{s} = {_fma(c.acc_t, c.read(vec, vidx), 'mv', f's{s}')};")
+    def step(kk: str, tag: str, loads_first: bool) -> list[str]:
+        midx = "mbase" + ("" if mst_k == 0 else " + " + index_code([kk], [mst_k]))
+        ld = [f"{i3}let mv{tag} = {c.read(mat, midx)};"]
+        fm = []
+        for s in range(S):
+            vidx = "vbase + " + index_code([u(s), kk], [vst_s, vst_k])
+            if vidx.endswith("+ 0u"):
+                vidx = "vbase"
+            fm.append(f"{i3}s{s} = {_fma(c.acc_t, c.read(vec, vidx), f'mv{tag}', f's{s}')};")
+        return ld + fm if not loads_first else (ld, fm)
+
+    L.append(f"{i2}var kk: u32 = kl;")
+    if -(-K // tk) >= 2 * GEMV_UNROLL:
+        # several independent matrix loads in flight per invocation (same summation order)
+        L.append(f"{i2}for (; kk + {u((GEMV_UNROLL - 1) * tk)} < {u(K)}; "
+                 f"kk = kk + {u(GEMV_UNROLL * tk)}) {{")
+        loads, fmas = [], []
+        for j in range(GEMV_UNROLL):
+            kj = "kk" if j == 0 else f"(kk + {u(j * tk)})"
+            ld, fm = step(kj, str(j), True)
+            loads += ld
+            fmas += fm
+        L += loads + fmas
+        L.append(f"{i2}}}")
+    L.append(f"{i2}for (; kk < {u(K)}; kk = kk + {u(tk)}) {{")
+    L += step("kk", "", False)
     L.append(f"{i2}}}")
     L.append(f"{ind}}}")
     if tk > 1:

@@ -47,9 +47,10 @@ from .common import (
     store_value,
     u,
 )
-from .ir import KernelSpec, ReduceKernel
+from .ir import KernelSpec, ReduceKernel, Strided
 
 SERIAL_MAX = 16  # reduced extents up to this are folded by one invocation per output
+UNROLL = 4  # independent partial accumulators per invocation (memory-level parallelism)
 MAX_THREADS = 256
 
 
@@ -105,6 +106,9 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
     else:
         res_dtype = val_dtype
     out_dtype: DType = k.out_dtype or res_dtype
+    split = max(1, int(getattr(k, "split", 1) or 1))
+    if split > 1:
+        out_dtype = acc_t  # partial results stay in the accumulator type
 
     n_in, n_x = len(k.inputs), len(k.extra)
     n_bind = n_in + n_x + 1
@@ -130,7 +134,7 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
            for i in used_x}
     for i in used_x:
         check_extent(name, f"extra input {i}", k.extra[i], out_shape, xst[i], t)
-    check_binding_size(name, "output", out_total, out_dtype, t)
+    check_binding_size(name, "output", out_total * split, out_dtype, t)
 
     # kept dims: merged over inputs (kept part), extras and the contiguous output
     contig, acc = [], 1
@@ -154,25 +158,37 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
     kept_contig = bool(main is not None and kshape and kin[main] and kin[main][-1] == 1
                        and not (rshape and rin[main][-1] == 1))
     max_threads = min(MAX_THREADS, t.lim("max_compute_invocations_per_workgroup"))
-    tx, ty = choose_layout(rshape, kept_contig, red_total, out_total, max_threads)
+    if split > 1:
+        if k.epilogue or k.extra:
+            raise CodegenError(f"kernel {name!r}: a split (partial) reduction has no epilogue")
+        split = min(split, max(red_total, 1))
+    chunk = -(-red_total // split)
+    tx, ty = choose_layout(rshape, kept_contig, chunk, out_total, max_threads)
     wg = tx * ty
     check_invocations(name, wg, t)
     shared_bytes = wg * 4 if ty > 1 else 0
     check_workgroup_storage(name, shared_bytes, t)
-    grid = make_grid(name, -(-max(out_total, 1) // tx), t)
+    owgs = -(-max(out_total, 1) // tx)
+    grid = make_grid(name, owgs * split, t)
 
     ind = "    "
     body: list[str] = []
     body.append(f"{ind}let wg = {grid.wg_expr};")
+    if split > 1:
+        body.append(f"{ind}let cb = wg / {u(owgs)};")
+        body.append(f"{ind}let wo = wg % {u(owgs)};")
+    else:
+        body.append(f"{ind}let wo = wg;")
     if tx > 1:
         body.append(f"{ind}let x = lid % {u(tx)};")
         body.append(f"{ind}let y = lid / {u(tx)};")
-        body.append(f"{ind}let o = wg * {u(tx)} + x;")
+        body.append(f"{ind}let o = wo * {u(tx)} + x;")
     else:
         body.append(f"{ind}let x = 0u;")
         body.append(f"{ind}let y = lid;")
-        body.append(f"{ind}let o = wg;")
-    body.append(f"{ind}let valid = o < {u(out_total)};")
+        body.append(f"{ind}let o = wo;")
+    live = f"o < {u(out_total)}" + (f" && cb < {u(split)}" if split > 1 else "")
+    body.append(f"{ind}let valid = {live};")
     body.append(f"{ind}var acc: {acc_t.wgsl} = {identity(k.kind, acc_t)};")
     body.append(f"{ind}if (valid) {{")
     i2 = ind * 2
@@ -180,37 +196,65 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
     for i in used:
         base = index_code(kc, kin[i], k.inputs[i].offset)
         body.append(f"{i2}let base{i} = {base};")
+    if split > 1:
+        body.append(f"{i2}let r0 = cb * {u(chunk)};")
+        body.append(f"{i2}let r1 = min(r0 + {u(chunk)}, {u(red_total)});")
+        start, end = "r0 + y" if ty > 1 else "r0", "r1"
+    else:
+        start, end = ("y" if ty > 1 else "0u"), u(red_total)
     i3 = ind * 3
-    if ty > 1:
-        body.append(f"{i2}for (var r: u32 = y; r < {u(red_total)}; r = r + {u(ty)}) {{")
-    else:
-        body.append(f"{i2}for (var r: u32 = 0u; r < {u(red_total)}; r = r + 1u) {{")
-    rc = coords_code("r", rshape, "rr", body, i3)
-    names = {}
-    for i in used:
-        rel = index_code(rc, rin[i], 0)
-        idx = f"base{i}" if rel == "0u" else f"base{i} + {rel}"
-        body.append(f"{i3}let v{i} = {load(f'b{i}', idx, k.inputs[i].dtype)};")
-        names[i] = (f"v{i}", k.inputs[i].dtype)
-
-    def parg(a):
-        kind, i = a
-        if kind != "in":
-            raise CodegenError(f"kernel {name!r}: prologue operand {a!r} (use ('in', i))")
-        return names[i]
-
     helpers: set[str] = set()
-    if k.prologue:
-        res = emit_instrs(k.prologue, parg, "p", body, i3, helpers)
-        val, vdt = res[-1]
-    else:
-        val, vdt = names[0]
-    if vdt is bool_:
-        v = f"select(0u, 1u, {val})"
-    else:
-        v = convert(val, vdt, acc_t) if vdt is not acc_t else val
-    body.append(f"{i3}acc = {combine(k.kind, 'acc', v)};")
+    if acc_t.is_float and k.kind != "sum":
+        helpers.add("mn_inf")  # the identity of max/min
+
+    def fold(r: str, tag: str, target: str) -> None:
+        """Emit the loads + prologue of reduced element ``r`` folded into ``target``."""
+        rc = coords_code(r, rshape, f"rr{tag}", body, i3)
+        names = {}
+        for i in used:
+            rel = index_code(rc, rin[i], 0)
+            idx = f"base{i}" if rel == "0u" else f"base{i} + {rel}"
+            body.append(f"{i3}let v{i}{tag} = {load(f'b{i}', idx, k.inputs[i].dtype)};")
+            names[i] = (f"v{i}{tag}", k.inputs[i].dtype)
+
+        def parg(a):
+            kind, i = a
+            if kind != "in":
+                raise CodegenError(f"kernel {name!r}: prologue operand {a!r} (use ('in', i))")
+            return names[i]
+
+        if k.prologue:
+            res = emit_instrs(k.prologue, parg, f"p{tag}_", body, i3, helpers)
+            val, vdt = res[-1]
+        else:
+            val, vdt = names[0]
+        if vdt is bool_:
+            v = f"select(0u, 1u, {val})"
+        else:
+            v = convert(val, vdt, acc_t) if vdt is not acc_t else val
+        body.append(f"{i3}{target} = {combine(k.kind, target, v)};")
+
+    per_thread = -(-chunk // ty)
+    unroll = UNROLL if per_thread >= 2 * UNROLL else 1
+    body.append(f"{i2}var r: u32 = {start};")
+    if unroll > 1:
+        for j in range(1, unroll):
+            body.append(f"{i2}var acc{j}: {acc_t.wgsl} = {identity(k.kind, acc_t)};")
+        last = f"r + {u((unroll - 1) * ty)}" if ty > 1 else f"r + {u(unroll - 1)}"
+        body.append(f"{i2}for (; {last} < {end}; r = r + {u(unroll * ty)}) {{")
+        for j in range(unroll):
+            rj = "r" if j == 0 else f"(r + {u(j * ty)})"
+            body.append(f"{i3}let ru{j} = {rj};")
+            fold(f"ru{j}", f"u{j}", "acc" if j == 0 else f"acc{j}")
+        body.append(f"{i2}}}")
+    body.append(f"{i2}for (; r < {end}; r = r + {u(ty)}) {{")
+    fold("r", "", "acc")
     body.append(f"{i2}}}")
+    if unroll > 1:
+        parts = ["acc"] + [f"acc{j}" for j in range(1, unroll)]
+        while len(parts) > 1:  # fixed pairwise tree: deterministic
+            parts = [combine(k.kind, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+        body.append(f"{i2}acc = {parts[0]};")
     body.append(f"{ind}}}")
 
     store_lines: list[str] = []
@@ -255,11 +299,12 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
     if k.epilogue:
         res = emit_instrs(k.epilogue, earg, "q", store_lines, i2, helpers)
         out_v, out_vdt = res[-1]
-    elif val_dtype is not bool_:
+    elif val_dtype is not bool_ or split > 1:
         out_v, out_vdt = "total", acc_t  # no epilogue: store from the accumulator, unrounded
     else:
         out_v, out_vdt = "accv", val_dtype
-    store_lines.append(f"{i2}b{n_in + n_x}[o] = {store_value(out_v, out_vdt, out_dtype)};")
+    oidx = f"cb * {u(out_total)} + o" if split > 1 else "o"
+    store_lines.append(f"{i2}b{n_in + n_x}[{oidx}] = {store_value(out_v, out_vdt, out_dtype)};")
     body += store_lines
     body.append(f"{ind}}}")
 
@@ -288,5 +333,45 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
             "binding_dtypes": tuple(all_dtypes[: n_bind]),
             "reduced": red_total,
             "outputs": out_total,
+            "split": split,
         },
     )
+
+
+def split_plan(k: ReduceKernel, limits=None, features=None, target_workgroups: int = 256,
+               min_chunk: int = 1024):
+    """Two kernels for a reduction with few outputs and a huge reduced extent (a full sum, a
+    bias gradient over N·H·W rows), which one dispatch could only spread over a handful of
+    workgroups: ``partial`` (the prologue, each of ``split`` contiguous chunks of the reduced
+    range reduced separately, written as ``(split, *out_shape)`` partials in the accumulator
+    type) and ``final`` (reduces those partials and applies the epilogue).  Returns
+    ``(partial, final, temp)`` with ``temp = (shape, dtype)`` of the partials buffer the
+    planner must allocate — bindings: partial = inputs…, temp; final = temp, extra…, out — or
+    None when one dispatch is enough.  Results stay deterministic (fixed chunking and order)."""
+    from dataclasses import replace
+
+    t = make_target(limits, features)
+    shape = tuple(int(n) for n in k.shape)
+    nd = len(shape)
+    axes = {a % nd for a in k.axes} if nd else set()
+    out_shape = tuple(n for d, n in enumerate(shape) if d not in axes)
+    red_total = prod(n for d, n in enumerate(shape) if d in axes)
+    val_dtype = k.prologue[-1].dtype if k.prologue else k.inputs[0].dtype
+    acc_t = acc_dtype(val_dtype)
+    if acc_t is not val_dtype or getattr(k, "split", 1) > 1:
+        return None  # the epilogue would see another dtype (f16/bool): keep one kernel
+    spec = emit(k, t.limits, t.features)
+    wgs = spec.workgroups[0] * spec.workgroups[1] * spec.workgroups[2]
+    if wgs >= target_workgroups // 2 or red_total < 2 * min_chunk:
+        return None
+    split = min(red_total // min_chunk, -(-target_workgroups // wgs))
+    if split < 2:
+        return None
+    partial = replace(k, epilogue=(), extra=(), out_dtype=None, split=split,
+                      name=f"{k.name}_partial")
+    tshape = (split,) + out_shape
+    final = ReduceKernel(
+        tshape, (0,), k.kind, (Strided.contiguous(acc_t, tshape),), (),
+        k.epilogue, k.extra, k.out_dtype, name=f"{k.name}_final",
+    )
+    return partial, final, (tshape, acc_t)

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from ..errors import MeganeuraError
 
-_INF = "bitcast<f32>(0x7f800000u)"
-_NAN = "bitcast<f32>(0x7fc00000u)"
+# Infinities and NaN come from a private variable: WGSL has no literal for them, and Dawn's
+# Tint rejects a constant expression such as bitcast<f32>(0x7f800000u) ("value inf cannot be
+# represented as 'f32'"); a variable read is a runtime value for every compiler.
+_INF = "mn_inf()"
+_NAN = "mn_nan()"
 
 # name -> (source, dependencies)
 HELPERS: dict[str, tuple[str, tuple[str, ...]]] = {}
@@ -24,6 +27,27 @@ HELPERS: dict[str, tuple[str, tuple[str, ...]]] = {}
 def _def(name: str, src: str, deps: tuple[str, ...] = ()) -> None:
     HELPERS[name] = (src.strip() + "\n", deps)
 
+
+_def(
+    "mn_inf",
+    """
+var<private> mn_inf_bits: u32 = 0x7f800000u;
+
+fn mn_inf() -> f32 {
+    return bitcast<f32>(mn_inf_bits);
+}
+""",
+)
+
+_def(
+    "mn_nan",
+    """
+fn mn_nan() -> f32 {
+    return bitcast<f32>(mn_inf_bits | 0x00400000u);
+}
+""",
+    ("mn_inf",),
+)
 
 _def(
     "mn_sigmoid",
@@ -198,6 +222,7 @@ fn mn_pow(a: f32, b: f32) -> f32 {{
     return m;
 }}
 """,
+    ("mn_inf", "mn_nan"),
 )
 
 
