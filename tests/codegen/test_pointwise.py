@@ -160,9 +160,9 @@ def test_f16(run, dev, rng):
     h, s = run(k, [a, b], [((n,), f16), ((n,), f32)])
     ref = 1 / (1 + np.exp(-a.astype(np.float64)))
     assert_close(h, ref, 1e-3, what="f16 sigmoid")
-    # the f16 value may round either way (one f16 ulp is 4.9e-4 below 1)
+    # the f16 value may round either way (one f16 ulp is 4.9e-4 below 1), and drivers may
+    # keep an f16 register at higher precision (seen on NVIDIA): compare with tolerances
     assert_close(s, ref + b, 0, 1e-3, what="f16 -> f32")
-    np.testing.assert_array_equal(s, h.astype(np.float32) + b)
     assert "enable f16;" in run.last_spec.wgsl
     with pytest.raises(DeviceError, match="shader-f16"):
         codegen.emit(k, dev.limits, features=())
