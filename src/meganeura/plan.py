@@ -22,6 +22,8 @@ import numpy as np
 from .codegen import ir
 from .dtypes import DType
 from .graph import Graph, Node, TensorType, Value
+from .codegen.archetypes import archetype
+from .errors import GraphBuildError
 from .lowering import Kernel, Matmul, Pointwise, Reduce, View
 from .passes.fuse import materialized_values
 from .program import Program
@@ -212,6 +214,7 @@ class _Planner:
         self.materialized = materialized_values(self.graph, roots, fuse)
         self.views = _Views(self.materialized, self.copy_value)
         self.kernels: list = []
+        self.done: set[int] = set()  # values whose kernel has been emitted
         # value id -> Loc for materialized values once placed
         self.loc: dict[int, Loc] = {}
         self.temp_values: list[Value] = []
@@ -228,12 +231,27 @@ class _Planner:
             self.matmul(v)
         elif isinstance(low, View):
             self.view_kernel(v, low.kind)
-        elif isinstance(low, Kernel) and low.archetype == "one_hot":
-            base, s = self.views.resolve(n.inputs[0])
-            self.emit(ir.OneHotKernel(s, n.attrs["num_classes"], n.attrs["dtype"]),
-                      [base], [v], f"one_hot {v.shape}")
+        elif isinstance(low, Kernel):
+            self.archetype_kernel(n, low)
         else:
-            raise NotImplementedError(f"no GPU lowering for op {n.op!r} ({low!r})")
+            raise GraphBuildError(f"op {n.op!r} has no GPU lowering ({low!r}); it must be "
+                                  "expanded by a pass before planning")
+
+    def archetype_kernel(self, n: Node, low: Kernel) -> None:
+        """A dedicated kernel from the archetype registry, computing all outputs of ``n``."""
+        arch = archetype(low.archetype)
+        bases, views = [], []
+        for x in n.inputs:
+            base, s = self.views.resolve(x)
+            if arch.contiguous_inputs and (s.strides != _contiguous(x.shape) or s.offset):
+                base = self.copy_value(x, x.shape)
+                s = ir.Strided.contiguous(x.dtype, x.shape)
+            bases.append(base)
+            views.append(s)
+        desc = arch.make(n.attrs, views, [o.type for o in n.outputs])
+        shapes = ",".join(str(o.shape) for o in n.outputs)
+        self.emit(desc, bases, list(n.outputs), f"{low.archetype} {shapes}")
+        self.done.update(o.id for o in n.outputs)
 
     def pointwise(self, outs: list[Value]) -> None:
         kb = _KernelBuilder(self, outs[0].shape)
@@ -426,7 +444,7 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
     pl = _Planner(program, roots, fuse)
     needed = graph.ancestors(roots)
     # 1) kernels in graph order for every materialized non-leaf value
-    done: set[int] = set()
+    done = pl.done
     for node in graph.nodes:
         if node.id not in needed or node.opdef.leaf:
             continue

@@ -75,7 +75,7 @@ def _main(total: int, gx: int, body: list[str]) -> str:
     ])
 
 
-def emit_concat(k: ConcatKernel, limits=None) -> KernelSpec:
+def emit_concat(k: ConcatKernel, limits=None, features=None) -> KernelSpec:
     total = max(1, _size(k.shape))
     grid, gx = _grid(total)
     n = len(k.inputs)
@@ -96,7 +96,7 @@ def emit_concat(k: ConcatKernel, limits=None) -> KernelSpec:
     return KernelSpec(k.name, src, n + 1, grid)
 
 
-def emit_pad_slice(k: PadSliceKernel, limits=None) -> KernelSpec:
+def emit_pad_slice(k: PadSliceKernel, limits=None, features=None) -> KernelSpec:
     total = max(1, _size(k.shape))
     grid, gx = _grid(total)
     body = _coords(k.shape)
@@ -118,3 +118,13 @@ def _size(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _register() -> None:
+    from .archetypes import register_archetype
+
+    register_archetype("concat", ConcatKernel, None, emit_concat)
+    register_archetype("pad_slice", PadSliceKernel, None, emit_pad_slice)
+
+
+_register()

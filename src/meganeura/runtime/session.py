@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from .. import codegen
-from ..codegen.concat import ConcatKernel, PadSliceKernel, emit_concat, emit_pad_slice
+from ..codegen.archetypes import emitter_for
 from ..errors import GraphBuildError
 from ..passes import run_pipeline
 from ..plan import Loc, Plan, PlannedCopy, PlannedKernel, make_plan
@@ -23,12 +23,11 @@ from .device import get_device
 _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
 
 
-def _emit(desc, limits):
-    if isinstance(desc, ConcatKernel):
-        return emit_concat(desc, limits)
-    if isinstance(desc, PadSliceKernel):
-        return emit_pad_slice(desc, limits)
-    return codegen.emit(desc, limits)
+def _emit(desc, dev):
+    special = emitter_for(desc)
+    if special is not None:
+        return special(desc, dev.limits, dev.features)
+    return codegen.emit(desc, dev.limits, dev.features)
 
 
 class _Executable:
@@ -60,7 +59,7 @@ class _Executable:
                 self.ops.append(("copy", sess._buffer(self, k.src), k.src.offset,
                                  sess._buffer(self, k.dst), k.dst.offset, _round4(k.src.nbytes)))
                 continue
-            spec = _emit(k.desc, dev.limits)
+            spec = _emit(k.desc, dev)
             if "wgsl" in _DEBUG:
                 print(f"// ---- {k.label}\n{spec.wgsl}")
             pipeline = dev.pipeline(spec)
