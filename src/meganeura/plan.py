@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .codegen import ir
-from .dtypes import DType
-from .graph import Graph, Node, TensorType, Value
 from .codegen.archetypes import archetype
+from .dtypes import DType
 from .errors import GraphBuildError
+from .graph import Graph, Node, TensorType, Value
 from .lowering import Kernel, Matmul, Pointwise, Reduce, View
 from .passes.fuse import materialized_values
 from .program import Program

@@ -9,8 +9,9 @@ order, and never needs to know the archetype.  Descriptions are hashable datacla
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ def archetype(name: str) -> Archetype:
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise KeyError(f"no kernel archetype {name!r} registered; known: {sorted(_BY_NAME)}")
+        raise KeyError(f"no kernel archetype {name!r} registered; known: "
+                       f"{sorted(_BY_NAME)}") from None
 
 
 def emitter_for(desc) -> Callable | None:

@@ -43,7 +43,12 @@ from .ir import KernelSpec, MatmulKernel
 
 THREADS = 16  # invocations per tile edge (16 x 16 = 256 per workgroup)
 BK = 16  # K step
-TILES = {"tiled64": 64, "tiled128": 128}  # output tile edge -> 4x4 or 8x8 results per thread
+# variant -> (output tile edge, vectorized workgroup-memory reads).  64: 4x4 results per
+# invocation, 128: 8x8.  "v": each invocation owns contiguous rows/columns of the tile and reads
+# its operands from workgroup memory as vec4 (fewer shared-memory instructions); otherwise rows
+# ty + 16 i and columns tx + 16 j (scalar reads, conflict-free).
+TILES = {"tiled64": (64, False), "tiled128": (128, False), "tiled64v": (64, True),
+         "tiled128v": (128, True)}
 BIG_TILE_MIN_WORKGROUPS = 256  # use 128x128 tiles only when that still fills a big GPU
 GEMV_MAX = 4  # M or N up to this use the gemv variant
 GEMV_THREADS = 256
@@ -98,7 +103,8 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
     if variant == "gemv":
         body, shared, wg_size, grid, helpers, variant = _gemv(ctx, t)
     else:
-        body, shared, wg_size, grid, helpers, variant = _tiled(ctx, t, TILES[variant])
+        tile, vec = TILES[variant]
+        body, shared, wg_size, grid, helpers, variant = _tiled(ctx, t, tile, vec)
     check_invocations(name, wg_size, t)
     check_workgroup_storage(name, shared[1], t)
 
@@ -200,8 +206,9 @@ def _fma(acc_t, x, y, c):
     return f"fma({x}, {y}, {c})" if acc_t is f32 else f"{c} + {x} * {y}"
 
 
-def _tiled(c: _Ctx, t, TILE: int):
+def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
     PER = TILE // THREADS
+    T4 = TILE // 4
     B, M, N, K = c.B, c.M, c.N, c.K
     mt, nt = -(-M // TILE), -(-N // TILE)
     grid = make_grid(c.name, mt * nt * B, t)
@@ -226,6 +233,12 @@ def _tiled(c: _Ctx, t, TILE: int):
     def guard(*conds):
         conds = [x for x in conds if x]
         return " && ".join(conds + (["live"] if live_check else []))
+
+    def sh(arr: str, k: str, x: str) -> str:
+        """Workgroup-memory element (k, x) of a BK x TILE operand tile."""
+        if vec:
+            return f"{arr}[{k} * {u(T4)} + {x} / 4u][{x} % 4u]"
+        return f"{arr}[{k} * {u(TILE)} + {x}]"
 
     sab, sam, sak = c.sa
     sbb, sbk, sbn = c.sb
@@ -256,9 +269,9 @@ def _tiled(c: _Ctx, t, TILE: int):
             L.append(f"{i2}if ({g}) {{")
             L.append(f"{i3}av{l} = {c.read('a', aidx)};")
             L.append(f"{i2}}}")
-            L.append(f"{i2}As[ak{l} * {u(TILE)} + ar{l}] = av{l};")
+            L.append(f"{i2}{sh('As', f'ak{l}', f'ar{l}')} = av{l};")
         else:
-            L.append(f"{i2}As[ak{l} * {u(TILE)} + ar{l}] = {c.read('a', aidx)};")
+            L.append(f"{i2}{sh('As', f'ak{l}', f'ar{l}')} = {c.read('a', aidx)};")
         if b_n_fast:
             L.append(f"{i2}let bn{l} = {e} % {u(TILE)};")
             L.append(f"{i2}let bk{l} = {e} / {u(TILE)};")
@@ -273,15 +286,25 @@ def _tiled(c: _Ctx, t, TILE: int):
             L.append(f"{i2}if ({g}) {{")
             L.append(f"{i3}bv{l} = {c.read('b', bidx)};")
             L.append(f"{i2}}}")
-            L.append(f"{i2}Bs[bk{l} * {u(TILE)} + bn{l}] = bv{l};")
+            L.append(f"{i2}{sh('Bs', f'bk{l}', f'bn{l}')} = bv{l};")
         else:
-            L.append(f"{i2}Bs[bk{l} * {u(TILE)} + bn{l}] = {c.read('b', bidx)};")
+            L.append(f"{i2}{sh('Bs', f'bk{l}', f'bn{l}')} = {c.read('b', bidx)};")
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{i2}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
-    for i in range(PER):
-        L.append(f"{i3}let a{i} = As[kk * {u(TILE)} + ty + {u(THREADS * i)}];")
-    for j in range(PER):
-        L.append(f"{i3}let b{j} = Bs[kk * {u(TILE)} + tx + {u(THREADS * j)}];")
+    if vec:
+        comp = "xyzw"
+        for q in range(PER // 4):
+            L.append(f"{i3}let a4{q} = As[kk * {u(T4)} + ty * {u(PER // 4)} + {u(q)}];")
+            L.append(f"{i3}let b4{q} = Bs[kk * {u(T4)} + tx * {u(PER // 4)} + {u(q)}];")
+        for i in range(PER):
+            L.append(f"{i3}let a{i} = a4{i // 4}.{comp[i % 4]};")
+        for j in range(PER):
+            L.append(f"{i3}let b{j} = b4{j // 4}.{comp[j % 4]};")
+    else:
+        for i in range(PER):
+            L.append(f"{i3}let a{i} = As[kk * {u(TILE)} + ty + {u(THREADS * i)}];")
+        for j in range(PER):
+            L.append(f"{i3}let b{j} = Bs[kk * {u(TILE)} + tx + {u(THREADS * j)}];")
     for i in range(PER):
         for j in range(PER):
             L.append(f"{i3}c{i}{j} = {_fma(c.acc_t, f'a{i}', f'b{j}', f'c{i}{j}')};")
@@ -291,9 +314,11 @@ def _tiled(c: _Ctx, t, TILE: int):
     helpers: set[str] = set()
     L.append(f"{ind}if ({'live' if live_check else 'true'}) {{")
     for i in range(PER):
-        L.append(f"{i2}let r{i} = row0 + ty + {u(THREADS * i)};")
+        r = f"ty * {u(PER)} + {u(i)}" if vec else f"ty + {u(THREADS * i)}"
+        L.append(f"{i2}let r{i} = row0 + {r};")
     for j in range(PER):
-        L.append(f"{i2}let n{j} = col0 + tx + {u(THREADS * j)};")
+        n = f"tx * {u(PER)} + {u(j)}" if vec else f"tx + {u(THREADS * j)}"
+        L.append(f"{i2}let n{j} = col0 + {n};")
     for i in range(PER):
         for j in range(PER):
             conds = ([] if full_m else [f"r{i} < {u(M)}"]) + ([] if full_n else [f"n{j} < {u(N)}"])
@@ -305,12 +330,12 @@ def _tiled(c: _Ctx, t, TILE: int):
                 c.store(L, i2, "bi", f"r{i}", f"n{j}", f"c{i}{j}", helpers)
     L.append(f"{ind}}}")
     nbytes = 2 * BK * TILE * 4
+    et, n = (f"vec4<{acc}>", BK * T4) if vec else (acc, BK * TILE)
     shared = (
-        [f"var<workgroup> As: array<{acc}, {BK * TILE}>;",
-         f"var<workgroup> Bs: array<{acc}, {BK * TILE}>;"],
+        [f"var<workgroup> As: array<{et}, {n}>;", f"var<workgroup> Bs: array<{et}, {n}>;"],
         nbytes,
     )
-    return L, shared, nthreads, grid, helpers, f"tiled{TILE}"
+    return L, shared, nthreads, grid, helpers, f"tiled{TILE}{'v' if vec else ''}"
 
 
 def _gemv(c: _Ctx, t):
