@@ -60,7 +60,7 @@ def test_matmul(run, rng, b, m, n, k, ta, tb):
     assert run.last_spec.meta["variant"].startswith("gemv" if min(m, n) <= 4 else "tiled")
 
 
-@pytest.mark.parametrize("variant", ["tiled128", "tiled64", "gemv"])
+@pytest.mark.parametrize("variant", ["tiled128", "tiled64", "tiled128v", "tiled64v", "gemv"])
 def test_forced_variants(run, rng, variant):
     b, m, n, k = 2, 133 if variant != "gemv" else 7, 140, 37
     am, a, sa = _operand(rng, b, m, k, True)
@@ -70,7 +70,7 @@ def test_forced_variants(run, rng, variant):
     assert_close(y, a.astype(np.float64) @ bb.astype(np.float64), 1e-4, 1e-4, what=variant)
 
 
-@pytest.mark.parametrize("variant", ["tiled128", "tiled64"])
+@pytest.mark.parametrize("variant", ["tiled128", "tiled64", "tiled128v"])
 def test_full_tiles_no_bounds_checks(run, rng, variant):
     b, m, n, k = 2, 128, 256, 32
     am, a, sa = _operand(rng, b, m, k, False)
@@ -82,8 +82,8 @@ def test_full_tiles_no_bounds_checks(run, rng, variant):
 
 def test_variant_choice():
     assert codegen.matmul.choose_variant(1, 4, 4096, 4096) == "gemv"
-    assert codegen.matmul.choose_variant(1, 4096, 4096, 4096) == "tiled128"
-    assert codegen.matmul.choose_variant(1, 512, 512, 4096) == "tiled64"
+    assert codegen.matmul.choose_variant(1, 4096, 4096, 4096) == "tiled128v"
+    assert codegen.matmul.choose_variant(1, 512, 512, 4096) == "tiled64v"
     with pytest.raises(CodegenError, match="unknown matmul variant"):
         codegen.matmul.choose_variant(1, 8, 8, 8, "tiled32")
     with pytest.raises(CodegenError, match="needs M or N"):
