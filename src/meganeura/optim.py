@@ -450,8 +450,8 @@ class Adam(Optimizer):
         w = 1.0 - b1  # exp_avg.lerp_(grad, 1 - beta1), torch's two-sided lerp formula
         new_m = m + w * (g - m) if abs(w) < 0.5 else g - (g - m) * (1.0 - w)
         new_v = v * b2 + (1.0 - b2) * g * g
-        bias_correction1 = 1.0 - ops.pow(b1, t)
-        bias_correction2 = 1.0 - ops.pow(b2, t)
+        bias_correction1 = _bias_correction(ops, b1, t)
+        bias_correction2 = _bias_correction(ops, b2, t)
         step_size = lr / bias_correction1
         bias_correction2_sqrt = ops.pow(bias_correction2, 0.5)
         denom = ops.sqrt(new_v) / bias_correction2_sqrt + self.eps
@@ -475,3 +475,11 @@ class AdamW(Adam):
                  no_weight_decay: Sequence[str] = ()):
         super().__init__(lr, betas, eps, weight_decay, clip_grad_norm=clip_grad_norm,
                          lr_multipliers=lr_multipliers, no_weight_decay=no_weight_decay)
+
+
+def _bias_correction(ops, beta: float, t):
+    """1 - beta**t as -expm1(t·ln beta) with ln beta taken in float64: exact to a few f32 ulp,
+    where 1 - pow(beta, t) in f32 loses ~1e-5 relatively (beta rounded to f32, cancellation)."""
+    if beta == 0.0:
+        return 1.0
+    return -ops.expm1(t * math.log(beta))

@@ -22,6 +22,7 @@ UNARY = {
     "abs": (ops.abs, torch.abs, "away0"),
     "sign": (ops.sign, torch.sign, "away0"),
     "exp": (ops.exp, torch.exp, "any"),
+    "expm1": (ops.expm1, torch.expm1, "any"),
     "log": (ops.log, torch.log, "pos"),
     "sqrt": (ops.sqrt, torch.sqrt, "pos"),
     "rsqrt": (ops.rsqrt, torch.rsqrt, "pos"),

@@ -27,6 +27,7 @@ CASES = {
     "gelu": ([(3, 9)], lambda a: (a * 2.0).gelu(), False, EW),
     "gelu_tanh": ([(3, 9)], lambda a: (a * 2.0).gelu("tanh"), False, EW),
     "erf": ([(3, 9)], lambda a: a.erf(), False, EW),
+    "expm1": ([(4, 9)], lambda a: ops.expm1(a * 0.7), False, EW),
     "sin_cos": ([(5,)], lambda a: a.sin() * a.cos(), False, EW),
     "square": ([(2, 3)], lambda a: a.square(), False, EW),
     "add_bcast": ([(4, 1, 3), (5, 1)], lambda a, b: a + b, False, EW),

@@ -11,6 +11,7 @@ from .elementwise import (  # noqa: F401
     equal,
     erf,
     exp,
+    expm1,
     floor,
     gelu,
     greater,

@@ -94,6 +94,20 @@ tanh = _unary(
     "tanh", "float", np.tanh, lambda n, c: [c[0] * (1.0 - n.out * n.out)], "mn_tanh({0})",
     ["mn_tanh"],
 )
+# expm1: exp(x) - 1 without cancellation near 0 (the Taylor series where |x| < 0.5; WGSL's
+# exp/log are only accurate to a few ulp / 2^-21 absolute, so Kahan's log trick would not do).
+def _expm1_series() -> str:
+    """Horner form of x·(1 + x/2! + … + x^8/9!): relative error < 1e-9 for |x| < 0.5."""
+    body = repr(1.0 / math.factorial(10))
+    for k in range(9, 1, -1):
+        body = f"({1.0 / math.factorial(k)!r} + {{0}} * {body})"
+    return f"{{0}} * (1.0 + {{0}} * {body})"
+
+
+expm1 = _unary(
+    "expm1", "float", np.expm1, lambda n, c: [c[0] * exp(n.inputs[0])],
+    f"select(exp({{0}}) - 1.0, {_expm1_series()}, abs({{0}}) < 0.5)",
+)
 sin = _unary("sin", "float", np.sin, lambda n, c: [c[0] * cos(n.inputs[0])], "sin({0})")
 cos = _unary("cos", "float", np.cos, lambda n, c: [-c[0] * sin(n.inputs[0])], "cos({0})")
 floor = _unary(
