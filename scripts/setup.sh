@@ -10,7 +10,7 @@ want_test=0
 have_vulkan() {
   ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json >/dev/null 2>&1 || [ -n "${VK_DRIVER_FILES:-}${VK_ICD_FILENAMES:-}" ]
 }
-if ! have_vulkan || ! ldconfig -p 2>/dev/null | grep -q libvulkan.so.1; then
+if ! have_vulkan || ! ldconfig -p 2>/dev/null | grep libvulkan.so.1 >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "[setup] no Vulkan driver found: installing Mesa lavapipe (CPU Vulkan) via apt"
     apt-get update -qq >/dev/null 2>&1 || true
