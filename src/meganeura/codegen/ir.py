@@ -106,7 +106,8 @@ class MatmulKernel:
     epilogue: tuple[Instr, ...] = ()
     out_dtype: DType | None = None
     name: str = "matmul"
-    # Force a codegen variant ("gemv" | "tiled64" | "tiled128"); empty: chosen by shape.
+    # Force a codegen variant ("gemv" | "tiled64" | "tiled128" | "tiled64v" | "tiled128v");
+    # empty: chosen by shape (codegen.matmul.choose_variant).
     variant: str = ""
 
 
