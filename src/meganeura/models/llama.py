@@ -1,0 +1,261 @@
+"""Llama-architecture causal LM (SmolLM2-135M and tiny test sizes).
+
+Pre-norm decoder: ``x + attn(rmsnorm(x))`` then ``x + swiglu(rmsnorm(x))``; RoPE (HF half-split
+convention); grouped-query attention; tied input/output embeddings by default.  Parameter
+names are those of HF ``LlamaForCausalLM`` (``model.embed_tokens.weight``,
+``model.layers.{i}.self_attn.q_proj.weight``, …, ``model.norm.weight``; ``lm_head.weight`` only
+when embeddings are untied), so HF checkpoints load as they are (:mod:`meganeura.io.hf`).
+
+Graphs built here:
+  * :func:`llama_lm` — training/inference on a (batch, seq) block: logits and next-token CE
+    (HF semantics: ``labels`` aligned with ``ids``, shifted inside; ``ignore_index`` skipped).
+  * :func:`llama_prefill` / :func:`llama_decode` — generation with a KV cache held on the GPU
+    as graph states ``cache.{i}.k`` / ``cache.{i}.v`` of shape (batch, kv_heads, max_len,
+    head_dim), written with ``dynamic_update_slice`` and ``Graph.set_update``
+    (see :mod:`meganeura.generate`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields, replace
+
+import numpy as np
+
+from .. import ops
+from ..dtypes import i32
+from ..errors import GraphBuildError
+from ..graph import Graph, Value
+from ..nn.transformer import Attention, Embedding, RMSNorm, RoPE, SwiGLU, apply_rope, op_for
+
+__all__ = ["LlamaConfig", "SMOLLM2_135M", "tiny_llama", "LlamaGraph", "llama_lm",
+           "llama_prefill", "llama_decode", "cache_names", "PRESETS"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyperparameters with HF ``LlamaConfig`` field names (defaults: SmolLM2-135M)."""
+
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 8192
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise GraphBuildError(f"num_attention_heads {self.num_attention_heads} is not a "
+                                  f"multiple of num_key_value_heads {self.num_key_value_heads}")
+
+    @classmethod
+    def from_hf(cls, config: Mapping) -> LlamaConfig:
+        """From an HF ``config.json`` dict (missing fields keep the defaults; ``head_dim``
+        defaults to hidden_size / num_attention_heads as in HF)."""
+        names = {f.name for f in fields(cls)}
+        kw = {k: config[k] for k in names if k in config and config[k] is not None}
+        if "head_dim" not in kw and "hidden_size" in kw:
+            kw["head_dim"] = kw["hidden_size"] // kw.get("num_attention_heads",
+                                                         cls.num_attention_heads)
+        if "num_key_value_heads" not in kw and "num_attention_heads" in kw:
+            kw["num_key_value_heads"] = kw["num_attention_heads"]
+        rs = config.get("rope_scaling")
+        if rs and rs.get("rope_type", rs.get("type", "default")) not in ("default", None):
+            raise GraphBuildError(f"rope_scaling {rs!r} is not supported (only default RoPE)")
+        return cls(**kw)
+
+    def to_hf(self) -> dict:
+        """An HF-style ``config.json`` dict (LlamaForCausalLM)."""
+        d = asdict(self)
+        d.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+                 attention_bias=False, mlp_bias=False, rope_scaling=None,
+                 torch_dtype="float32")
+        return d
+
+    @property
+    def n_params(self) -> int:
+        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        layer = attn + 3 * h * f + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + emb + h
+
+
+SMOLLM2_135M = LlamaConfig()
+PRESETS = {"smollm2-135m": SMOLLM2_135M}
+
+
+def tiny_llama(**overrides) -> LlamaConfig:
+    """A CI-sized config (2 layers, hidden 32, 4 heads / 2 KV heads, vocab 64)."""
+    base = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, max_position_embeddings=256)
+    return replace(base, **overrides)
+
+
+# ------------------------------------------------------------------------------ the stack
+
+# attend(layer, q, k, v) -> attention output (B, Hq, S, D); q/k after RoPE.
+AttendFn = Callable[[int, Value, Value, Value], Value]
+
+
+def _attn(cfg: LlamaConfig, i: int, impl: str = "auto") -> Attention:
+    return Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                     cfg.head_dim, name=f"model.layers.{i}.self_attn", impl=impl)
+
+
+def _embedding(cfg: LlamaConfig, impl: str = "auto") -> Embedding:
+    return Embedding(cfg.vocab_size, cfg.hidden_size, name="model.embed_tokens",
+                     init_std=cfg.initializer_range, impl=impl)
+
+
+def decoder(g: Graph, cfg: LlamaConfig, ids: Value, rope: tuple[Value, Value],
+            attend: AttendFn, impl: str = "auto") -> Value:
+    """Embeddings through the final norm: (B, S) ids -> (B, S, hidden)."""
+    x = _embedding(cfg, impl)(g, ids)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        att = _attn(cfg, i)
+        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, name=f"{p}.input_layernorm")(g, x)
+        q, k, v = att.project(g, h)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        x = x + att.output(g, attend(i, q, k, v))
+        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, name=f"{p}.post_attention_layernorm")(g, x)
+        x = x + SwiGLU(cfg.hidden_size, cfg.intermediate_size, name=f"{p}.mlp")(g, h)
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, name="model.norm")(g, x)
+
+
+def lm_head(g: Graph, cfg: LlamaConfig, h: Value) -> Value:
+    """Logits: ``h @ E.T`` with the tied embedding table, else the ``lm_head.weight`` param."""
+    if cfg.tie_word_embeddings:
+        w = g.leaves["model.embed_tokens.weight"].value
+    else:
+        from ..init import normal
+
+        w = g.param("lm_head.weight", (cfg.vocab_size, cfg.hidden_size),
+                    init=normal(cfg.initializer_range))
+    return ops.matmul(h, w, transpose_b=True)
+
+
+@dataclass
+class LlamaGraph:
+    graph: Graph
+    ids: Value
+    logits: Value
+    labels: Value | None = None
+    loss: Value | None = None
+    config: LlamaConfig | None = None
+    pos: Value | None = None  # decode graphs: the position input
+
+
+def llama_lm(cfg: LlamaConfig, batch: int, seq: int, loss: bool = True,
+             ignore_index: int = -100, impl: str = "auto") -> LlamaGraph:
+    """The causal LM on a (batch, seq) block of token ids (input ``ids``, i32).
+
+    ``loss=True`` adds input ``labels`` (B, seq) aligned with ``ids`` (HF convention): the loss
+    is the mean CE of ``logits[:, :-1]`` against ``labels[:, 1:]``, skipping ``ignore_index``."""
+    g = Graph("llama")
+    ids = g.input("ids", (batch, seq), dtype=i32)
+    rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(g, seq)
+
+    def attend(i, q, k, v):
+        return _attn(cfg, i, impl).attend(q, k, v, causal=True)
+
+    h = decoder(g, cfg, ids, rope, attend, impl)
+    logits = lm_head(g, cfg, h)
+    out = LlamaGraph(g, ids, logits, config=cfg)
+    if loss:
+        if seq < 2:
+            raise GraphBuildError("llama_lm: next-token loss needs seq >= 2")
+        labels = g.input("labels", (batch, seq), dtype=i32)
+        out.labels = labels
+        out.loss = ops.cross_entropy(logits[:, :-1], labels[:, 1:], ignore_index=ignore_index)
+    return out
+
+
+# ------------------------------------------------------------------------------ KV cache
+
+
+def cache_names(cfg: LlamaConfig) -> list[str]:
+    return [f"cache.{i}.{kv}" for i in range(cfg.num_hidden_layers) for kv in ("k", "v")]
+
+
+def _cache_states(g: Graph, cfg: LlamaConfig, batch: int, max_len: int):
+    shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+    return [(g.state(f"cache.{i}.k", shape), g.state(f"cache.{i}.v", shape))
+            for i in range(cfg.num_hidden_layers)]
+
+
+def _write(cache: Value, new: Value, start: Value | int, impl: str = "auto") -> Value:
+    """``cache`` with ``new`` written at ``start`` along the sequence axis (2)."""
+    g = cache.graph
+    fn = op_for("dynamic_update_slice", impl)
+    if fn is not None:
+        return fn(cache, new, start, 2)
+    # composite: static start -> concat; dynamic start (one token) -> select.
+    T, S = new.shape[2], cache.shape[2]
+    if not isinstance(start, Value):
+        parts = [cache[:, :, :start]] if start else []
+        parts.append(new)
+        if start + T < S:
+            parts.append(cache[:, :, start + T:])
+        return ops.concat(parts, 2)
+    if T != 1:
+        raise GraphBuildError("KV cache write at a dynamic position needs dynamic_update_slice "
+                              "for more than one token")
+    hit = g.const(np.arange(S, dtype=np.int32)).reshape(1, 1, S, 1).eq(start)
+    return ops.where(hit, new, cache)
+
+
+def _last_logits(g: Graph, cfg: LlamaConfig, h: Value) -> Value:
+    return lm_head(g, cfg, ops.squeeze(h[:, -1:], 1))  # (B, V)
+
+
+def llama_prefill(cfg: LlamaConfig, batch: int, prompt_len: int, max_len: int,
+                  impl: str = "auto") -> LlamaGraph:
+    """Process a prompt (input ``ids`` (B, P)) from position 0: writes the KV cache rows 0..P-1
+    and returns the logits of the last position (B, V).  Run it with ``Session.step``."""
+    if not 0 < prompt_len <= max_len:
+        raise GraphBuildError(f"prompt_len {prompt_len} must be in 1..max_len ({max_len})")
+    g = Graph("llama_prefill")
+    ids = g.input("ids", (batch, prompt_len), dtype=i32)
+    caches = _cache_states(g, cfg, batch, max_len)
+    rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(g, prompt_len)
+
+    def attend(i, q, k, v):
+        ck, cv = caches[i]
+        g.set_update(f"cache.{i}.k", _write(ck, k, 0, impl))
+        g.set_update(f"cache.{i}.v", _write(cv, v, 0, impl))
+        return _attn(cfg, i, impl).attend(q, k, v, causal=True)
+
+    h = decoder(g, cfg, ids, rope, attend, impl)
+    return LlamaGraph(g, ids, _last_logits(g, cfg, h), config=cfg)
+
+
+def llama_decode(cfg: LlamaConfig, batch: int, max_len: int,
+                 impl: str = "auto") -> LlamaGraph:
+    """One decode step: input ``ids`` (B, 1) at position ``pos`` (i32 scalar input) attends to
+    cache rows 0..pos (the new token's K/V written at ``pos`` first); returns logits (B, V)."""
+    g = Graph("llama_decode")
+    ids = g.input("ids", (batch, 1), dtype=i32)
+    pos = g.input("pos", (), dtype=i32)
+    caches = _cache_states(g, cfg, batch, max_len)
+    rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(g, ops.reshape(pos, (1,)))
+    kidx = g.const(np.arange(max_len, dtype=np.int32))
+    mask = ops.where(kidx <= pos, 0.0, float("-inf")).reshape(1, 1, 1, max_len)
+
+    def attend(i, q, k, v):
+        ck, cv = caches[i]
+        nk, nv = _write(ck, k, pos, impl), _write(cv, v, pos, impl)
+        g.set_update(f"cache.{i}.k", nk)
+        g.set_update(f"cache.{i}.v", nv)
+        return _attn(cfg, i, impl).attend(q, nk, nv, mask=mask)
+
+    h = decoder(g, cfg, ids, rope, attend, impl)
+    return LlamaGraph(g, ids, _last_logits(g, cfg, h), config=cfg, pos=pos)

@@ -1,0 +1,336 @@
+"""Transformer layers built from ops: Embedding, RMSNorm, LayerNorm, RoPE, multi-head attention
+with grouped KV heads, SwiGLU and GELU MLPs.
+
+Parameter names and layouts are Hugging Face's (``{name}.weight`` of shape ``(out, in)``,
+``q_proj``/``k_proj``/``v_proj``/``o_proj``, ``gate_proj``/``up_proj``/``down_proj``,
+``fc1``/``fc2``), so HF checkpoints load without transposes.  Norms, RoPE and the MLPs are
+compositions of primitive ops: their exact gradients come from autodiff.
+
+Tensor layout inside attention is ``(batch, heads, seq, head_dim)``; layers take and return
+``(batch, seq, hidden)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ops
+from ..dtypes import f32
+from ..errors import GraphBuildError, ShapeError
+from ..graph import Graph, Value
+from ..init import normal, ones, zeros
+from ..ops.nn import one_hot
+from .layers import Linear
+
+__all__ = [
+    "Embedding", "RMSNorm", "LayerNorm", "RoPE", "Attention", "SwiGLU", "GeluMLP",
+    "attention", "composite_attention", "embed", "rotate_half", "apply_rope",
+    "causal_mask", "sinusoids",
+]
+
+NEG_INF = float("-inf")
+
+
+# ------------------------------------------------------------------------------ embedding
+
+
+def op_for(name: str, impl: str):
+    """The registered op ``name`` for ``impl`` "auto"/"op", or None for "composite"."""
+    if impl not in ("auto", "op", "composite"):
+        raise GraphBuildError(f"impl must be 'auto', 'op' or 'composite', got {impl!r}")
+    fn = getattr(ops, name, None)
+    if impl == "op" and fn is None:
+        raise GraphBuildError(f"impl='op': the op {name!r} is not registered")
+    return None if impl == "composite" else fn
+
+
+def embed(ids: Value, table: Value, impl: str = "auto") -> Value:
+    """Rows of ``table`` (V, D) at integer ``ids`` (any shape) -> ids.shape + (D,).
+
+    ``impl``: "auto"/"op" use the ``embedding`` op (gather forward, deterministic scatter-add
+    backward); "composite" computes ``one_hot(ids) @ table`` (same values and gradient, V times
+    the FLOPs) from primitive ops."""
+    fn = op_for("embedding", impl)
+    if fn is not None:
+        return fn(ids, table)
+    oh = one_hot(ids, table.shape[0], table.dtype)
+    return ops.matmul(oh, table)
+
+
+@dataclass
+class Embedding:
+    """A lookup table ``{name}.weight`` of shape (num_embeddings, dim)."""
+
+    num_embeddings: int
+    dim: int
+    name: str = "embed_tokens"
+    init_std: float = 1.0  # PyTorch's nn.Embedding default N(0, 1); HF models use 0.02
+    impl: str = "auto"
+
+    def weight(self, g: Graph) -> Value:
+        """The table (declared on first use; later calls return the same parameter, e.g. for
+        a tied output projection)."""
+        key = f"{self.name}.weight"
+        if key in g.leaves:
+            return g.leaves[key].value
+        return g.param(key, (self.num_embeddings, self.dim), init=normal(self.init_std))
+
+    def __call__(self, g: Graph, ids: Value) -> Value:
+        return embed(ids, self.weight(g), self.impl)
+
+
+# ------------------------------------------------------------------------------ norms
+
+
+@dataclass
+class RMSNorm:
+    """``x * rsqrt(mean(x², -1) + eps) * weight`` (LlamaRMSNorm)."""
+
+    dim: int
+    eps: float = 1e-6
+    name: str = "norm"
+
+    def __call__(self, g: Graph, x: Value) -> Value:
+        w = g.param(f"{self.name}.weight", (self.dim,), init=ones())
+        var = ops.mean(ops.square(x), -1, keepdims=True)
+        return x * ops.rsqrt(var + self.eps) * w
+
+
+@dataclass
+class LayerNorm:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis (biased variance)."""
+
+    dim: int
+    eps: float = 1e-5
+    name: str = "layer_norm"
+
+    def __call__(self, g: Graph, x: Value) -> Value:
+        w = g.param(f"{self.name}.weight", (self.dim,), init=ones())
+        b = g.param(f"{self.name}.bias", (self.dim,), init=zeros())
+        xc = x - ops.mean(x, -1, keepdims=True)
+        var = ops.mean(ops.square(xc), -1, keepdims=True)
+        return xc * ops.rsqrt(var + self.eps) * w + b
+
+
+# ------------------------------------------------------------------------------ RoPE
+
+
+def rotate_half(x: Value) -> Value:
+    """HF's half-split rotation: ``concat(-x[..., D/2:], x[..., :D/2])``."""
+    x1, x2 = ops.split(x, 2, -1)
+    return ops.concat([-x2, x1], -1)
+
+
+def apply_rope(x: Value, cos: Value, sin: Value) -> Value:
+    """``x * cos + rotate_half(x) * sin``; x (B, H, S, D), cos/sin (S, D) or (B, 1, S, D)."""
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass
+class RoPE:
+    """Rotary position embedding, HF convention (``rotate_half``, frequencies repeated twice)."""
+
+    head_dim: int
+    theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.head_dim % 2:
+            raise ShapeError(f"RoPE needs an even head_dim, got {self.head_dim}")
+
+    def inv_freq(self) -> np.ndarray:
+        """``1 / theta^(2i/D)`` rounded the way PyTorch computes it in float32."""
+        e = np.arange(0, self.head_dim, 2, dtype=np.float32) / np.float32(self.head_dim)
+        return (np.float32(1.0) / np.power(np.float32(self.theta), e)).astype(np.float32)
+
+    def tables_np(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, sin) of shape positions.shape + (D,) in float32 (f32 products, as HF)."""
+        pos = np.asarray(positions, dtype=np.float32)
+        freqs = pos[..., None] * self.inv_freq()
+        emb = np.concatenate([freqs, freqs], -1)
+        return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+    def tables(self, g: Graph, positions) -> tuple[Value, Value]:
+        """cos/sin tables for ``positions``: an int (sequence length, positions 0..n-1), a numpy
+        array (constant tables) or an integer Value of positions (computed in the graph, shape
+        positions.shape + (D,)).  Feed the result to :func:`apply_rope`."""
+        if isinstance(positions, Value):
+            p = positions.cast(f32)
+            inv = g.const(np.concatenate([self.inv_freq()] * 2))
+            freqs = ops.unsqueeze(p, -1) * inv
+            return ops.cos(freqs), ops.sin(freqs)
+        if isinstance(positions, (int, np.integer)):
+            positions = np.arange(int(positions))
+        cos, sin = self.tables_np(positions)
+        return g.const(cos), g.const(sin)
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> np.ndarray:
+    """Whisper's sinusoidal position table (length, channels): ``[sin | cos]`` halves."""
+    if channels % 2:
+        raise ShapeError(f"sinusoids need an even channel count, got {channels}")
+    inc = math.log(max_timescale) / (channels // 2 - 1)
+    inv = np.exp(-inc * np.arange(channels // 2, dtype=np.float64))
+    t = np.arange(length, dtype=np.float64)[:, None] * inv[None, :]
+    return np.concatenate([np.sin(t), np.cos(t)], axis=1).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def causal_mask(sq: int, skv: int, q_offset: int = 0) -> np.ndarray:
+    """Additive (sq, skv) mask: 0 where key j <= query i + q_offset, -inf elsewhere."""
+    i = np.arange(sq)[:, None] + q_offset
+    j = np.arange(skv)[None, :]
+    return np.where(j <= i, 0.0, NEG_INF).astype(np.float32)
+
+
+def composite_attention(q: Value, k: Value, v: Value, causal: bool = False,
+                        scale: float | None = None, mask: Value | None = None,
+                        q_offset: int = 0) -> Value:
+    """softmax(q kᵀ · scale + mask) v from matmul/softmax ops (the eager formula); GQA by
+    grouping the query heads of each KV head."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    q5 = ops.reshape(q, (B, Hkv, G, Sq, D))
+    k5 = ops.unsqueeze(k, 2)
+    v5 = ops.unsqueeze(v, 2)
+    s = ops.matmul(q5, k5, transpose_b=True) * scale  # (B, Hkv, G, Sq, Skv)
+    if causal:
+        s = s + q.graph.const(causal_mask(Sq, Skv, q_offset))
+    if mask is not None:
+        m = mask
+        if m.ndim == 4:  # (B|1, Hq|1, Sq|1, Skv) -> (B|1, Hkv|1, G|1, Sq|1, Skv)
+            b, h = m.shape[:2]
+            m = (ops.reshape(m, (b, Hkv, G) + m.shape[2:]) if h == Hq
+                 else ops.unsqueeze(m, 2))
+        s = s + m
+    p = ops.softmax(s, -1)
+    return ops.reshape(ops.matmul(p, v5), (B, Hq, Sq, D))
+
+
+def attention(q: Value, k: Value, v: Value, causal: bool = False, scale: float | None = None,
+              mask: Value | None = None, q_offset: int = 0, impl: str = "auto") -> Value:
+    """Scaled dot-product attention, q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D).
+
+    ``impl``: "auto"/"op" use the ``attention`` op (flash-style kernels, saved log-sum-exp);
+    "composite" builds :func:`composite_attention` from matmul/softmax ops."""
+    fn = op_for("attention", impl)
+    if fn is None:
+        return composite_attention(q, k, v, causal, scale, mask, q_offset)
+    return fn(q, k, v, causal=causal, scale=scale, mask=mask, q_offset=q_offset)
+
+
+def _heads(x: Value, n: int, d: int) -> Value:
+    """(B, S, n·d) -> (B, n, S, d)."""
+    B, S = x.shape[0], x.shape[1]
+    return ops.transpose(ops.reshape(x, (B, S, n, d)), 1, 2)
+
+
+def _merge_heads(x: Value) -> Value:
+    """(B, H, S, d) -> (B, S, H·d)."""
+    B, H, S, d = x.shape
+    return ops.reshape(ops.transpose(x, 1, 2), (B, S, H * d))
+
+
+@dataclass
+class Attention:
+    """Multi-head attention with grouped KV heads (GQA when n_kv_heads < n_heads).
+
+    Self-attention by default; give ``kv_in`` (and a ``kv`` source at call time) for
+    cross-attention.  Projections: ``{name}.q_proj``/``k_proj``/``v_proj``/``{out_name}``."""
+
+    hidden: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    name: str = "self_attn"
+    kv_in: int | None = None  # input features of k/v projections (default: hidden)
+    q_bias: bool = False
+    k_bias: bool = False
+    v_bias: bool = False
+    o_bias: bool = False
+    out_name: str = "o_proj"
+    scale: float | None = None  # default 1/sqrt(head_dim)
+    impl: str = "auto"
+
+    def __post_init__(self):
+        self.n_kv_heads = self.n_kv_heads or self.n_heads
+        self.head_dim = self.head_dim or self.hidden // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ShapeError(f"{self.name}: n_heads {self.n_heads} is not a multiple of "
+                             f"n_kv_heads {self.n_kv_heads}")
+
+    def _proj(self, g, x, which, n_out, bias, n_in):
+        return Linear(n_in, n_out, bias=bias, name=f"{self.name}.{which}")(g, x)
+
+    def project(self, g: Graph, x: Value, kv: Value | None = None):
+        """q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D) before RoPE."""
+        src = x if kv is None else kv
+        kv_in = self.kv_in or self.hidden
+        hd = self.head_dim
+        q = self._proj(g, x, "q_proj", self.n_heads * hd, self.q_bias, self.hidden)
+        k = self._proj(g, src, "k_proj", self.n_kv_heads * hd, self.k_bias, kv_in)
+        v = self._proj(g, src, "v_proj", self.n_kv_heads * hd, self.v_bias, kv_in)
+        return (_heads(q, self.n_heads, hd), _heads(k, self.n_kv_heads, hd),
+                _heads(v, self.n_kv_heads, hd))
+
+    def attend(self, q, k, v, causal=False, mask=None, q_offset=0) -> Value:
+        return attention(q, k, v, causal=causal, scale=self.scale, mask=mask, q_offset=q_offset,
+                         impl=self.impl)
+
+    def output(self, g: Graph, o: Value) -> Value:
+        """(B, Hq, Sq, D) -> (B, Sq, hidden) through the output projection."""
+        return Linear(self.n_heads * self.head_dim, self.hidden, bias=self.o_bias,
+                      name=f"{self.name}.{self.out_name}")(g, _merge_heads(o))
+
+    def __call__(self, g: Graph, x: Value, kv: Value | None = None,
+                 rope: tuple[Value, Value] | None = None, causal: bool = False,
+                 mask: Value | None = None,
+                 kv_hook: Callable[[Value, Value], tuple[Value, Value]] | None = None) -> Value:
+        """``rope``: (cos, sin) applied to q and k.  ``kv_hook(k, v) -> (k, v)`` sees the
+        current keys/values after RoPE (a KV cache writes and extends them there)."""
+        q, k, v = self.project(g, x, kv)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_hook is not None:
+            k, v = kv_hook(k, v)
+        return self.output(g, self.attend(q, k, v, causal=causal, mask=mask))
+
+
+# ------------------------------------------------------------------------------ MLPs
+
+
+@dataclass
+class SwiGLU:
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` (Llama MLP, no biases)."""
+
+    hidden: int
+    ffn: int
+    name: str = "mlp"
+
+    def __call__(self, g: Graph, x: Value) -> Value:
+        gate = Linear(self.hidden, self.ffn, bias=False, name=f"{self.name}.gate_proj")(g, x)
+        up = Linear(self.hidden, self.ffn, bias=False, name=f"{self.name}.up_proj")(g, x)
+        return Linear(self.ffn, self.hidden, bias=False,
+                      name=f"{self.name}.down_proj")(g, ops.silu(gate) * up)
+
+
+@dataclass
+class GeluMLP:
+    """``fc2(gelu(fc1(x)))`` with biases (Whisper/BERT MLP; erf GELU unless approximate)."""
+
+    hidden: int
+    ffn: int
+    name: str = ""
+    approximate: str = "none"
+
+    def __call__(self, g: Graph, x: Value) -> Value:
+        p = f"{self.name}." if self.name else ""
+        h = Linear(self.hidden, self.ffn, name=f"{p}fc1")(g, x)
+        return Linear(self.ffn, self.hidden, name=f"{p}fc2")(g, ops.gelu(h, self.approximate))
