@@ -29,6 +29,7 @@ from .passes.fuse import materialized_values
 from .program import Program
 
 ALIGN = 256  # bytes; >= minStorageBufferOffsetAlignment on every adapter we know
+MAX_BINDINGS = 8  # storage buffers per stage that every WebGPU device supports
 
 
 @dataclass(frozen=True)
@@ -381,9 +382,17 @@ class _Planner:
 
         n = v.node
         if kind == "concat":
-            srcs = [self.views.resolve(x) for x in n.inputs]
-            desc = ConcatKernel(v.shape, n.attrs["axis"], tuple(s for _, s in srcs), v.dtype)
-            self.emit(desc, [b for b, _ in srcs], [v], f"concat {v.shape}")
+            # chunks of inputs that fit WebGPU's guaranteed 8 storage bindings per stage
+            ax, start = n.attrs["axis"], 0
+            for i in range(0, len(n.inputs), MAX_BINDINGS - 1):
+                part = n.inputs[i: i + MAX_BINDINGS - 1]
+                srcs = [self.views.resolve(x) for x in part]
+                shape = list(v.shape)
+                shape[ax] = sum(x.shape[ax] for x in part)
+                desc = ConcatKernel(tuple(shape), ax, tuple(s for _, s in srcs), v.dtype,
+                                    v.shape, start)
+                self.emit(desc, [b for b, _ in srcs], [v], f"concat {tuple(shape)}->{v.shape}")
+                start += shape[ax]
         elif kind == "pad_slice":
             base, s = self.views.resolve(n.inputs[0])
             desc = PadSliceKernel(v.shape, n.attrs["starts"], n.attrs["steps"], s, v.dtype)

@@ -127,3 +127,16 @@ def test_cross_entropy_on_gpu(gpu):
     got = sess.run(y=env["y"])
     for k in outs:
         _compare(got[k], want[k], RED, k)
+
+
+def test_concat_of_many_inputs_is_chunked_to_8_bindings(gpu):
+    g = mn.Graph()
+    ps = [g.param(f"p{i}", (i + 1, 3)) for i in range(17)]
+    y = ops.concat([p * float(i) for i, p in enumerate(ps)], 0)
+    env = {f"p{i}": R.normal(size=(i + 1, 3)).astype(np.float32) for i in range(17)}
+    sess = mn.compile(g, outputs={"y": y}, device=gpu)
+    sess.set_params(env)
+    want = np.concatenate([env[f"p{i}"] * i for i in range(17)], 0)
+    np.testing.assert_allclose(sess.run()["y"], want, rtol=1e-6)
+    specs = [s for s, label in sess.infer.specs if label.startswith("concat")]
+    assert len(specs) == 3 and all(s.n_bindings <= 8 for s in specs)

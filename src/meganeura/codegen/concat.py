@@ -13,10 +13,16 @@ WG = 256
 
 @dataclass(frozen=True)
 class ConcatKernel:
+    """Writes ``inputs`` (joined along ``axis``, together of shape ``shape``) into the output of
+    shape ``out_shape`` starting at index ``axis_start`` of the axis: a concat with more inputs
+    than a stage may bind is several such kernels filling one output."""
+
     shape: tuple[int, ...]
     axis: int
     inputs: tuple[Strided, ...]
     dtype: DType
+    out_shape: tuple[int, ...] = ()
+    axis_start: int = 0
     name: str = "concat"
 
 
@@ -80,6 +86,11 @@ def emit_concat(k: ConcatKernel, limits=None, features=None) -> KernelSpec:
     grid, gx = _grid(total)
     n = len(k.inputs)
     body = _coords(k.shape)
+    out_shape = k.out_shape or k.shape
+    out_strides = Strided.contiguous(k.dtype, out_shape).strides
+    terms = [f"(c{a}{f' + {k.axis_start}u' if a == k.axis and k.axis_start else ''}) * {st}u"
+             for a, st in enumerate(out_strides)]
+    body.append(f"  let o = {' + '.join(terms) or '0u'};")
     start = 0
     for j, s in enumerate(k.inputs):
         d = s.shape[k.axis]
@@ -87,10 +98,10 @@ def emit_concat(k: ConcatKernel, limits=None, features=None) -> KernelSpec:
         cond = f"c{k.axis} < {start + d}u"
         kw = "if" if j == 0 else "else if"
         if j == n - 1:
-            body.append(f"  else {{ b{n}[i] = b{j}[{_addr(s, coord)}]; }}" if n > 1 else
-                        f"  b{n}[i] = b{j}[{_addr(s, coord)}];")
+            body.append(f"  else {{ b{n}[o] = b{j}[{_addr(s, coord)}]; }}" if n > 1 else
+                        f"  b{n}[o] = b{j}[{_addr(s, coord)}];")
         else:
-            body.append(f"  {kw} ({cond}) {{ b{n}[i] = b{j}[{_addr(s, coord)}]; }}")
+            body.append(f"  {kw} ({cond}) {{ b{n}[o] = b{j}[{_addr(s, coord)}]; }}")
         start += d
     src = _header(k.dtype, n) + "\n" + _main(total, gx, body)
     return KernelSpec(k.name, src, n + 1, grid)
