@@ -2,6 +2,7 @@
 are the public builders (``mn.ops.relu(x)`` and ``x.relu()`` are the same)."""
 
 from . import elementwise, nn, reduce, shape  # noqa: F401  (registration; .matmul below)
+from .attention import attention, attention_with_lse  # noqa: F401
 from .elementwise import (  # noqa: F401
     abs,
     add,
@@ -43,6 +44,12 @@ from .elementwise import (  # noqa: F401
     tanh,
     where,
     zeros_like,
+)
+from .index import (  # noqa: F401
+    dynamic_slice,
+    dynamic_update_slice,
+    embedding,
+    embedding_grad,
 )
 from .matmul import matmul  # noqa: F401
 from .nn import (  # noqa: F401

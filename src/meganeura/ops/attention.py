@@ -1,0 +1,314 @@
+"""Scaled dot-product attention (flash-attention style): ``attention`` and its backward
+``attention_grad``.
+
+Shapes: q (B, Hq, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv); out (B, Hq, Sq, Dv).
+Grouped-query attention when Hkv divides Hq: query head h reads kv head ``h // (Hq // Hkv)``.
+
+Semantics (identical in the numpy reference and the GPU kernels):
+
+* score[i, j] = scale · q_i·k_j + mask[i, j]  (scale defaults to 1/sqrt(D); the optional mask is
+  an additive float tensor broadcastable to (B, Hq, Sq, Skv), e.g. built from positions for
+  KV-cache decoding);
+* key j is *hidden* from query i when ``causal`` and j > q_offset + i, when ``window`` is given and
+  j <= q_offset + i - window, or when its score is -inf (an -inf mask entry).  Large finite
+  negative masks (e.g. ``torch.finfo(float32).min``) are ordinary scores, exactly as in PyTorch;
+* a query row with no visible key outputs zeros, has lse = -inf and passes no gradient — the
+  same as PyTorch's ``scaled_dot_product_attention`` (≥ 2.5) for rows masked by -inf or a
+  boolean mask;
+* NaN scores propagate (NaN outputs), as in PyTorch.
+
+The op ``attention`` has two outputs: ``out`` and ``lse`` (per-row log-sum-exp of the visible
+scores, (B, Hq, Sq), -inf for empty rows).  Its VJP computes ``delta = rowsum(dout · out)`` with
+ordinary graph ops (a fused reduce kernel) and calls ``attention_grad(q, k, v, [mask], dout, lse,
+delta) -> dq, dk, dv``, which recomputes the probabilities from q, k and lse (no Sq×Skv tensor is
+kept between forward and backward).  On the GPU ``attention_grad`` expands into two kernels:
+``attention_grad_dq`` (loops over key blocks) and ``attention_grad_dkdv`` (loops over query
+blocks and the query heads of a kv group) — deterministic, no atomics.
+
+The gradient with respect to a mask that depends on parameters is computed from ordinary graph
+ops (it materializes the (B, Hq, Sq, Skv) score gradient); it is only built into the compiled
+program when the mask needs a gradient (dead code otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import DTypeError, GraphBuildError, ShapeError
+from ..graph import Value
+from ..lowering import Composite, Kernel
+from . import elementwise as E
+from . import reduce as R
+from . import shape as S
+from ._common import TensorType, broadcast_shapes, build_error, defop, register_builder
+from .matmul import matmul
+
+__all__ = ["attention", "attention_with_lse", "visible_mask"]
+
+# ------------------------------------------------------------------ helpers
+
+
+def visible_mask(sq: int, skv: int, causal: bool, window: int, q_offset: int) -> np.ndarray:
+    """(Sq, Skv) bool: key j is visible from query i by the causal/window rules alone."""
+    p = q_offset + np.arange(sq)[:, None]
+    j = np.arange(skv)[None, :]
+    vis = np.ones((sq, skv), dtype=bool)
+    if causal:
+        vis &= j <= p
+    if window:
+        vis &= j > p - window
+    return vis
+
+
+def _dims(q, k, v):
+    B, Hq, Sq, D = q.shape
+    _, Hkv, Skv, _ = k.shape
+    return B, Hq, Hkv, Hq // Hkv, Sq, Skv, D, v.shape[-1]
+
+
+def _check_types(types, attrs, n_extra: int = 0):
+    q, k, v = types[:3]
+    has_mask = attrs["has_mask"]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != 4:
+            raise ShapeError(f"{name} must be (batch, heads, seq, dim), got shape {t.shape}")
+    if len({q.dtype, k.dtype, v.dtype}) != 1 or not q.dtype.is_float:
+        raise DTypeError(f"q, k, v must share a floating dtype, got {q.dtype.name}, "
+                         f"{k.dtype.name}, {v.dtype.name}")
+    B, Hq, Sq, D = q.shape
+    Bk, Hkv, Skv, Dk = k.shape
+    Bv, Hv, Sv, _ = v.shape
+    if Bk != B or Bv != B:
+        raise ShapeError(f"batch sizes differ: q {B}, k {Bk}, v {Bv}")
+    if Dk != D:
+        raise ShapeError(f"q and k head dims differ ({D} vs {Dk})")
+    if (Hv, Sv) != (Hkv, Skv):
+        raise ShapeError(f"k and v differ in heads/length: k {k.shape}, v {v.shape}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ShapeError(f"kv heads ({Hkv}) must divide query heads ({Hq}) for grouped-query "
+                         "attention")
+    if has_mask:
+        m = types[3]
+        if m.dtype != q.dtype:
+            raise DTypeError(f"mask must be an additive {q.dtype.name} mask, got {m.dtype.name} "
+                             "(turn a bool mask into 0/-inf with where first)")
+        try:
+            ok = m.ndim <= 4 and broadcast_shapes(m.shape, (B, Hq, Sq, Skv)) == (B, Hq, Sq, Skv)
+        except ShapeError:
+            ok = False
+        if not ok:
+            raise ShapeError(f"mask shape {m.shape} does not broadcast to (batch, heads, q_len, "
+                             f"kv_len) = {(B, Hq, Sq, Skv)}")
+    if attrs["window"] < 0:
+        raise ShapeError(f"window must be a positive int, got {attrs['window']}")
+    if len(types) != 3 + int(has_mask) + n_extra:
+        raise GraphBuildError(f"expected {3 + int(has_mask) + n_extra} operands, got {len(types)}")
+    return B, Hq, Hkv, Sq, Skv, D, v.shape[-1]
+
+
+# ------------------------------------------------------------------ numpy reference
+
+
+def _scores(q, k, mask, a):
+    """Scores (B, Hq, Sq, Skv) with hidden keys at -inf."""
+    B, Hq, Hkv, G, Sq, Skv, D, _ = _dims(q, k, k)
+    qg = q.reshape(B, Hkv, G, Sq, D)
+    s = np.einsum("bhgid,bhjd->bhgij", qg, k).reshape(B, Hq, Sq, Skv) * q.dtype.type(a["scale"])
+    if mask is not None:
+        s = s + mask
+    vis = visible_mask(Sq, Skv, a["causal"], a["window"], a["q_offset"])
+    return np.where(vis, s, -np.inf).astype(q.dtype)
+
+
+def _pv(p, v, G):
+    B, Hq, Sq, Skv = p.shape
+    Hkv = v.shape[1]
+    pg = p.reshape(B, Hkv, G, Sq, Skv)
+    return np.einsum("bhgij,bhjd->bhgid", pg, v).reshape(B, Hq, Sq, v.shape[-1])
+
+
+def _attention_ref(xs, a):
+    q, k, v = xs[:3]
+    mask = xs[3] if a["has_mask"] else None
+    G = q.shape[1] // k.shape[1]
+    s = _scores(q, k, mask, a)
+    m = np.max(s, axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
+    ok = m > -np.inf  # rows with a visible key (NaN rows stay NaN below)
+    ok = ok | np.isnan(m)
+    ms = np.where(ok, m, 0.0).astype(q.dtype)
+    p = np.exp(s - ms)
+    l_ = np.sum(p, axis=-1, keepdims=True)
+    out = _pv(p, v, G) / np.where(ok, l_, 1.0)
+    out = np.where(ok, out, 0.0)
+    lse = np.where(ok, ms + np.log(np.where(ok, l_, 1.0)), -np.inf)[..., 0]
+    return [out.astype(q.dtype), lse.astype(q.dtype)]
+
+
+def _probs(q, k, mask, lse, a):
+    s = _scores(q, k, mask, a)
+    ok = (lse > -np.inf)[..., None]
+    return np.where(ok & (s > -np.inf), np.exp(s - np.where(ok, lse[..., None], 0.0)), 0.0)
+
+
+def _grad_parts(xs, a):
+    q, k, v = xs[:3]
+    i = 3 + int(a["has_mask"])
+    mask = xs[3] if a["has_mask"] else None
+    dout, lse, delta = xs[i:i + 3]
+    B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
+    p = _probs(q, k, mask, lse, a).astype(q.dtype)
+    pg = p.reshape(B, Hkv, G, Sq, Skv)
+    dog = dout.reshape(B, Hkv, G, Sq, Dv)
+    dp = np.einsum("bhgid,bhjd->bhgij", dog, v)
+    ds = pg * (dp - delta.reshape(B, Hkv, G, Sq, 1))
+    scale = q.dtype.type(a["scale"])
+    dq = (np.einsum("bhgij,bhjd->bhgid", ds, k) * scale).reshape(q.shape)
+    dk = np.einsum("bhgij,bhgid->bhjd", ds, q.reshape(B, Hkv, G, Sq, D)) * scale
+    dv = np.einsum("bhgij,bhgid->bhjd", pg, dog)
+    return dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype)
+
+
+def _grad_ref(xs, a):
+    return list(_grad_parts(xs, a))
+
+
+# ------------------------------------------------------------------ type rules
+
+
+def _attention_infer(types, a):
+    B, Hq, Hkv, Sq, Skv, D, Dv = _check_types(types, a)
+    dt = types[0].dtype
+    return [TensorType((B, Hq, Sq, Dv), dt), TensorType((B, Hq, Sq), dt)]
+
+
+def _grad_operands(types, a):
+    B, Hq, Hkv, Sq, Skv, D, Dv = _check_types(types, a, 3)
+    dout, lse, delta = types[-3:]
+    dt = types[0].dtype
+    if dout.shape != (B, Hq, Sq, Dv) or dout.dtype != dt:
+        raise ShapeError(f"dout must be {dt.name}{(B, Hq, Sq, Dv)}, got {dout}")
+    for name, t in (("lse", lse), ("delta", delta)):
+        if t.shape != (B, Hq, Sq) or t.dtype != dt:
+            raise ShapeError(f"{name} must be {dt.name}{(B, Hq, Sq)}, got {t}")
+    return types[0], types[1], types[2]
+
+
+def _grad_infer(types, a):
+    return list(_grad_operands(types, a))
+
+
+def _dq_infer(types, a):
+    return [_grad_operands(types, a)[0]]
+
+
+def _dkdv_infer(types, a):
+    return list(_grad_operands(types, a)[1:])
+
+
+# ------------------------------------------------------------------ VJPs
+
+
+def _attention_vjp(n, c):
+    q, k, v = n.inputs[:3]
+    mask = n.inputs[3] if n.attrs["has_mask"] else None
+    out, lse = n.outputs
+    gout, glse = c
+    if gout is None:
+        gout = E.zeros_like(out)
+    delta = R.sum(gout * out, -1)
+    if glse is not None:
+        delta = delta - glse
+    extra = (mask,) if mask is not None else ()
+    dq, dk, dv = n.out.graph.apply("attention_grad", q, k, v, *extra, gout, lse, delta,
+                                   **n.attrs)
+    res = [dq, dk, dv]
+    if mask is not None:
+        res.append(_mask_grad(q, k, v, mask, gout, lse, delta, n.attrs))
+    return res
+
+
+def _mask_grad(q, k, v, mask, gout, lse, delta, a):
+    """d loss / d mask = P · (dP - delta), summed to the mask's shape (graph ops; O(Sq·Skv))."""
+    g = q.graph
+    B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
+    qg = S.reshape(q, (B, Hkv, G, Sq, D))
+    kg = S.unsqueeze(k, 2)
+    vg = S.unsqueeze(v, 2)
+    s = S.reshape(matmul(qg, kg, transpose_b=True), (B, Hq, Sq, Skv))
+    s = s * a["scale"] + mask
+    vis = g.const(visible_mask(Sq, Skv, a["causal"], a["window"], a["q_offset"]))
+    lse4 = S.unsqueeze(lse, -1)
+    ok = E.logical_and(E.logical_and(vis, s > -math.inf), lse4 > -math.inf)
+    p = E.where(ok, E.exp(E.where(ok, s - lse4, 0.0)), 0.0)
+    dog = S.reshape(gout, (B, Hkv, G, Sq, Dv))
+    dp = matmul(dog, vg, transpose_b=True)
+    ds = p * (S.reshape(dp, (B, Hq, Sq, Skv)) - S.unsqueeze(delta, -1))
+    return R.sum_to(ds, mask.shape)
+
+
+# ------------------------------------------------------------------ lowering of the backward
+
+
+def _expand_grad(graph, node):
+    a = node.attrs
+    ins = node.inputs
+    dq = graph.apply("attention_grad_dq", *ins, **a)
+    dk, dv = graph.apply("attention_grad_dkdv", *ins, **a)
+    return [dq, dk, dv]
+
+
+defop("attention", _attention_infer, _attention_ref, _attention_vjp, Kernel("attention_fwd"))
+defop("attention_grad", _grad_infer, _grad_ref, None, Composite(_expand_grad))
+defop("attention_grad_dq", _dq_infer, lambda xs, a: [_grad_parts(xs, a)[0]], None,
+      Kernel("attention_grad_dq"))
+defop("attention_grad_dkdv", _dkdv_infer, lambda xs, a: list(_grad_parts(xs, a)[1:]), None,
+      Kernel("attention_grad_dkdv"))
+
+
+# ------------------------------------------------------------------ builders
+
+
+def _attrs(q, k, v, causal, scale, window, mask, q_offset):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Value):
+            raise build_error(GraphBuildError, "attention", f"{name} must be a graph Value",
+                              q, k, v)
+    if mask is not None and not isinstance(mask, Value):
+        raise build_error(GraphBuildError, "attention", "mask must be a graph Value (an additive "
+                          "float mask) or None", q, k, v, mask)
+    if q.ndim != 4:
+        raise build_error(ShapeError, "attention", "q must be (batch, heads, seq, dim)", q, k, v)
+    if window is not None and (int(window) != window or window < 1):
+        raise build_error(ShapeError, "attention", f"window must be an int >= 1, got {window!r}",
+                          q, k, v)
+    if isinstance(q_offset, Value) or int(q_offset) != q_offset:
+        raise build_error(GraphBuildError, "attention", "q_offset must be a Python int (use an "
+                          "additive mask for runtime positions)", q, k, v)
+    D = q.shape[-1]
+    sc = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    return dict(causal=bool(causal), scale=sc, window=int(window or 0), q_offset=int(q_offset),
+                has_mask=mask is not None)
+
+
+def attention_with_lse(q: Value, k: Value, v: Value, causal: bool = False,
+                       scale: float | None = None, window: int | None = None,
+                       mask: Value | None = None, q_offset: int = 0) -> tuple[Value, Value]:
+    """``attention`` returning also the per-row log-sum-exp (B, Hq, Sq) of the visible scores."""
+    a = _attrs(q, k, v, causal, scale, window, mask, q_offset)
+    extra = (mask,) if mask is not None else ()
+    return q.graph.apply("attention", q, k, v, *extra, **a)
+
+
+@register_builder("attention")
+def attention(q: Value, k: Value, v: Value, causal: bool = False, scale: float | None = None,
+              window: int | None = None, mask: Value | None = None, q_offset: int = 0) -> Value:
+    """softmax(scale · q kᵀ + mask) v with flash-attention kernels (see the module docstring).
+
+    q (B, Hq, Sq, D); k (B, Hkv, Skv, D); v (B, Hkv, Skv, Dv); Hkv divides Hq (grouped-query).
+    ``causal``: query i (absolute position q_offset + i) sees keys j <= q_offset + i.
+    ``window``: sliding window; keys j > q_offset + i - window are also required.
+    ``mask``: additive float mask broadcastable to (B, Hq, Sq, Skv); -inf hides a key.
+    Returns (B, Hq, Sq, Dv)."""
+    return attention_with_lse(q, k, v, causal, scale, window, mask, q_offset)[0]
