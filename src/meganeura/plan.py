@@ -269,6 +269,8 @@ class _Planner:
                 ref = kb.read(v)
                 kb.instrs.append(ir.Instr("{0}", (ref,), v.dtype))
                 res.append(len(kb.instrs) - 1)
+        if len(kb.inputs) + len(outs) > MAX_BINDINGS and self._split_wide(outs):
+            return self.pointwise(outs)  # operands now have their own kernels: fewer bindings
         ops = ",".join([o for o in kb.ops if o != "full"] or ["copy"])
         ops = ops if len(ops) < 48 else ops[:45] + "..."
         if kb.epilogue_of is not None and len(outs) == 1:
@@ -280,6 +282,17 @@ class _Planner:
                                   name=f"pw_{len(kb.instrs)}")
         self.emit(desc, kb.bases, outs, f"pointwise[{len(kb.instrs)}] {kb.shape} {ops}")
 
+    def _split_wide(self, outs: list[Value]) -> bool:
+        """Materialize the inlined operands of ``outs`` (a fused kernel that would bind more
+        storage buffers than every device allows); False if there was nothing to split."""
+        changed = False
+        for v in outs:
+            for a in v.node.inputs if is_pointwise(v.node) else ():
+                if a.id not in self.materialized and is_pointwise(a.node) and a.node.op != "full":
+                    self.materialize(a)
+                    changed = True
+        return changed
+
     def reduce(self, v: Value, kind: str) -> None:
         n = v.node
         x = n.inputs[0]
@@ -287,6 +300,10 @@ class _Planner:
         ref = kb.value(x)
         if kb.epilogue_of is not None:  # reduce kernels take no matmul prologue
             self.materialize(kb.epilogue_of)
+            return self.reduce(v, kind)
+        if len(kb.inputs) + 1 > MAX_BINDINGS and is_pointwise(x.node) and \
+                x.id not in self.materialized:
+            self.materialize(x)
             return self.reduce(v, kind)
         if ref[0] == "in" or not kb.instrs:
             kb.instrs.append(ir.Instr("{0}", (ref,), x.dtype))
@@ -305,6 +322,8 @@ class _Planner:
         """The pointwise kernel ``kb`` as the epilogue of the matmul it reads; False if its
         other inputs cannot be addressed as (batch, m, n)."""
         mm = kb.epilogue_of
+        if len(kb.inputs) + 2 > MAX_BINDINGS:
+            return False
         i_mm = kb.bases.index(mm)
         batch = mm.shape[:-2]
         extras, bases, remap = [], [], {}

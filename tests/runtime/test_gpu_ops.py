@@ -140,3 +140,20 @@ def test_concat_of_many_inputs_is_chunked_to_8_bindings(gpu):
     np.testing.assert_allclose(sess.run()["y"], want, rtol=1e-6)
     specs = [s for s, label in sess.infer.specs if label.startswith("concat")]
     assert len(specs) == 3 and all(s.n_bindings <= 8 for s in specs)
+
+
+def test_wide_fused_expression_stays_within_8_bindings(gpu):
+    g = mn.Graph()
+    ps = [g.param(f"p{i}", (5,)) for i in range(12)]
+    y = ps[0]
+    for p in ps[1:]:
+        y = y * 0.5 + p.tanh()
+    s = y.sum()
+    env = {f"p{i}": R.normal(size=5).astype(np.float32) for i in range(12)}
+    sess = mn.compile(g, outputs={"y": y, "s": s}, device=gpu)
+    sess.set_params(env)
+    want = dict(zip(["y", "s"], reference.evaluate(g, [y, s], env, np.float64)))
+    got = sess.run()
+    for k in want:
+        _compare(got[k], want[k], RED, k)
+    assert all(spec.n_bindings <= 8 for spec, _ in sess.infer.specs)
