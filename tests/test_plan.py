@@ -100,3 +100,22 @@ def test_matmul_epilogue_fusion_bias_activation_and_reduce_consumer(gpu):
     got = sess.run()
     for k in outs:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4, err_msg=k)
+
+
+def test_long_reductions_split_into_partial_and_final_kernels(gpu):
+    from meganeura import reference
+
+    g = mn.Graph()
+    x = g.param("x", (6000, 3))
+    loss = (x * x).sum() + x.sum(0).sum()
+    g2, grads = mn.grad(g, loss)
+    outs = {"loss": g2[loss], "dx": grads["x"]}
+    sess = mn.compile(g2, outputs=outs)
+    labels = sess.kernel_labels(inference=True)
+    assert any("[partial]" in lbl for lbl in labels), labels
+    env = {"x": np.random.default_rng(0).normal(size=(6000, 3)).astype(np.float32)}
+    sess.set_params(env)
+    got = sess.run()
+    want = reference.evaluate(g2, list(outs.values()), env, np.float64)
+    np.testing.assert_allclose(got["loss"], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got["dx"], want[1], rtol=1e-5, atol=1e-6)

@@ -21,6 +21,7 @@ import numpy as np
 
 from .codegen import ir
 from .codegen.archetypes import archetype
+from .codegen.reduce import split_plan
 from .dtypes import DType
 from .errors import GraphBuildError
 from .graph import Graph, Node, TensorType, Value
@@ -210,6 +211,7 @@ def _broadcastable(src, dst) -> bool:
 class _Planner:
     def __init__(self, program: Program, roots: list[Value], fuse: bool):
         self.program = program
+        self.fuse = fuse
         self.graph: Graph = program.graph
         self.roots = roots
         self.materialized = materialized_values(self.graph, roots, fuse)
@@ -310,8 +312,16 @@ class _Planner:
         desc = ir.ReduceKernel(x.shape, n.attrs["axes"], kind, tuple(kb.inputs), tuple(kb.instrs),
                                out_dtype=v.dtype, name=f"reduce_{kind}")
         pro = ",".join(o for o in kb.ops if o != "full")
-        self.emit(desc, kb.bases, [v], f"reduce_{kind} {x.shape}->{v.shape}"
-                  + (f" <{pro}>" if pro else ""))
+        label = f"reduce_{kind} {x.shape}->{v.shape}" + (f" <{pro}>" if pro else "")
+        split = split_plan(desc) if self.fuse else None
+        if split is None:
+            self.emit(desc, kb.bases, [v], label)
+            return
+        # few outputs, long reduced extent: partial sums over chunks, then a final pass
+        partial, final, (tshape, tdtype) = split
+        tmp = self.temp_value(tshape, tdtype)
+        self.emit(partial, kb.bases, [tmp], label + " [partial]")
+        self.emit(final, [tmp], [v], label + " [final]")
 
     def materialize(self, v: Value) -> None:
         self.materialized.add(v.id)
@@ -382,18 +392,23 @@ class _Planner:
         nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
         return ir.MatmulKernel(nb, M, N, K, ops[0], ops[1], out_dtype=v.dtype), bases
 
-    def copy_value(self, src: Value, shape) -> Value:
-        """A planner-made value: ``src`` broadcast to ``shape`` in its own contiguous buffer."""
-        self.n_copies = getattr(self, "n_copies", 0) + 1
-        node = Node(-self.n_copies, "copy", (src,), {})
-        v = Value(self.graph, -self.n_copies, TensorType(tuple(shape), src.dtype), node, 0)
+    def temp_value(self, shape, dtype, src: Value | None = None) -> Value:
+        """A planner-made intermediate (no graph node): copies, partial reductions."""
+        self.n_temps = getattr(self, "n_temps", 0) + 1
+        node = Node(-self.n_temps, "copy", (src,) if src is not None else (), {})
+        v = Value(self.graph, -self.n_temps, TensorType(tuple(shape), dtype), node, 0)
         node.outputs = (v,)
+        self.materialized.add(v.id)
+        self.views.cache[v.id] = (v, ir.Strided.contiguous(dtype, v.shape))
+        return v
+
+    def copy_value(self, src: Value, shape) -> Value:
+        """``src`` broadcast to ``shape`` in its own contiguous buffer."""
+        v = self.temp_value(shape, src.dtype, src)
         kb = _KernelBuilder(self, shape)
         kb.instrs.append(ir.Instr("{0}", (kb.read(src),), src.dtype))
         self.emit(ir.PointwiseKernel(kb.shape, tuple(kb.inputs), tuple(kb.instrs), (0,),
                                      name="copy"), kb.bases, [v], f"copy {src.shape}->{shape}")
-        self.materialized.add(v.id)
-        self.views.cache[v.id] = (v, ir.Strided.contiguous(v.dtype, v.shape))
         return v
 
     def view_kernel(self, v: Value, kind: str) -> None:
