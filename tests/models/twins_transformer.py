@@ -99,10 +99,10 @@ class GQAttention(nn.Module):
 
     def forward(self, x, kv=None, rope=None, rope_q_only=False, mask=None):
         B, S, _ = x.shape
-        src = x if kv is None else kv
+        ks, vs = (x, x) if kv is None else (kv if isinstance(kv, tuple) else (kv, kv))
         q = self.q_proj(x).view(B, S, self.h, self.d).transpose(1, 2)
-        k = self.k_proj(src).view(B, src.shape[1], self.kvh, self.d).transpose(1, 2)
-        v = self.v_proj(src).view(B, src.shape[1], self.kvh, self.d).transpose(1, 2)
+        k = self.k_proj(ks).view(B, ks.shape[1], self.kvh, self.d).transpose(1, 2)
+        v = self.v_proj(vs).view(B, vs.shape[1], self.kvh, self.d).transpose(1, 2)
         if rope is not None:
             q = apply_rope(q, *rope)
             if not rope_q_only:

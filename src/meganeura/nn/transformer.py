@@ -269,14 +269,15 @@ class Attention:
     def _proj(self, g, x, which, n_out, bias, n_in):
         return Linear(n_in, n_out, bias=bias, name=f"{self.name}.{which}")(g, x)
 
-    def project(self, g: Graph, x: Value, kv: Value | None = None):
-        """q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D) before RoPE."""
-        src = x if kv is None else kv
+    def project(self, g: Graph, x: Value, kv: Value | tuple[Value, Value] | None = None):
+        """q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D) before RoPE.  ``kv``: the source of
+        keys and values (cross-attention), or a (key source, value source) pair."""
+        k_src, v_src = (x, x) if kv is None else (kv if isinstance(kv, tuple) else (kv, kv))
         kv_in = self.kv_in or self.hidden
         hd = self.head_dim
         q = self._proj(g, x, "q_proj", self.n_heads * hd, self.q_bias, self.hidden)
-        k = self._proj(g, src, "k_proj", self.n_kv_heads * hd, self.k_bias, kv_in)
-        v = self._proj(g, src, "v_proj", self.n_kv_heads * hd, self.v_bias, kv_in)
+        k = self._proj(g, k_src, "k_proj", self.n_kv_heads * hd, self.k_bias, kv_in)
+        v = self._proj(g, v_src, "v_proj", self.n_kv_heads * hd, self.v_bias, kv_in)
         return (_heads(q, self.n_heads, hd), _heads(k, self.n_kv_heads, hd),
                 _heads(v, self.n_kv_heads, hd))
 
@@ -289,7 +290,7 @@ class Attention:
         return Linear(self.n_heads * self.head_dim, self.hidden, bias=self.o_bias,
                       name=f"{self.name}.{self.out_name}")(g, _merge_heads(o))
 
-    def __call__(self, g: Graph, x: Value, kv: Value | None = None,
+    def __call__(self, g: Graph, x: Value, kv: Value | tuple[Value, Value] | None = None,
                  rope: tuple[Value, Value] | None = None, causal: bool = False,
                  mask: Value | None = None,
                  kv_hook: Callable[[Value, Value], tuple[Value, Value]] | None = None) -> Value:

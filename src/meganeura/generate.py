@@ -1,0 +1,129 @@
+"""Autoregressive generation for the Llama models with a KV cache kept on the device.
+
+Two compiled graphs share their parameters and the cache (``compile(share=...)``):
+
+* prefill (one per prompt length): the whole prompt in one pass, writing cache rows 0..P-1;
+* decode: one token at position ``pos`` (an i32 scalar input), writing row ``pos`` with
+  ``dynamic_update_slice`` and attending to rows 0..pos under an additive mask.
+
+Both are graphs whose only updates are the cache states (``Graph.set_update``) and no loss:
+``Session.step`` runs them once and applies the updates, so the cache never leaves the GPU and
+the prefix is never recomputed.  Sampling (greedy, temperature, top-k) runs on the host from
+the returned logits (B, vocab).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from .compiler import compile
+from .errors import FeedError
+from .models.llama import LlamaConfig, cache_names, llama_decode, llama_prefill
+
+__all__ = ["LlamaGenerator", "sample"]
+
+
+def sample(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None,
+           rng: np.random.Generator | None = None) -> np.ndarray:
+    """Next tokens (B,) from logits (B, V): argmax when ``temperature <= 0``, else a draw from
+    softmax(logits / temperature) restricted to the ``top_k`` largest logits (if given)."""
+    z = np.asarray(logits, dtype=np.float64)
+    if temperature is None or temperature <= 0:
+        return np.argmax(z, axis=-1).astype(np.int32)
+    z = z / float(temperature)
+    if top_k is not None and 0 < top_k < z.shape[-1]:
+        kth = np.partition(z, -top_k, axis=-1)[..., -top_k][..., None]
+        z = np.where(z < kth, -np.inf, z)
+    z = z - z.max(axis=-1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=-1, keepdims=True)
+    rng = rng if rng is not None else np.random.default_rng()
+    u = rng.random(p.shape[:-1])[..., None]
+    idx = (np.cumsum(p, axis=-1) < u).sum(axis=-1)
+    return np.minimum(idx, p.shape[-1] - 1).astype(np.int32)
+
+
+class LlamaGenerator:
+    """Prefill + single-token decode over a device-resident KV cache.
+
+    >>> gen = LlamaGenerator(cfg, params, max_len=64)
+    >>> out = gen.generate(prompt_ids, max_new_tokens=20)             # greedy
+    >>> out = gen.generate(prompt_ids, 20, temperature=0.8, top_k=40, seed=0)
+
+    ``batch`` prompts of equal length are decoded together.  ``compile_options`` go to
+    :func:`meganeura.compile` (``backend``, ``device``, …); ``impl`` to the model builders."""
+
+    def __init__(self, cfg: LlamaConfig, params: Mapping[str, np.ndarray] | None = None, *,
+                 batch: int = 1, max_len: int = 256, impl: str = "auto", **compile_options):
+        self.cfg, self.batch, self.max_len, self.impl = cfg, batch, max_len, impl
+        self.options = compile_options
+        dg = llama_decode(cfg, batch, max_len, impl=impl)
+        self.decoder = compile(dg.graph, outputs={"logits": dg.logits}, **compile_options)
+        self._prefill: dict[int, object] = {}
+        self.pos = 0
+        if params is not None:
+            self.set_params(params)
+
+    def set_params(self, params: Mapping[str, np.ndarray]) -> None:
+        """Model parameters by HF name (every one is required)."""
+        self.decoder.set_params(params, strict=True)
+
+    def prefill_session(self, prompt_len: int):
+        """The compiled prefill for this prompt length (compiled on first use, then kept)."""
+        if prompt_len not in self._prefill:
+            pg = llama_prefill(self.cfg, self.batch, prompt_len, self.max_len, impl=self.impl)
+            self._prefill[prompt_len] = compile(pg.graph, outputs={"logits": pg.logits},
+                                                share=self.decoder, **self.options)
+        return self._prefill[prompt_len]
+
+    def prefill(self, ids: np.ndarray) -> np.ndarray:
+        """Run the prompt ``ids`` (B, P) from position 0; returns the last position's logits."""
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or ids.shape[0] != self.batch:
+            raise FeedError(f"prefill: ids must be ({self.batch}, prompt_len), got {ids.shape}")
+        if not 0 < ids.shape[1] <= self.max_len:
+            raise FeedError(f"prefill: prompt length {ids.shape[1]} not in 1..{self.max_len}")
+        out = self.prefill_session(ids.shape[1]).step(ids=ids.astype(np.int32))
+        self.pos = ids.shape[1]
+        return out["logits"]
+
+    def decode(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed one token per sequence (B,) at the current position; returns logits (B, V)."""
+        if self.pos >= self.max_len:
+            raise FeedError(f"decode: the KV cache is full (max_len={self.max_len})")
+        tokens = np.asarray(tokens, dtype=np.int32).reshape(self.batch, 1)
+        out = self.decoder.step(ids=tokens, pos=np.array(self.pos, dtype=np.int32))
+        self.pos += 1
+        return out["logits"]
+
+    def generate(self, prompt: np.ndarray, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, seed: int | None = None,
+                 eos_token_id: int | None = None) -> np.ndarray:
+        """Prompt (B, P) followed by up to ``max_new_tokens`` generated tokens (B, P + n).
+        Generation stops early once every sequence has produced ``eos_token_id``."""
+        prompt = np.asarray(prompt, dtype=np.int32)
+        if prompt.ndim == 1:
+            prompt = prompt[None]
+        if prompt.shape[1] + max_new_tokens > self.max_len + 1:
+            raise FeedError(f"generate: prompt {prompt.shape[1]} + {max_new_tokens} new tokens "
+                            f"exceed max_len={self.max_len}")
+        rng = np.random.default_rng(seed)
+        logits = self.prefill(prompt)
+        out = [prompt]
+        done = np.zeros(self.batch, dtype=bool)
+        for i in range(max_new_tokens):
+            tok = sample(logits, temperature, top_k, rng)
+            if eos_token_id is not None:
+                tok = np.where(done, eos_token_id, tok).astype(np.int32)
+                done |= tok == eos_token_id
+            out.append(tok[:, None])
+            if done.all() or i == max_new_tokens - 1:
+                break
+            logits = self.decode(tok)
+        return np.concatenate(out, axis=1)
+
+    def cache(self) -> dict[str, np.ndarray]:
+        """The KV cache as numpy (for inspection; it lives on the device)."""
+        return self.decoder._read(cache_names(self.cfg))
