@@ -22,6 +22,11 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
     backend: "wgpu" (default), "dawn", "auto" or "reference" (numpy interpreter; option
     ``dtype=np.float64`` for double precision).  Options for the GPU backend: ``fuse``,
     ``plan_memory`` (both default True), ``device``.
+
+    share: another session of the same backend; persistent tensors (parameters, states) with
+    the same name in both live in one buffer, so each session sees the other's updates (e.g. a
+    prefill and a decode graph over one KV cache).  Shared tensors keep their current values;
+    the others are initialized as usual.
     """
     if precision not in PRECISIONS:
         raise GraphBuildError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -30,7 +35,7 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
         from .reference import ReferenceSession
 
         return ReferenceSession(program, dtype=options.pop("dtype", np.float32),
-                                check_finite=check_finite)
+                                check_finite=check_finite, share=options.pop("share", None))
     from .runtime.session import GPUSession
 
     return GPUSession(program, precision=precision, backend=backend, check_finite=check_finite,

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .errors import FeedError
+from .errors import FeedError, GraphBuildError
 from .graph import Graph, Value
 
 
@@ -67,11 +67,16 @@ class ReferenceSession(_session_base()):
     ``dtype=np.float64`` runs everything in double precision (persistent tensors are kept in
     float64 and rounded to their graph dtype only when read out)."""
 
-    def __init__(self, program, dtype=np.float32, check_finite: bool = True):
+    def __init__(self, program, dtype=np.float32, check_finite: bool = True, share=None):
         super().__init__(program, check_finite)
         self.dtype = np.dtype(dtype)
-        self.env: dict[str, np.ndarray] = {}
-        self.init_params(0)
+        shared = self._shared_names(share)
+        if share is not None and share.dtype != self.dtype:
+            raise GraphBuildError(f"share: dtype {self.dtype} differs from the other "
+                                  f"session's {share.dtype}")
+        # sharing: one environment, so either session sees the other's writes
+        self.env: dict[str, np.ndarray] = share.env if share is not None else {}
+        self._init_unshared(shared)
 
     def _roots(self, inference: bool):
         p = self.program

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from .errors import FeedError
+from .errors import FeedError, GraphBuildError
 from .graph import TensorType
 from .init import init_leaves
 from .program import Program
@@ -80,7 +80,8 @@ def check_feeds(expected: Mapping[str, TensorType], feeds: Mapping[str, object],
                 raise FeedError(f"feed {name!r} has values outside the {t.dtype.name} range")
         elif arr.dtype != np.bool_:
             raise FeedError(f"feed {name!r} has dtype {arr.dtype}, expected bool ({t})")
-        out[name] = np.ascontiguousarray(arr, dtype=t.dtype.np)
+        # (ascontiguousarray makes rank-0 arrays 1-D: keep the declared shape)
+        out[name] = np.ascontiguousarray(arr, dtype=t.dtype.np).reshape(t.shape)
     return out
 
 
@@ -120,7 +121,9 @@ class Session(ABC):
         return list(self.program.graph.states)
 
     def step(self, **feeds) -> StepResult:
-        """One training step (forward, backward, optimizer update)."""
+        """One training step (forward, backward, optimizer update).  For a graph whose
+        states have updates (``Graph.set_update``) but no loss or optimizer, e.g. a KV-cache
+        decode step: one run that returns the outputs and applies the updates."""
         if not self.program.training:
             raise FeedError("step(): this session has no optimizer (compiled for inference); "
                             "use run()")
@@ -139,6 +142,30 @@ class Session(ABC):
     def init_params(self, seed: int = 0) -> None:
         """Deterministic initial parameters and states (identical on every backend)."""
         self._write(init_leaves(self.program.graph, seed))
+        self.step_count = 0
+
+    def _shared_names(self, other: Session | None) -> list[str]:
+        """Persistent tensors this session shares with ``other`` (``compile(share=other)``):
+        those with the same name in both programs, which must then have the same type."""
+        if other is None:
+            return []
+        if type(other) is not type(self):
+            raise GraphBuildError(f"share: cannot share tensors between a "
+                                  f"{type(self).__name__} and a {type(other).__name__}")
+        mine, theirs = self.program.persistent, other.program.persistent
+        names = [n for n in mine if n in theirs]
+        bad = [f"{n!r} ({mine[n].type} vs {theirs[n].type})" for n in names
+               if mine[n].type != theirs[n].type]
+        if bad:
+            raise GraphBuildError("share: tensors with the same name but different types: "
+                                  + ", ".join(bad))
+        return names
+
+    def _init_unshared(self, shared: list[str]) -> None:
+        """Construction-time init: the default values of every persistent tensor not shared
+        (shared ones keep the values the other session holds)."""
+        vals = init_leaves(self.program.graph, 0)
+        self._write({k: v for k, v in vals.items() if k not in set(shared)})
         self.step_count = 0
 
     def get_params(self) -> dict[str, np.ndarray]:

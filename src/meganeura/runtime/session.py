@@ -104,17 +104,21 @@ class GPUSession(Session):
 
     def __init__(self, program: Program, precision: str = "strict", backend: str | None = None,
                  check_finite: bool = True, fuse: bool = True, plan_memory: bool = True,
-                 device=None):
+                 device=None, share: GPUSession | None = None):
         super().__init__(program, check_finite)
         if precision != "strict":
             raise GraphBuildError(f"precision={precision!r} is not available on the GPU backend "
                                   "yet; use precision='strict'")
         t0 = time.perf_counter()
-        self.dev = device or get_device(backend)
+        shared = self._shared_names(share)
+        if share is not None and device is not None and device is not share.dev:
+            raise GraphBuildError("share: the sessions must use the same device")
+        self.dev = share.dev if share is not None else (device or get_device(backend))
         lowered = run_pipeline(program, debug="graph" in _DEBUG)
         self.lowered = lowered
         self.fuse, self.plan_memory = fuse, plan_memory
-        self.pinned: dict[str, object] = {}
+        # shared persistent tensors: the other session's buffers
+        self.pinned: dict[str, object] = {n: share.pinned[n] for n in shared}
         self._make_pinned(lowered)
         self.train = (_Executable(self, make_plan(lowered, False, fuse, plan_memory), "train")
                       if program.training or program.loss is not None else None)
@@ -126,7 +130,7 @@ class GPUSession(Session):
                     for k in ex.plan.kernels:
                         print(getattr(k, "label", k))
         self.compile_seconds = time.perf_counter() - t0
-        self.init_params(0)
+        self._init_unshared(shared)
 
     # buffers -----------------------------------------------------------------------------
     def _make_pinned(self, lowered: Program) -> None:
@@ -134,6 +138,8 @@ class GPUSession(Session):
 
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         for name, lf in lowered.graph.leaves.items():
+            if name in self.pinned:  # shared with another session
+                continue
             nbytes = _round4(max(lf.value.size, 1) * lf.value.dtype.gpu_itemsize)
             buf = self.dev.device.create_buffer(size=max(nbytes, 4), usage=usage, label=name)
             self.pinned[name] = buf
