@@ -3,6 +3,15 @@ are the public builders (``mn.ops.relu(x)`` and ``x.relu()`` are the same)."""
 
 from . import elementwise, nn, reduce, shape  # noqa: F401  (registration; .matmul below)
 from .attention import attention, attention_with_lse  # noqa: F401
+from .conv import (  # noqa: F401
+    avg_pool2d,
+    conv1d,
+    conv2d,
+    conv2d_input_grad,
+    conv2d_weight_grad,
+    max_pool2d,
+    max_pool2d_with_indices,
+)
 from .elementwise import (  # noqa: F401
     abs,
     add,
