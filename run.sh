@@ -8,6 +8,6 @@ mkdir -p "$XDG_RUNTIME_DIR" && chmod 700 "$XDG_RUNTIME_DIR"
 cmd="${1:-train}"; shift || true
 case "$cmd" in
   train) bash scripts/setup.sh && exec .venv/bin/meganeura train "$@" ;;
-  test)  bash scripts/setup.sh --test && .venv/bin/ruff check src tests && exec .venv/bin/python -m pytest "$@" ;;
+  test)  bash scripts/setup.sh --test && .venv/bin/ruff check src tests bench && exec .venv/bin/python -m pytest "$@" ;;
   *) echo "usage: ./run.sh train|test [args]" >&2; exit 2 ;;
 esac

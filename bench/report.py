@@ -1,0 +1,205 @@
+"""Turn harness JSON into docs/benchmarks.md and PNG plots.
+
+  python bench/report.py results.json [more.json ...] --out docs"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def _ms(cell, key):
+    c = (cell or {}).get(key)
+    return None if not c or "median_ms" not in c else c["median_ms"]
+
+
+def _fmt(x, nd=2):
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def _best(rec, key):
+    """Best valid (gates passed) time of ours over implementations, and which."""
+    best = None
+    for impl, o in rec.get("ours", {}).items():
+        if "error" in o or not (o["gates"]["fwd_pass"] and o["gates"]["bwd_pass"]):
+            continue
+        t = _ms(o, key)
+        if t is not None and (best is None or t < best[0]):
+            best = (t, impl)
+    return best
+
+
+def build(records, out_dir) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    L = []
+    meta = next((r for r in records if "torch" in r), {})
+    dev = meta.get("torch", {}).get("device", "?")
+    impl_dev = {}
+    for r in records:
+        for impl, o in r.get("ours", {}).items():
+            impl_dev.setdefault(impl, o.get("device", "?"))
+    L.append("# Benchmarks: meganeura vs PyTorch\n")
+    tv = meta.get("torch", {}).get("torch", "?")
+    L.append(f"Date: {meta.get('date', '?')}; GPU: {dev}; PyTorch {tv}; "
+             f"our implementations: {', '.join(f'{k} ({v})' for k, v in impl_dev.items())}. "
+             "Median of timed steps after warm-ups, GPU synchronized each step; IQR in the JSON. "
+             "Strict f32 (TF32 off on both sides). A cell whose gate failed shows `fail`.\n")
+    keys = [("infer", "inference"), ("train_sgd", "train step (SGD)"),
+            ("train_adamw", "train step (AdamW)")]
+    for key, title in keys:
+        L.append(f"\n## Strict f32 — {title} (ms)\n")
+        L.append("| workload | ours wgpu | ours dawn | PyTorch eager | torch.compile | "
+                 "ours/eager | ours/compile |")
+        L.append("|---|---|---|---|---|---|---|")
+        for r in records:
+            if "error" in r:
+                L.append(f"| {r['key']} | error: {r['error'][:80]} | | | | | |")
+                continue
+            cells = r["torch"]["cells"]
+            ours = {}
+            for impl in ("wgpu", "dawn"):
+                o = r["ours"].get(impl)
+                if o is None:
+                    ours[impl] = "—"
+                elif "error" in o:
+                    ours[impl] = "error"
+                elif not (o["gates"]["fwd_pass"] and o["gates"]["bwd_pass"]):
+                    ours[impl] = "fail"
+                else:
+                    ours[impl] = _fmt(_ms(o, key))
+            eager = _ms(cells.get("eager_f32"), key)
+            comp = _ms(cells.get("compile_f32"), key)
+            best = _best(r, key)
+            ratio_e = _fmt(best[0] / eager) if best and eager else "—"
+            ratio_c = _fmt(best[0] / comp) if best and comp else "—"
+            L.append(f"| {r['key']} | {ours['wgpu']} | {ours['dawn']} | {_fmt(eager)} | "
+                     f"{_fmt(comp)} | {ratio_e} | {ratio_c} |")
+    L.append("\n## Compile time (s): graph → ready session vs torch.compile (first call)\n")
+    L.append("| workload | ours infer (cold / warm) | ours train SGD | torch.compile fwd | "
+             "torch.compile train |")
+    L.append("|---|---|---|---|---|")
+    for r in records:
+        if "error" in r:
+            continue
+        o = next((o for o in r["ours"].values() if "error" not in o), None)
+        c = r["torch"]["cells"].get("compile_f32", {})
+        if o is None:
+            continue
+        L.append(f"| {r['key']} | {o['compile_infer_s']:.2f} / {o['compile_infer_warm_s']:.2f} | "
+                 f"{o['compile_train_sgd_s']:.2f} | {_fmt(c.get('compile_infer_s'))} | "
+                 f"{_fmt(c.get('compile_train_s'))} |")
+    L.append("\n## Peak GPU memory (MB): our plan's figure vs torch.cuda.max_memory_allocated\n")
+    L.append("| workload | ours infer | torch infer | ours train SGD | torch train SGD | "
+             "ours train AdamW | torch train AdamW |")
+    L.append("|---|---|---|---|---|---|---|")
+    for r in records:
+        if "error" in r:
+            continue
+        o = next((o for o in r["ours"].values() if "error" not in o), None)
+        e = r["torch"]["cells"]["eager_f32"]
+        if o is None:
+            continue
+
+        def mb(x):
+            return "—" if x is None else f"{x / 2**20:.1f}"
+        L.append(f"| {r['key']} | {mb(o['infer']['peak_bytes'])} | {mb(e.get('infer_peak'))} | "
+                 f"{mb(o['train_sgd']['peak_bytes'])} | {mb(e.get('train_sgd_peak'))} | "
+                 f"{mb(o['train_adamw']['peak_bytes'])} | {mb(e.get('train_adamw_peak'))} |")
+    L.append("\n## Gates (strict: forward rel. L2 ≤ 1e-4, every gradient rel. L2 ≤ 1e-3)\n")
+    L.append("| workload | impl | forward rel L2 | worst gradient rel L2 (param) | min cosine | "
+             "result |")
+    L.append("|---|---|---|---|---|---|")
+    for r in records:
+        for impl, o in r.get("ours", {}).items():
+            if "error" in o:
+                L.append(f"| {r['key']} | {impl} | error: {o['error'][:100]} | | | fail |")
+                continue
+            g = o["gates"]
+            ok = "pass" if g["fwd_pass"] and g["bwd_pass"] else "**fail**"
+            L.append(f"| {r['key']} | {impl} | {g['fwd_rel_l2']:.2e} | {g['bwd_rel_l2']:.2e} "
+                     f"({g['worst_param']}) | {g['bwd_min_cos']:.6f} | {ok} |")
+    L.append("\n## Fast path (PyTorch TF32 / bf16 autocast, eager; ms)\n")
+    L.append("Our `fast` precision (f16 storage / tensor-core matmuls) is not implemented yet, so "
+             "these rows only give PyTorch's numbers for reference.\n")
+    L.append("| workload | TF32 infer | TF32 train SGD | bf16 infer | bf16 train SGD |")
+    L.append("|---|---|---|---|---|")
+    for r in records:
+        if "error" in r:
+            continue
+        c = r["torch"]["cells"]
+        L.append(f"| {r['key']} | {_fmt(_ms(c.get('eager_tf32'), 'infer'))} | "
+                 f"{_fmt(_ms(c.get('eager_tf32'), 'train_sgd'))} | "
+                 f"{_fmt(_ms(c.get('eager_bf16'), 'infer'))} | "
+                 f"{_fmt(_ms(c.get('eager_bf16'), 'train_sgd'))} |")
+    L.append("\n## Dispatch profiles (our training step, SGD)\n")
+    for r in records:
+        for impl, o in r.get("ours", {}).items():
+            if "profile" in o:
+                L.append(f"\n### {r['key']} — {impl}\n\n```\n{o['profile']['table']}\n```")
+                if o.get("trace"):
+                    L.append(f"Trace: `{os.path.basename(o['trace'])}`")
+    _plots(records, out_dir)
+    L.append("\n![ratios](bench-ratios.png)\n\n![compile](bench-compile.png)\n")
+    return "\n".join(L) + "\n"
+
+
+def _plots(records, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in records if "error" not in r]
+    if not recs:
+        return
+    names = [r["key"] for r in recs]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names)), 3.8))
+    width = 0.2
+    for j, (key, base) in enumerate([("infer", "eager_f32"), ("train_sgd", "eager_f32"),
+                                     ("infer", "compile_f32"), ("train_sgd", "compile_f32")]):
+        vals = []
+        for r in recs:
+            best = _best(r, key)
+            t = _ms(r["torch"]["cells"].get(base), key)
+            vals.append(best[0] / t if best and t else 0)
+        ax.bar([i + (j - 1.5) * width for i in range(len(names))], vals, width,
+               label=f"{key} / {base.split('_')[0]}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    ax.set_ylabel("our time / PyTorch time (lower is better)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "bench-ratios.png"), dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names)), 3.8))
+    ours = [next((o["compile_train_sgd_s"] for o in r["ours"].values() if "error" not in o), 0)
+            for r in recs]
+    tc = [r["torch"]["cells"].get("compile_f32", {}).get("compile_train_s") or 0 for r in recs]
+    ax.bar([i - 0.2 for i in range(len(names))], ours, 0.4, label="meganeura (train graph)")
+    ax.bar([i + 0.2 for i in range(len(names))], tc, 0.4, label="torch.compile (train)")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "bench-compile.png"), dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("results", nargs="+")
+    p.add_argument("--out", default="docs")
+    args = p.parse_args(argv)
+    records = []
+    for path in args.results:
+        records += json.load(open(path))
+    text = build(records, args.out)
+    with open(os.path.join(args.out, "benchmarks.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
