@@ -154,3 +154,11 @@ def test_fingerprint_mismatch_is_reported(tmp_path):
         t.load(path)
     t.load(path, strict_fingerprint=False)
     np.testing.assert_array_equal(t.get_params()["mlp.0.weight"], s.get_params()["mlp.0.weight"])
+
+
+def test_tensor_larger_than_the_device_allows_is_a_clear_error(gpu):
+    g = mn.Graph()
+    limit = int(gpu.limits["max_storage_buffer_binding_size"])
+    w = g.param("huge", (limit // 4 + 64,))
+    with pytest.raises(mn.LimitError, match=r"param 'huge'.*binds at most"):
+        mn.compile(g, outputs={"s": w.sum()}, device=gpu)

@@ -39,6 +39,7 @@ class _Executable:
         self.plan = plan
         dev = sess.dev
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        _check_buffer(dev, plan.arena_bytes, f"the {tag} plan's intermediate arena")
         self.arena = dev.device.create_buffer(size=max(plan.arena_bytes, 256), usage=usage,
                                               label=f"{tag}-arena")
         self.outs: dict[str, object] = {}
@@ -95,6 +96,21 @@ class _Executable:
         return enc.finish()
 
 
+def _check_buffer(dev, nbytes: int, what: str, binding: bool = False) -> None:
+    """A clear LimitError instead of a failure inside the GPU library."""
+    from ..errors import LimitError
+
+    limit = int(dev.limits.get("max_buffer_size", 1 << 62))
+    if nbytes > limit:
+        raise LimitError(f"{what} needs {nbytes / 2**20:.1f} MiB but the adapter "
+                         f"{dev.adapter_name!r} allows buffers of {limit / 2**20:.1f} MiB")
+    blimit = int(dev.limits.get("max_storage_buffer_binding_size", 1 << 62))
+    if binding and nbytes > blimit:
+        raise LimitError(f"{what} needs {nbytes / 2**20:.1f} MiB but the adapter "
+                         f"{dev.adapter_name!r} binds at most {blimit / 2**20:.1f} MiB per "
+                         "storage buffer")
+
+
 def _round4(n: int) -> int:
     return (n + 3) // 4 * 4
 
@@ -141,6 +157,7 @@ class GPUSession(Session):
             if name in self.pinned:  # shared with another session
                 continue
             nbytes = _round4(max(lf.value.size, 1) * lf.value.dtype.gpu_itemsize)
+            _check_buffer(self.dev, nbytes, f"{lf.kind} {name!r} ({lf.value.type})", binding=True)
             buf = self.dev.device.create_buffer(size=max(nbytes, 4), usage=usage, label=name)
             self.pinned[name] = buf
             if lf.kind == "constant":
