@@ -1,0 +1,746 @@
+"""Convolution kernels (NCHW) as implicit GEMMs: forward (bias and an optional pointwise
+epilogue fused), input gradient and weight gradient — one tiled kernel template, three ways of
+addressing its operands.  No im2col buffer is built: each K step stages a BK-deep slice of both
+GEMM operands into workgroup memory straight from the tensors (padding reads as zero), then
+every invocation accumulates a (TM/16)×(TN/16) block of the output tile in registers.
+
+The three GEMMs (per group ``g``; ``Og = O/groups``, ``Cg = C/groups``):
+
+==============  =================  =====================  ======================
+kernel          rows (M)           columns (N)            reduction (K)
+==============  =================  =====================  ======================
+forward         out channel o<Og   (n, oh, ow)            (c, i, j): Cg·kh·kw
+input grad      in channel c<Cg    (n, h, w)              (o, i, j): Og·kh·kw
+weight grad     out channel o<Og   (c, i, j)              (n, oh, ow) (one chunk)
+==============  =================  =====================  ======================
+
+Columns run over spatial positions (or the weight's contiguous inner axes), so neighbouring
+invocations store to neighbouring addresses.  The input gradient of a strided convolution reads
+``dy`` only where ``h + pad - i·dil`` is a multiple of the stride (the other GEMM terms are
+zero).  The weight gradient reduces over ``N·OH·OW``; with ``split = S`` each workgroup sums one
+of ``S`` consecutive chunks (``ceil(N·OH·OW / S)`` long) into its own slice of a
+``(S, O, Cg, kh, kw)`` output, and an ordinary reduction adds them afterwards — deterministic,
+no float atomics.  Interior K steps run without K bounds checks; one guarded step handles the
+tail.  Operands are read through their strides (any 4-D view, broadcast allowed); f16 operands
+accumulate in f32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..dtypes import DType, f32
+from .common import (
+    CodegenError,
+    bcast_strides,
+    binding_decls,
+    check_binding_size,
+    check_bindings,
+    check_dtypes,
+    check_extent,
+    check_invocations,
+    check_workgroup_storage,
+    emit_instrs,
+    helpers_code,
+    load,
+    make_grid,
+    make_target,
+    module_header,
+    pow2ceil,
+    store_value,
+    u,
+)
+from .ir import Instr, KernelSpec, Strided
+
+THREADS = 16  # 16 x 16 invocations per workgroup
+BK = 16  # K step staged per barrier
+TILE_SIZES = (16, 32, 64)
+
+
+@dataclass(frozen=True)
+class ConvGeom:
+    """Shapes of one convolution: input (n, c, h, w), weight (o, c/groups, kh, kw), output
+    (n, o, oh, ow); ``pad`` is ((top, bottom), (left, right))."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    o: int
+    kh: int
+    kw: int
+    oh: int
+    ow: int
+    stride: tuple[int, int] = (1, 1)
+    pad: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+
+    @property
+    def cg(self) -> int:
+        return self.c // self.groups
+
+    @property
+    def og(self) -> int:
+        return self.o // self.groups
+
+    def check(self, name: str) -> None:
+        g = self.groups
+        if g < 1 or self.c % g or self.o % g:
+            raise CodegenError(f"kernel {name!r}: groups={g} must divide {self.c} and {self.o}")
+        for ax, (size, k, s, p, d, out) in enumerate((
+                (self.h, self.kh, self.stride[0], self.pad[0], self.dilation[0], self.oh),
+                (self.w, self.kw, self.stride[1], self.pad[1], self.dilation[1], self.ow))):
+            want = (size + p[0] + p[1] - d * (k - 1) - 1) // s + 1
+            if want != out or out < 1:
+                raise CodegenError(f"kernel {name!r}: output size {out} along spatial axis {ax} "
+                                   f"should be {want} ({self})")
+
+
+@dataclass(frozen=True)
+class Conv2dKernel:
+    """y[n, o, oh, ow] = Σ x·w (+ bias[o]) (+ epilogue).  ``epilogue`` instrs see ``("acc", 0)``
+    (the convolution plus bias, in the operand dtype), earlier results ``("t", j)`` and
+    ``("x", i)``: ``extra`` inputs read at the output element (Strided over (N, O, OH, OW),
+    broadcasting allowed).  The stored value is the last epilogue instr.  Bindings: x, w,
+    [bias], extra…, out (contiguous (N, O, OH, OW))."""
+
+    geom: ConvGeom
+    x: Strided
+    w: Strided
+    bias: Strided | None = None
+    extra: tuple[Strided, ...] = ()
+    epilogue: tuple[Instr, ...] = ()
+    out_dtype: DType | None = None
+    tile: tuple[int, ...] = ()  # force (TM, TN)
+    name: str = "conv2d"
+
+
+@dataclass(frozen=True)
+class Conv2dInputGradKernel:
+    """dx[n, c, h, w] of conv2d given dy (N, O, OH, OW) and w.  Bindings: dy, w, dx."""
+
+    geom: ConvGeom
+    dy: Strided
+    w: Strided
+    out_dtype: DType | None = None
+    tile: tuple[int, ...] = ()
+    name: str = "conv2d_dgrad"
+
+
+@dataclass(frozen=True)
+class Conv2dWeightGradKernel:
+    """dw[(s,) o, c, i, j] of conv2d given x and dy; ``split`` partial sums over consecutive
+    chunks of the (n, oh, ow) range.  Bindings: x, dy, dw."""
+
+    geom: ConvGeom
+    x: Strided
+    dy: Strided
+    split: int = 1
+    out_dtype: DType | None = None
+    tile: tuple[int, ...] = ()
+    name: str = "conv2d_wgrad"
+
+
+def conv2d_with_epilogue(desc: Conv2dKernel, extra: tuple[Strided, ...],
+                         epilogue: tuple[Instr, ...], out_dtype: DType) -> Conv2dKernel:
+    """The planner's hook for epilogue fusion: ``desc`` computing ``epilogue`` on its result
+    (a ReLU/SiLU/residual add after the convolution) in the same kernel."""
+    return Conv2dKernel(desc.geom, desc.x, desc.w, desc.bias, tuple(extra), tuple(epilogue),
+                        out_dtype, desc.tile, name="conv2d_ep")
+
+
+# ---------------------------------------------------------------------------------------------
+# small WGSL helpers
+
+
+def _lin(terms, offset: int | str = 0) -> str:
+    """``offset + Σ expr·stride`` (u32), skipping zero strides and literal-zero coordinates."""
+    out = []
+    if isinstance(offset, str):
+        out.append(offset)
+    elif offset:
+        out.append(u(offset))
+    for e, st in terms:
+        if st == 0 or e == "0u":
+            continue
+        out.append(e if st == 1 else f"{e} * {u(st)}")
+    return " + ".join(out) if out else "0u"
+
+
+def _split3(k: str, inner: tuple[int, int], p: str, lines: list[str], ind: str):
+    """Coordinates (a, b, c) of ``k`` over a row-major (·, B, C) box: WGSL expressions."""
+    bb, cc = inner
+    if bb * cc == 1:
+        return k, "0u", "0u"
+    if cc == 1:
+        lines.append(f"{ind}let {p}a = {k} / {u(bb)};")
+        lines.append(f"{ind}let {p}b = {k} % {u(bb)};")
+        return f"{p}a", f"{p}b", "0u"
+    if bb == 1:
+        lines.append(f"{ind}let {p}a = {k} / {u(cc)};")
+        lines.append(f"{ind}let {p}c = {k} % {u(cc)};")
+        return f"{p}a", "0u", f"{p}c"
+    lines.append(f"{ind}let {p}a = {k} / {u(bb * cc)};")
+    lines.append(f"{ind}let {p}r = {k} % {u(bb * cc)};")
+    lines.append(f"{ind}let {p}b = {p}r / {u(cc)};")
+    lines.append(f"{ind}let {p}c = {p}r % {u(cc)};")
+    return f"{p}a", f"{p}b", f"{p}c"
+
+
+def _mul(e: str, k: int) -> str:
+    if e == "0u" or k == 0:
+        return "0u"
+    return e if k == 1 else f"{e} * {u(k)}"
+
+
+def _i(n: int) -> str:
+    return f"{int(n)}i"
+
+
+def _spatial(base: str, e: str, k: int, sign: str, p: str, lines, ind) -> str:
+    """i32 coordinate ``base sign e·k`` as a new let; returns its name."""
+    m = _mul(e, k)
+    if m == "0u":
+        return base
+    lines.append(f"{ind}let {p} = {base} {sign} i32({m});")
+    return p
+
+
+def _read(binding: str, idx: str, dt: DType) -> str:
+    v = load(binding, idx, dt)
+    return v if dt is f32 else f"f32({v})"
+
+
+def _view(s: Strided, shape, what: str, name: str, t):
+    if len(s.shape) != 4:
+        raise CodegenError(f"kernel {name!r}: {what} must be a 4-D view, got shape {s.shape}")
+    st = bcast_strides(s, shape, f"{name} {what}")
+    check_extent(name, what, s, shape, st, t)
+    return st
+
+
+# ---------------------------------------------------------------------------------------------
+# the implicit-GEMM template
+
+
+@dataclass
+class _Operand:
+    """One GEMM operand: ``hoist(r, tag, lines, ind)`` emits what depends only on the staged
+    row/column ``r`` (a u32 expression, maybe out of range) and defines ``ok{tag}`` (its
+    validity); ``load(k, tag, lines, ind) -> (extra condition or "", index)`` addresses element
+    (r, k).  ``k_fast``: neighbouring invocations walk k when staging (else r)."""
+
+    binding: str
+    dtype: DType
+    k_fast: bool
+    hoist: Callable
+    load: Callable
+
+
+@dataclass
+class _Gemm:
+    name: str
+    M: int
+    N: int
+    K: int | None  # None: the K range comes from kbeg/kend lines (split chunks)
+    GB: int  # independent GEMMs (groups × splits)
+    tile: tuple[int, int]
+    A: _Operand
+    B: _Operand
+    gb_lines: Callable  # (lines, ind) -> decompose ``gb`` into the kernel's own indices
+    krange: Callable | None  # (lines, ind) -> defines kbeg, kend (runtime, uniform)
+    store: Callable  # (lines, ind, r, col, acc, helpers)
+
+
+def choose_tile(M: int, N: int, forced=()) -> tuple[int, int]:
+    if forced:
+        tm, tn = forced
+        if tm not in TILE_SIZES or tn not in TILE_SIZES:
+            raise CodegenError(f"conv tile must be two of {TILE_SIZES}, got {forced}")
+        return tm, tn
+    return (min(64, max(16, pow2ceil(M))), min(64, max(16, pow2ceil(N))))
+
+
+def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
+    TM, TN = gm.tile
+    RM, RN = TM // THREADS, TN // THREADS
+    nth = THREADS * THREADS
+    mt, nt = -(-gm.M // TM), -(-gm.N // TN)
+    grid = make_grid(gm.name, mt * nt * gm.GB, t)
+    ind, i2 = "    ", "        "
+    L: list[str] = []
+    L.append(f"{ind}let wg = {grid.wg_expr};")
+    L.append(f"{ind}let tn = wg % {u(nt)};")
+    L.append(f"{ind}let tq = wg / {u(nt)};")
+    L.append(f"{ind}let tm = tq % {u(mt)};")
+    L.append(f"{ind}let gb = tq / {u(mt)};")
+    live = "" if grid.exact else "live"
+    if live:
+        L.append(f"{ind}let live = gb < {u(gm.GB)};")
+        L.append(f"{ind}let gbc = min(gb, {u(gm.GB - 1)});")
+    else:
+        L.append(f"{ind}let gbc = gb;")
+    gm.gb_lines(L, ind)
+    L.append(f"{ind}let tx = lid % {u(THREADS)};")
+    L.append(f"{ind}let ty = lid / {u(THREADS)};")
+    L.append(f"{ind}let row0 = tm * {u(TM)};")
+    L.append(f"{ind}let col0 = tn * {u(TN)};")
+
+    # staging maps (independent of k0): hoist what depends on the staged row/column only
+    stage_plan = []  # (which, l, r_name, k_name)
+    for which, op, T, lim in (("a", gm.A, TM, gm.M), ("b", gm.B, TN, gm.N)):
+        for l in range(T * BK // nth):
+            e = f"(lid + {u(l * nth)})" if l else "lid"
+            rn, kn = f"s{which}r{l}", f"s{which}k{l}"
+            if op.k_fast:
+                L.append(f"{ind}let {kn} = {e} % {u(BK)};")
+                L.append(f"{ind}let {rn} = {e} / {u(BK)};")
+            else:
+                L.append(f"{ind}let {rn} = {e} % {u(T)};")
+                L.append(f"{ind}let {kn} = {e} / {u(T)};")
+            base = "row0" if which == "a" else "col0"
+            tag = f"{which}{l}"
+            L.append(f"{ind}let g{tag} = {base} + {rn};")
+            op.hoist(f"g{tag}", tag, L, ind)
+            cond = f"g{tag} < {u(lim)}"
+            if live:
+                cond += " && live"
+            L.append(f"{ind}let ok{tag} = {cond};")
+            stage_plan.append((which, l, rn, kn, op, T))
+
+    for i in range(RM):
+        for j in range(RN):
+            L.append(f"{ind}var acc{i}_{j}: f32 = 0.0;")
+
+    def step(out: list[str], ii: str, check_k: bool, kend: str) -> None:
+        for which, l, rn, kn, op, T in stage_plan:
+            tag = f"{which}{l}"
+            kv = f"k{tag}"
+            out.append(f"{ii}let {kv} = k0 + {kn};")
+            body: list[str] = []
+            cond, idx = op.load(kv, tag, body, ii)
+            out += body
+            conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
+                [cond] if cond else [])
+            arr = "As" if which == "a" else "Bs"
+            out.append(f"{ii}var v{tag}: f32 = 0.0;")
+            out.append(f"{ii}if ({' && '.join(conds)}) {{")
+            out.append(f"{ii}    v{tag} = {_read(op.binding, idx, op.dtype)};")
+            out.append(f"{ii}}}")
+            out.append(f"{ii}{arr}[{kn} * {u(T)} + {rn}] = v{tag};")
+        out.append(f"{ii}workgroupBarrier();")
+        jj = ii + ind
+        out.append(f"{ii}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
+        for i in range(RM):
+            out.append(f"{jj}let ra{i} = As[kk * {u(TM)} + ty + {u(THREADS * i)}];")
+        for j in range(RN):
+            out.append(f"{jj}let rb{j} = Bs[kk * {u(TN)} + tx + {u(THREADS * j)}];")
+        for i in range(RM):
+            for j in range(RN):
+                out.append(f"{jj}acc{i}_{j} = fma(ra{i}, rb{j}, acc{i}_{j});")
+        out.append(f"{ii}}}")
+        out.append(f"{ii}workgroupBarrier();")
+
+    if gm.K is not None:
+        K = gm.K
+        kf = K - K % BK
+        if kf:
+            L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(BK)}) {{")
+            step(L, i2, False, u(K))
+            L.append(f"{ind}}}")
+        if kf != K:
+            L.append(f"{ind}{{")
+            L.append(f"{i2}let k0 = {u(kf)};")
+            step(L, i2, True, u(K))
+            L.append(f"{ind}}}")
+    else:
+        gm.krange(L, ind)  # defines kbeg, kend (uniform)
+        L.append(f"{ind}var k0: u32 = kbeg;")
+        L.append(f"{ind}loop {{")
+        L.append(f"{i2}if (k0 + {u(BK)} > kend) {{")
+        L.append(f"{i2}    break;")
+        L.append(f"{i2}}}")
+        step(L, i2, False, "kend")
+        L.append(f"{i2}k0 = k0 + {u(BK)};")
+        L.append(f"{ind}}}")
+        L.append(f"{ind}if (k0 < kend) {{")
+        step(L, i2, True, "kend")
+        L.append(f"{ind}}}")
+
+    helpers: set[str] = set()
+    for i in range(RM):
+        L.append(f"{ind}let r{i} = row0 + ty + {u(THREADS * i)};")
+    for j in range(RN):
+        L.append(f"{ind}let n{j} = col0 + tx + {u(THREADS * j)};")
+    for i in range(RM):
+        for j in range(RN):
+            conds = []
+            if gm.M % TM:
+                conds.append(f"r{i} < {u(gm.M)}")
+            if gm.N % TN:
+                conds.append(f"n{j} < {u(gm.N)}")
+            if live:
+                conds.append("live")
+            if conds:
+                L.append(f"{ind}if ({' && '.join(conds)}) {{")
+                gm.store(L, i2, f"r{i}", f"n{j}", f"acc{i}_{j}", helpers)
+                L.append(f"{ind}}}")
+            else:
+                L.append(f"{ind}{{")
+                gm.store(L, i2, f"r{i}", f"n{j}", f"acc{i}_{j}", helpers)
+                L.append(f"{ind}}}")
+    shared = [f"var<workgroup> As: array<f32, {BK * TM}>;",
+              f"var<workgroup> Bs: array<f32, {BK * TN}>;"]
+    nbytes = 4 * BK * (TM + TN)
+    check_workgroup_storage(gm.name, nbytes, t)
+    check_invocations(gm.name, nth, t)
+    return L, shared, nbytes, grid, helpers
+
+
+def _module(name, dts, extra_dts, body, shared, nbytes, grid, helpers, t, meta) -> KernelSpec:
+    check_bindings(name, len(dts), t)
+    uses_f16 = check_dtypes(name, list(dts) + list(extra_dts), t)
+    lines = module_header(uses_f16) + binding_decls(dts) + shared + [""]
+    lines += helpers_code(helpers)
+    lines.append(f"@compute @workgroup_size({THREADS * THREADS})")
+    lines.append("fn main(@builtin(workgroup_id) wid: vec3<u32>, "
+                 "@builtin(local_invocation_index) lid: u32) {")
+    lines += body
+    lines.append("}")
+    meta = dict(meta, workgroup_size=THREADS * THREADS, workgroup_storage=nbytes,
+                binding_dtypes=tuple(dts))
+    return KernelSpec(name=name, wgsl="\n".join(lines) + "\n", n_bindings=len(dts),
+                      workgroups=grid.workgroups, meta=meta)
+
+
+def _range_check(e: str, lo: int, hi: int, size: int) -> str:
+    """Condition that i32 coordinate ``e`` (known to lie in [lo, hi]) is inside [0, size)."""
+    if lo >= 0 and hi < size:
+        return ""
+    return f"u32({e}) < {u(size)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+
+
+def emit_forward(k: Conv2dKernel, limits=None, features=None) -> KernelSpec:
+    t = make_target(limits, features)
+    name, G = k.name, k.geom
+    G.check(name)
+    x, w = k.x, k.w
+    sx = _view(x, (G.n, G.c, G.h, G.w), "input", name, t)
+    sw = _view(w, (G.o, G.cg, G.kh, G.kw), "weight", name, t)
+    op_dt = x.dtype
+    if w.dtype is not op_dt or not op_dt.is_float:
+        raise CodegenError(f"kernel {name!r}: operands must share a float dtype "
+                           f"({x.dtype.name}, {w.dtype.name})")
+    out_shape = (G.n, G.o, G.oh, G.ow)
+    sb = None
+    if k.bias is not None:
+        if k.bias.shape != (G.o,) or k.bias.dtype is not op_dt:
+            raise CodegenError(f"kernel {name!r}: bias must be {op_dt.name}[{G.o}]")
+        sb = bcast_strides(k.bias, (G.o,), f"{name} bias")
+        check_extent(name, "bias", k.bias, (G.o,), sb, t)
+    n_in = 2 + (k.bias is not None)
+    xs = {}
+    for i, s in enumerate(k.extra):
+        st = bcast_strides(s, out_shape, f"{name} extra {i}")
+        check_extent(name, f"extra input {i}", s, out_shape, st, t)
+        xs[i] = st
+    for ins in k.epilogue:
+        for kind, i in ins.args:
+            if kind == "x" and i not in xs:
+                raise CodegenError(f"kernel {name!r}: epilogue reads extra input {i} of "
+                                   f"{len(k.extra)}")
+    res_dt = k.epilogue[-1].dtype if k.epilogue else op_dt
+    out_dt = k.out_dtype or res_dt
+    check_binding_size(name, "output", G.n * G.o * G.oh * G.ow, out_dt, t)
+    sh_, sw_ = G.stride
+    dh, dw = G.dilation
+    (pt, pb), (pl, pr) = G.pad
+    M, N, K = G.og, G.n * G.oh * G.ow, G.cg * G.kh * G.kw
+    ohw = G.oh * G.ow
+    k_linear = (sw[1], sw[2], sw[3]) == (G.kh * G.kw, G.kw, 1)
+
+    def a_hoist(r, tag, L, ind):
+        L.append(f"{ind}let ab{tag} = {_lin([(f'(gi * {u(G.og)} + {r})', sw[0])], w.offset)};")
+
+    def a_load(kv, tag, L, ind):
+        if k_linear:
+            return "", f"ab{tag} + {kv}"
+        c, i, j = _split3(kv, (G.kh, G.kw), f"w{tag}", L, ind)
+        return "", _lin([(c, sw[1]), (i, sw[2]), (j, sw[3])], f"ab{tag}")
+
+    def b_hoist(p, tag, L, ind):
+        L.append(f"{ind}let pn{tag} = {p} / {u(ohw)};")
+        L.append(f"{ind}let pq{tag} = {p} % {u(ohw)};")
+        L.append(f"{ind}let ih{tag} = i32((pq{tag} / {u(G.ow)}) * {u(sh_)}) - {_i(pt)};")
+        L.append(f"{ind}let iw{tag} = i32((pq{tag} % {u(G.ow)}) * {u(sw_)}) - {_i(pl)};")
+        L.append(f"{ind}let xb{tag} = "
+                 f"{_lin([(f'pn{tag}', sx[0]), (f'gi * {u(G.cg)}', sx[1])], x.offset)};")
+
+    def b_load(kv, tag, L, ind):
+        c, i, j = _split3(kv, (G.kh, G.kw), f"x{tag}", L, ind)
+        ih = _spatial(f"ih{tag}", i, dh, "+", f"y{tag}", L, ind)
+        iw = _spatial(f"iw{tag}", j, dw, "+", f"z{tag}", L, ind)
+        conds = [c for c in (
+            _range_check(ih, -pt, (G.oh - 1) * sh_ - pt + (G.kh - 1) * dh, G.h),
+            _range_check(iw, -pl, (G.ow - 1) * sw_ - pl + (G.kw - 1) * dw, G.w)) if c]
+        idx = _lin([(c, sx[1]), (f"u32({ih})", sx[2]), (f"u32({iw})", sx[3])], f"xb{tag}")
+        return " && ".join(conds), idx
+
+    def gb_lines(L, ind):
+        L.append(f"{ind}let gi = gbc;")
+
+    def store(L, ind, r, col, acc, helpers):
+        L.append(f"{ind}let o = gi * {u(G.og)} + {r};")
+        L.append(f"{ind}let sn = {col} / {u(ohw)};")
+        L.append(f"{ind}let sq = {col} % {u(ohw)};")
+        v = acc
+        if sb is not None:
+            v = f"{acc} + {_read('b2', _lin([('o', sb[0])], k.bias.offset), op_dt)}"
+        L.append(f"{ind}let accf: f32 = {v};")
+        val, vdt = "accf", f32
+        if k.epilogue:
+            conv = "accf" if op_dt is f32 else f"{op_dt.wgsl}(accf)"
+            L.append(f"{ind}let accv: {op_dt.wgsl} = {conv};")
+            names = {}
+            if xs:
+                L.append(f"{ind}let soh = sq / {u(G.ow)};")
+                L.append(f"{ind}let sow = sq % {u(G.ow)};")
+            for i, st in xs.items():
+                s = k.extra[i]
+                idx = _lin([("sn", st[0]), ("o", st[1]), ("soh", st[2]), ("sow", st[3])],
+                           s.offset)
+                L.append(f"{ind}let e{i} = {load(f'b{n_in + i}', idx, s.dtype)};")
+                names[i] = (f"e{i}", s.dtype)
+
+            def arg(a):
+                kind, i = a
+                if kind == "acc":
+                    return "accv", op_dt
+                if kind == "x":
+                    return names[i]
+                raise CodegenError(f"kernel {name!r}: epilogue operand {a!r}")
+
+            res = emit_instrs(k.epilogue, arg, "q", L, ind, helpers)
+            val, vdt = res[-1]
+        oidx = _lin([("sn", G.o * ohw), ("o", ohw), ("sq", 1)])
+        L.append(f"{ind}b{n_in + len(k.extra)}[{oidx}] = {store_value(val, vdt, out_dt)};")
+
+    A = _Operand("b1", op_dt, not (sw[0] == 1 and G.og > 1), a_hoist, a_load)
+    B = _Operand("b0", op_dt, False, b_hoist, b_load)
+    tile = choose_tile(M, N, k.tile)
+    gm = _Gemm(name, M, N, K, G.groups, tile, A, B, gb_lines, None, store)
+    body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
+    dts = [op_dt, op_dt] + ([op_dt] if k.bias is not None else []) + \
+        [s.dtype for s in k.extra] + [out_dt]
+    return _module(name, dts, [i.dtype for i in k.epilogue], body, shared, nbytes, grid,
+                   helpers, t, {"archetype": "conv2d", "tile": tile,
+                                "flops": 2 * M * N * K * G.groups})
+
+
+# ---------------------------------------------------------------------------------------------
+# input gradient
+
+
+def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None) -> KernelSpec:
+    t = make_target(limits, features)
+    name, G = k.name, k.geom
+    G.check(name)
+    dy, w = k.dy, k.w
+    sd = _view(dy, (G.n, G.o, G.oh, G.ow), "dy", name, t)
+    sw = _view(w, (G.o, G.cg, G.kh, G.kw), "weight", name, t)
+    op_dt = dy.dtype
+    if w.dtype is not op_dt or not op_dt.is_float:
+        raise CodegenError(f"kernel {name!r}: operands must share a float dtype")
+    out_dt = k.out_dtype or op_dt
+    check_binding_size(name, "output", G.n * G.c * G.h * G.w, out_dt, t)
+    sh_, sw_ = G.stride
+    dh, dw = G.dilation
+    (pt, pb), (pl, pr) = G.pad
+    hw = G.h * G.w
+    M, N, K = G.cg, G.n * hw, G.og * G.kh * G.kw
+
+    def a_hoist(r, tag, L, ind):
+        L.append(f"{ind}let ab{tag} = "
+                 f"{_lin([(r, sw[1]), (f'gi * {u(G.og)}', sw[0])], w.offset)};")
+
+    def a_load(kv, tag, L, ind):
+        o, i, j = _split3(kv, (G.kh, G.kw), f"w{tag}", L, ind)
+        return "", _lin([(o, sw[0]), (i, sw[2]), (j, sw[3])], f"ab{tag}")
+
+    def b_hoist(p, tag, L, ind):
+        L.append(f"{ind}let pn{tag} = {p} / {u(hw)};")
+        L.append(f"{ind}let pq{tag} = {p} % {u(hw)};")
+        L.append(f"{ind}let th{tag} = i32(pq{tag} / {u(G.w)}) + {_i(pt)};")
+        L.append(f"{ind}let tw{tag} = i32(pq{tag} % {u(G.w)}) + {_i(pl)};")
+        L.append(f"{ind}let db{tag} = "
+                 f"{_lin([(f'pn{tag}', sd[0]), (f'gi * {u(G.og)}', sd[1])], dy.offset)};")
+
+    def axis(base, e, d, s, size_out, lo, hi, tag, L, ind):
+        """(condition, output coordinate) for t = base - e·d: t % s == 0, 0 <= t/s < size."""
+        tv = _spatial(base, e, d, "-", f"u{tag}", L, ind)
+        conds = []
+        if s == 1:
+            c = _range_check(tv, lo, hi, size_out)
+            if c:
+                conds.append(c)
+            return conds, f"u32({tv})"
+        if not (lo >= 0 and hi < size_out * s):
+            conds.append(f"u32({tv}) < {u(size_out * s)}")
+        conds.append(f"u32({tv}) % {u(s)} == 0u")
+        return conds, f"(u32({tv}) / {u(s)})"
+
+    def b_load(kv, tag, L, ind):
+        o, i, j = _split3(kv, (G.kh, G.kw), f"d{tag}", L, ind)
+        c1, oh = axis(f"th{tag}", i, dh, sh_, G.oh, pt - (G.kh - 1) * dh, G.h - 1 + pt,
+                      f"h{tag}", L, ind)
+        c2, ow = axis(f"tw{tag}", j, dw, sw_, G.ow, pl - (G.kw - 1) * dw, G.w - 1 + pl,
+                      f"w{tag}", L, ind)
+        return " && ".join(c1 + c2), _lin([(o, sd[1]), (oh, sd[2]), (ow, sd[3])], f"db{tag}")
+
+    def gb_lines(L, ind):
+        L.append(f"{ind}let gi = gbc;")
+
+    def store(L, ind, r, col, acc, helpers):
+        L.append(f"{ind}let sn = {col} / {u(hw)};")
+        L.append(f"{ind}let sq = {col} % {u(hw)};")
+        oidx = _lin([("sn", G.c * hw), (f"(gi * {u(G.cg)} + {r})", hw), ("sq", 1)])
+        L.append(f"{ind}b2[{oidx}] = {store_value(acc, f32, out_dt)};")
+
+    A = _Operand("b1", op_dt, not (sw[1] == 1 and G.cg > 1), a_hoist, a_load)
+    B = _Operand("b0", op_dt, False, b_hoist, b_load)
+    tile = choose_tile(M, N, k.tile)
+    gm = _Gemm(name, M, N, K, G.groups, tile, A, B, gb_lines, None, store)
+    body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
+    return _module(name, [op_dt, op_dt, out_dt], [], body, shared, nbytes, grid, helpers, t,
+                   {"archetype": "conv2d_input_grad", "tile": tile,
+                    "flops": 2 * M * N * K * G.groups})
+
+
+# ---------------------------------------------------------------------------------------------
+# weight gradient
+
+
+def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None) -> KernelSpec:
+    t = make_target(limits, features)
+    name, G = k.name, k.geom
+    G.check(name)
+    x, dy = k.x, k.dy
+    sx = _view(x, (G.n, G.c, G.h, G.w), "input", name, t)
+    sd = _view(dy, (G.n, G.o, G.oh, G.ow), "dy", name, t)
+    op_dt = x.dtype
+    if dy.dtype is not op_dt or not op_dt.is_float:
+        raise CodegenError(f"kernel {name!r}: operands must share a float dtype")
+    out_dt = k.out_dtype or op_dt
+    S = int(k.split)
+    if S < 1:
+        raise CodegenError(f"kernel {name!r}: split must be >= 1, got {S}")
+    wsize = G.o * G.cg * G.kh * G.kw
+    check_binding_size(name, "output", S * wsize, out_dt, t)
+    sh_, sw_ = G.stride
+    dh, dw = G.dilation
+    (pt, pb), (pl, pr) = G.pad
+    ohw = G.oh * G.ow
+    khw = G.kh * G.kw
+    M, N, KT = G.og, G.cg * khw, G.n * ohw
+    chunk = -(-KT // S)
+
+    def a_hoist(r, tag, L, ind):
+        L.append(f"{ind}let ab{tag} = {_lin([(f'(gi * {u(G.og)} + {r})', sd[1])], dy.offset)};")
+
+    def a_load(kv, tag, L, ind):
+        n, oh, ow = _split3(kv, (G.oh, G.ow), f"a{tag}", L, ind)
+        return "", _lin([(n, sd[0]), (oh, sd[2]), (ow, sd[3])], f"ab{tag}")
+
+    def b_hoist(q, tag, L, ind):
+        c, i, j = _split3(q, (G.kh, G.kw), f"q{tag}", L, ind)
+        L.append(f"{ind}let ih{tag} = i32({_mul(i, dh)}) - {_i(pt)};")
+        L.append(f"{ind}let iw{tag} = i32({_mul(j, dw)}) - {_i(pl)};")
+        L.append(f"{ind}let xb{tag} = "
+                 f"{_lin([(f'(gi * {u(G.cg)} + {c})', sx[1])], x.offset)};")
+
+    def b_load(kv, tag, L, ind):
+        n, oh, ow = _split3(kv, (G.oh, G.ow), f"b{tag}", L, ind)
+        ih = _spatial(f"ih{tag}", oh, sh_, "+", f"y{tag}", L, ind)
+        iw = _spatial(f"iw{tag}", ow, sw_, "+", f"z{tag}", L, ind)
+        conds = [c for c in (
+            _range_check(ih, -pt, (G.oh - 1) * sh_ - pt + (G.kh - 1) * dh, G.h),
+            _range_check(iw, -pl, (G.ow - 1) * sw_ - pl + (G.kw - 1) * dw, G.w)) if c]
+        idx = _lin([(n, sx[0]), (f"u32({ih})", sx[2]), (f"u32({iw})", sx[3])], f"xb{tag}")
+        return " && ".join(conds), idx
+
+    def gb_lines(L, ind):
+        L.append(f"{ind}let gi = gbc % {u(G.groups)};")
+        L.append(f"{ind}let si = gbc / {u(G.groups)};")
+
+    def krange(L, ind):
+        L.append(f"{ind}let kbeg = si * {u(chunk)};")
+        L.append(f"{ind}let kend = min(kbeg + {u(chunk)}, {u(KT)});")
+
+    def store(L, ind, r, col, acc, helpers):
+        oidx = _lin([("si", wsize), (f"(gi * {u(G.og)} + {r})", N), (col, 1)])
+        L.append(f"{ind}b2[{oidx}] = {store_value(acc, f32, out_dt)};")
+
+    # neighbouring invocations walk (n, oh, ow): contiguous rows of dy and x
+    A = _Operand("b1", op_dt, True, a_hoist, a_load)
+    B = _Operand("b0", op_dt, True, b_hoist, b_load)
+    tile = choose_tile(M, N, k.tile)
+    if S == 1:
+        gm = _Gemm(name, M, N, KT, G.groups, tile, A, B, gb_lines, None, store)
+    else:
+        gm = _Gemm(name, M, N, None, G.groups * S, tile, A, B, gb_lines, krange, store)
+    body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
+    return _module(name, [op_dt, op_dt, out_dt], [], body, shared, nbytes, grid, helpers, t,
+                   {"archetype": "conv2d_weight_grad", "tile": tile, "split": S,
+                    "flops": 2 * M * N * KT * G.groups})
+
+
+# ---------------------------------------------------------------------------------------------
+# registration: graph attrs + strided inputs -> descriptions
+
+
+def _geom(x_shape, w_shape, y_shape, attrs) -> ConvGeom:
+    n, c, h, w = x_shape
+    o, _, kh, kw = w_shape
+    return ConvGeom(n, c, h, w, o, kh, kw, y_shape[2], y_shape[3], tuple(attrs["stride"]),
+                    tuple(tuple(p) for p in attrs["padding"]), tuple(attrs["dilation"]),
+                    int(attrs["groups"]))
+
+
+def _make_forward(attrs, inputs, outputs):
+    x, w = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) == 3 else None
+    geom = _geom(x.shape, w.shape, outputs[0].shape, attrs)
+    return Conv2dKernel(geom, x, w, bias, out_dtype=outputs[0].dtype)
+
+
+def _make_input_grad(attrs, inputs, outputs):
+    dy, w = inputs
+    geom = _geom(outputs[0].shape, w.shape, dy.shape, attrs)
+    return Conv2dInputGradKernel(geom, dy, w, out_dtype=outputs[0].dtype)
+
+
+def _make_weight_grad(attrs, inputs, outputs):
+    x, dy = inputs
+    kh, kw = attrs["kernel_size"]
+    w_shape = (dy.shape[1], x.shape[1] // attrs["groups"], kh, kw)
+    geom = _geom(x.shape, w_shape, dy.shape, attrs)
+    return Conv2dWeightGradKernel(geom, x, dy, int(attrs["split"]), out_dtype=outputs[0].dtype)
+
+
+def _register() -> None:
+    from .archetypes import register_archetype
+
+    register_archetype("conv2d", Conv2dKernel, _make_forward, emit_forward)
+    register_archetype("conv2d_input_grad", Conv2dInputGradKernel, _make_input_grad,
+                       emit_input_grad)
+    register_archetype("conv2d_weight_grad", Conv2dWeightGradKernel, _make_weight_grad,
+                       emit_weight_grad)
+
+
+_register()
