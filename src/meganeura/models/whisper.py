@@ -24,7 +24,7 @@ from ..errors import GraphBuildError
 from ..graph import Graph, Value
 from ..init import fan_in_uniform, kaiming_uniform
 from ..nn import Linear
-from ..nn.transformer import Attention, GeluMLP, LayerNorm, sinusoids
+from ..nn.transformer import Attention, GeluMLP, LayerNorm, op_for, sinusoids
 
 __all__ = ["WhisperEncoderConfig", "WHISPER_TINY", "tiny_whisper", "WhisperGraph",
            "whisper_encoder", "conv1d", "PRESETS"]
@@ -82,10 +82,10 @@ def tiny_whisper(**overrides) -> WhisperEncoderConfig:
 
 
 def conv1d(x: Value, w: Value, b: Value | None, stride: int = 1, padding: int = 0) -> Value:
-    """1-D convolution in time-major layout: x (B, T, Cin), w (Cout, Cin, K) (PyTorch layout)
-    -> (B, Tout, Cout), computed as an implicit GEMM: the K shifted (strided) slices of the
-    zero-padded input are stacked into (B, Tout, Cin·K) columns and multiplied by w reshaped to
-    (Cout, Cin·K)."""
+    """The stem's convolution for ``impl="composite"``: 1-D convolution in time-major layout,
+    x (B, T, Cin), w (Cout, Cin, K) (PyTorch layout) -> (B, Tout, Cout), as an implicit GEMM:
+    the K shifted (strided) slices of the zero-padded input are stacked into (B, Tout, Cin·K)
+    columns and multiplied by w reshaped to (Cout, Cin·K)."""
     B, T, C = x.shape
     Cout, Cin, K = w.shape
     if Cin != C:
@@ -123,11 +123,16 @@ def _conv_params(g: Graph, name: str, cout: int, cin: int, k: int):
 def encoder(g: Graph, cfg: WhisperEncoderConfig, mel: Value, impl: str = "auto") -> Value:
     """mel (B, n_mels, frames) -> features (B, positions, d_model)."""
     d = cfg.d_model
-    x = ops.transpose(mel, 1, 2)  # (B, frames, mels): time-major for the implicit GEMM
     w1, b1 = _conv_params(g, "encoder.conv1", d, cfg.num_mel_bins, 3)
-    x = ops.gelu(conv1d(x, w1, b1, 1, 1))
     w2, b2 = _conv_params(g, "encoder.conv2", d, d, 3)
-    x = ops.gelu(conv1d(x, w2, b2, 2, 1))
+    conv_op = op_for("conv1d", impl)
+    if conv_op is not None:  # the conv kernels, channel-major (B, C, T)
+        x = ops.gelu(conv_op(mel, w1, b1, stride=1, padding=1))
+        x = ops.transpose(ops.gelu(conv_op(x, w2, b2, stride=2, padding=1)), 1, 2)
+    else:  # time-major implicit GEMM from slices + matmul
+        x = ops.transpose(mel, 1, 2)
+        x = ops.gelu(conv1d(x, w1, b1, 1, 1))
+        x = ops.gelu(conv1d(x, w2, b2, 2, 1))
     if x.shape[1] != cfg.max_source_positions:
         raise GraphBuildError(f"whisper: {mel.shape[2]} frames give {x.shape[1]} positions, "
                               f"expected max_source_positions={cfg.max_source_positions}")
