@@ -1,0 +1,191 @@
+"""HF folders: written here from the PyTorch twins (no network), read back into our
+parameters — f32/f16/bf16, single file or sharded — and the error cases."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import meganeura as mn
+from meganeura.io import hf
+from meganeura.models.llama import LlamaConfig, llama_lm, tiny_llama
+from meganeura.models.whisper import WhisperEncoderConfig, tiny_whisper, whisper_encoder
+from tests.models.twins_transformer import LlamaForCausalLM, WhisperClassifier, params_of
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _hf_llama_folder(path, cfg, dtype=torch.float32, seed=0):
+    """What ``save_pretrained`` writes: config.json + model.safetensors (tied head dropped)."""
+    torch.manual_seed(seed)
+    tw = LlamaForCausalLM(cfg)
+    os.makedirs(path, exist_ok=True)
+    sd = {k: v.detach().to(dtype).contiguous() for k, v in tw.state_dict().items()
+          if k not in tw.tied_skip}
+    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f)
+    return tw, sd
+
+
+def test_llama_folder_round_trip_runs_like_the_twin(tmp_path):
+    cfg = tiny_llama()
+    tw, _ = _hf_llama_folder(tmp_path / "m", cfg)
+    got = hf.load_hf(tmp_path / "m")
+    assert got.kind == "llama" and got.config == cfg
+    want = params_of(tw, tw.tied_skip)
+    assert set(got.params) == set(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got.params[k], v, err_msg=k)
+    m = llama_lm(cfg, 1, 6, loss=False)
+    s = mn.compile(m.graph, outputs={"logits": m.logits}, backend="reference")
+    s.set_params(got.params, strict=True)
+    ids = np.arange(6, dtype=np.int32)[None] * 5
+    ref = tw(torch.from_numpy(ids).long())[0].detach().numpy()
+    assert _rel(s.run(ids=ids)["logits"], ref) <= 1e-5
+    # our writer round-trips too (the HF layout, sharded with an index)
+    hf.save_hf(tmp_path / "ours", got.params, cfg, max_shard_bytes=20_000)
+    assert os.path.exists(tmp_path / "ours" / hf.INDEX)
+    assert len([f for f in os.listdir(tmp_path / "ours") if f.endswith(".safetensors")]) > 1
+    again = hf.load_hf(tmp_path / "ours")
+    for k, v in got.params.items():
+        np.testing.assert_array_equal(again.params[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints_decode_exactly(tmp_path, dtype):
+    cfg = tiny_llama(tie_word_embeddings=False)
+    _, sd = _hf_llama_folder(tmp_path, cfg, dtype=dtype)
+    got = hf.load_hf(tmp_path).params
+    for k, t in sd.items():
+        assert got[k].dtype == np.float32
+        np.testing.assert_array_equal(got[k], t.float().numpy(), err_msg=k)
+
+
+def test_bf16_encoding_matches_torch_rounding(tmp_path):
+    x = np.random.default_rng(0).normal(size=4096).astype(np.float32) * 10.0 ** np.arange(
+        -8, 8).repeat(256).astype(np.float32)
+    ours = hf.f32_to_bf16(x)
+    theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(ours, theirs)
+    hf.write_safetensors(tmp_path / "x.safetensors", {"x": x}, dtype="bf16")
+    from safetensors.torch import load_file
+
+    back = load_file(str(tmp_path / "x.safetensors"))["x"]
+    assert back.dtype == torch.bfloat16
+    np.testing.assert_array_equal(hf.read_safetensors(tmp_path / "x.safetensors")["x"],
+                                  back.float().numpy())
+
+
+def test_whisper_folder_with_model_prefix_decoder_and_positions(tmp_path):
+    cfg = tiny_whisper()
+    torch.manual_seed(0)
+    tw = WhisperClassifier(cfg)
+    from meganeura.models.whisper import position_table
+
+    with torch.no_grad():
+        tw.encoder.embed_positions.weight.copy_(torch.from_numpy(position_table(cfg)))
+    # a WhisperForConditionalGeneration-style checkpoint: model.encoder.*, model.decoder.*,
+    # proj_out; no classification head
+    sd = {"model." + k: v.detach().contiguous() for k, v in tw.state_dict().items()
+          if not k.startswith("head.")}
+    sd["model.decoder.layers.0.fc1.weight"] = torch.zeros(4, 4)
+    sd["proj_out.weight"] = torch.zeros(4, 4)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    hf_cfg = cfg.to_hf() | {"decoder_layers": 1, "architectures": ["WhisperForConditional"
+                                                                   "Generation"]}
+    (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
+    got = hf.load_hf(tmp_path, num_classes=cfg.num_classes)
+    assert got.kind == "whisper" and got.config == cfg
+    want = params_of(tw, tw.skip)
+    assert set(got.params) == set(want) - {"head.weight", "head.bias"}
+    for k, v in got.params.items():
+        np.testing.assert_array_equal(v, want[k], err_msg=k)
+    m = whisper_encoder(cfg, 1, loss=False)
+    s = mn.compile(m.graph, outputs={"f": m.features}, backend="reference")
+    s.set_params(got.params)
+    mel = np.random.default_rng(1).normal(size=m.mel.shape).astype(np.float32)
+    ref = tw.encoder(torch.from_numpy(mel)).detach().numpy()
+    assert _rel(s.run(mel=mel)["f"], ref) <= 1e-5
+    with pytest.raises(hf.HFCheckpointError, match="missing 2: \\['head.bias', 'head.weight'\\]"):
+        hf.load_hf(tmp_path, strict_head=True)
+    # a position table that is not the sinusoid is refused, not silently replaced
+    sd["model.encoder.embed_positions.weight"] = torch.ones(8, 32)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(hf.HFCheckpointError, match="embed_positions"):
+        hf.load_hf(tmp_path)
+    assert isinstance(hf.config_from_hf(hf_cfg), WhisperEncoderConfig)
+
+
+def test_missing_extra_and_misshaped_tensors_are_all_named(tmp_path):
+    cfg = tiny_llama()
+    _, sd = _hf_llama_folder(tmp_path, cfg)
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    del sd["model.norm.weight"]
+    sd["model.layers.9.self_attn.q_proj.weight"] = torch.zeros(2, 2)
+    sd["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 31)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(hf.HFCheckpointError) as e:
+        hf.load_hf(tmp_path)
+    msg = str(e.value)
+    assert isinstance(e.value, mn.CheckpointError)
+    for part in ("missing 2", "model.layers.1.mlp.up_proj.weight", "model.norm.weight",
+                 "unexpected 1", "model.layers.9.self_attn.q_proj.weight",
+                 "mis-shaped 1", "model.layers.0.self_attn.k_proj.weight: (16, 31), "
+                 "expected (16, 32)"):
+        assert part in msg, (part, msg)
+
+
+def test_folder_errors(tmp_path):
+    with pytest.raises(hf.HFCheckpointError, match="not a directory"):
+        hf.load_hf(tmp_path / "nope")
+    (tmp_path / "a").mkdir()
+    with pytest.raises(hf.HFCheckpointError, match="no config.json"):
+        hf.load_hf(tmp_path / "a")
+    (tmp_path / "a" / "config.json").write_text(json.dumps(tiny_llama().to_hf()))
+    with pytest.raises(hf.HFCheckpointError, match="neither model.safetensors"):
+        hf.load_hf(tmp_path / "a")
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{bad")
+    with pytest.raises(hf.HFCheckpointError, match="header length|corrupt"):
+        hf.load_hf(tmp_path / "a")
+    # a truncated data section
+    hf.write_safetensors(tmp_path / "t.safetensors", {"x": np.ones((64, 64), np.float32)})
+    raw = (tmp_path / "t.safetensors").read_bytes()
+    (tmp_path / "t.safetensors").write_bytes(raw[:-100])
+    with pytest.raises(hf.HFCheckpointError, match="bad data offsets"):
+        hf.read_safetensors(tmp_path / "t.safetensors")
+    # a sharded folder whose index names a missing shard
+    cfg = tiny_llama()
+    _hf_llama_folder(tmp_path / "s", cfg)
+    os.remove(tmp_path / "s" / "model.safetensors")
+    (tmp_path / "s" / hf.INDEX).write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(hf.HFCheckpointError, match="shard 'model-00001-of-00002"):
+        hf.load_hf(tmp_path / "s")
+    with pytest.raises(hf.HFCheckpointError, match="unsupported model_type 'bert'"):
+        hf.config_from_hf({"model_type": "bert"})
+    with pytest.raises(mn.GraphBuildError, match="rope_scaling"):
+        LlamaConfig.from_hf(cfg.to_hf() | {"rope_scaling": {"rope_type": "llama3"}})
+
+
+def test_reader_agrees_with_safetensors_numpy(tmp_path):
+    from safetensors.numpy import save_file as np_save
+
+    r = np.random.default_rng(0)
+    t = {"a": r.normal(size=(3, 5)).astype(np.float32), "b": r.normal(size=7).astype(np.float16),
+         "c": np.arange(6, dtype=np.int64).reshape(2, 3), "d": np.zeros((0, 4), np.float32)}
+    np_save(t, str(tmp_path / "x.safetensors"))
+    got = hf.read_safetensors(tmp_path / "x.safetensors")
+    kept = hf.read_safetensors(tmp_path / "x.safetensors", keep_dtype=True)
+    assert got["b"].dtype == np.float32 and kept["b"].dtype == np.float16
+    for k, v in t.items():
+        np.testing.assert_array_equal(got[k], v)
+        assert kept[k].dtype == v.dtype
+    assert set(hf.read_safetensors(tmp_path / "x.safetensors", ["a"])) == {"a"}
+    with pytest.raises(hf.HFCheckpointError, match="not in the file"):
+        hf.read_safetensors(tmp_path / "x.safetensors", ["zz"])
