@@ -109,6 +109,12 @@ def _units(d: int) -> tuple[int, int, int]:
     return w, d // w, d // w + 1
 
 
+def _tpr(rows_per_block: int) -> int:
+    """Invocations per row: 8 (4+ scores and 2+ output vec4 each at D = 64), more for blocks
+    of very few rows (decoding) so a workgroup still has 32-64 invocations."""
+    return max(8, min(32, 64 // max(rows_per_block, 1)))
+
+
 def rows_config(kind: str, rows: int, n_bh: int, D: int, Dv: int, storage: int,
                 forced=(0, 0)) -> tuple[int, int, int]:
     """(BQ rows per block, TPR invocations per row, BK keys per tile) for fwd/dq."""
@@ -118,8 +124,7 @@ def rows_config(kind: str, rows: int, n_bh: int, D: int, Dv: int, storage: int,
 
     def floats(bq, bk):
         n = bq * dpf + bk * dpf + bk * vpf + bq * (bk + 1) + 4 * 32
-        if kind == "dq":
-            n += bq * vpf
+        n += bq * vpf if kind == "dq" else 256
         return n
 
     bq_max = 32 if kind == "fwd" else 16
@@ -128,7 +133,7 @@ def rows_config(kind: str, rows: int, n_bh: int, D: int, Dv: int, storage: int,
         while bq > 8 and n_bh * -(-rows // bq) < MIN_WORKGROUPS:
             bq //= 2
     while True:
-        tpr = max(1, min(32, 256 // bq))
+        tpr = _tpr(bq)
         for bk in ((forced[1],) if forced[1] else (64, 32, 16, 8)):
             t = min(tpr, bk)
             if 4 * floats(bq, bk) <= storage:
@@ -154,7 +159,7 @@ def keys_config(rows: int, skv: int, n_bh: int, D: int, Dv: int, storage: int,
         while bkv > 16 and n_bh * -(-skv // bkv) < MIN_WORKGROUPS:
             bkv //= 2
     while True:
-        tpr = max(1, min(32, 256 // bkv))
+        tpr = _tpr(bkv)
         for bq in ((forced[1],) if forced[1] else (32, 16, 8, 4, 2, 1)):
             bq = min(bq, pow2ceil(rows)) if not forced[1] else bq
             t = min(tpr, bq)
@@ -285,9 +290,10 @@ def _rows_kernel(g: _Gen, t) -> tuple[list[str], int, object, dict]:
     _shared(S, "Ss", 1, BQ * BKp)
     if kind == "dq":
         _shared(S, "Os", wv, BQ * vp)
+    else:
+        _shared(S, "Red", 1, WG)
     words = BQ * dp * wd + (BK * dp + TPR) * wd + (BK * vp + TPR) * wv + BQ * BKp
-    if kind == "dq":
-        words += BQ * vp * wv
+    words += BQ * vp * wv if kind == "dq" else WG
     ind, i2, i3 = "    ", "        ", "            "
     L = []
     L.append(f"{ind}let wg = {grid.wg_expr};")
@@ -362,7 +368,11 @@ def _rows_kernel(g: _Gen, t) -> tuple[list[str], int, object, dict]:
             col = f"(c + {u(n * TPR)})" if n else "c"
             L.append(f"{i3}p{n} = p{n} + {g_dot(wv, 'ov', f'Vs[{col} * {u(vp)} + d]')};")
         L.append(f"{i2}}}")
+    if kind == "fwd":
+        L.append(f"{i2}var lm: f32 = -{FLT_MAX};")
     for n in range(NS):
+        if kind == "fwd":
+            L.append(f"{i2}var x{n}: f32;")
         L.append(f"{i2}{{")
         col = f"(c + {u(n * TPR)})" if n else "c"
         L.append(f"{i3}let col = {col};")
@@ -373,25 +383,34 @@ def _rows_kernel(g: _Gen, t) -> tuple[list[str], int, object, dict]:
             L.append(f"{i3}if (inb) {{ x = x + {g.ld('mask', g.midx('b', 'qh', 'qi', 'u32(j)'), k.mask.dtype)}; }}")  # noqa: E501
         vis = " && ".join(["inb"] + g.vis_terms("j", "pos"))
         if kind == "fwd":
-            L.append(f"{i3}Ss[r * {u(BKp)} + col] = select(-mn_inf(), x, {vis});")
+            L.append(f"{i3}x{n} = select(-mn_inf(), x, {vis});")
+            L.append(f"{i3}lm = max(lm, x{n});")
         else:
             L.append(f"{i3}let ok = {vis} && row_has && !(x < -{FLT_MAX});")
             L.append(f"{i3}let p = select(0.0, exp(select(0.0, x - lse_s, ok)), ok);")
             L.append(f"{i3}Ss[r * {u(BKp)} + col] = p * (p{n} - delta_r);")
         L.append(f"{i2}}}")
+    if kind == "fwd":
+        L.append(f"{i2}Red[lid] = lm;")
     L.append(f"{i2}workgroupBarrier();")
     if kind == "fwd":
+        # row max from the per-invocation maxima, then each invocation turns its own scores
+        # into probabilities (one exp per score); the row sum is taken in the P·V loop
         L.append(f"{i2}var mt = m;")
-        L.append(f"{i2}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
-        L.append(f"{i3}mt = max(mt, Ss[r * {u(BKp)} + kk]);")
+        L.append(f"{i2}for (var cc: u32 = 0u; cc < {u(TPR)}; cc = cc + 1u) {{")
+        L.append(f"{i3}mt = max(mt, Red[r * {u(TPR)} + cc]);")
         L.append(f"{i2}}}")
+        for n in range(NS):
+            col = f"(c + {u(n * TPR)})" if n else "c"
+            L.append(f"{i2}Ss[r * {u(BKp)} + {col}] = select(exp(x{n} - mt), 0.0, "
+                     f"x{n} < -{FLT_MAX});")
+        L.append(f"{i2}workgroupBarrier();")
         L.append(f"{i2}let alpha = exp(m - mt);")
         L.append(f"{i2}l = l * alpha;")
         for j in range(n_acc):
             L.append(f"{i2}acc{j} = acc{j} * alpha;")
         L.append(f"{i2}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
-        L.append(f"{i3}let x = Ss[r * {u(BKp)} + kk];")
-        L.append(f"{i3}let p = select(exp(x - mt), 0.0, x < -{FLT_MAX});")
+        L.append(f"{i3}let p = Ss[r * {u(BKp)} + kk];")
         L.append(f"{i3}l = l + p;")
         for j in range(n_acc):
             col = f"c + {u(j * TPR)}" if j else "c"

@@ -1,14 +1,15 @@
 """Index kernels: ``embedding`` (gather rows), ``embedding_grad`` (deterministic scatter-add of
 rows, no atomics), ``dynamic_slice`` and ``dynamic_update_slice`` (runtime start position).
 
-embedding_grad: one workgroup per table row r.  The ids are scanned in chunks: each invocation
-counts the matches (id == r) in its own segment of positions, a workgroup prefix sum turns the
-counts into offsets, and the matching positions are written, in position order, to a list in
-workgroup memory; then each invocation adds the listed rows of ``dout`` for its own columns,
-in list order.  Every output element is therefore a sum in position order (identical from run to
-run and to the reference's ``np.add.at``), and a row with no occurrence stores exact zeros.
-Cost per row: one pass over the ids (N loads, coalesced) plus the matching rows; for V = 49152,
-N = 128, D = 576 that is 6.3 M id reads and the 28 M-element output write.
+embedding_grad: one workgroup per table row r.  The ids are scanned in chunks of up to 2048
+positions: the invocations mark the positions whose id equals r in a bitmask in workgroup memory
+(integer ``atomicOr``: the resulting bits do not depend on the order, so this is deterministic);
+then every invocation walks the set bits in position order and adds those rows of ``dout`` for
+its own columns.  Every output element is therefore a sum in position order (identical from run
+to run and to the reference's ``np.add.at``), and a row with no occurrence stores exact zeros.
+No float atomics; three barriers per chunk.  Cost per row: one coalesced pass over the ids plus
+the matching rows; for V = 49152, N = 128, D = 576 that is 6.3 M id reads (L2-resident) and the
+28 M-element output write.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .common import (
 from .ir import KernelSpec, Strided
 
 WG = 256
+MAX_GRAD_WORKGROUPS = 4096  # embedding_grad: beyond this, a workgroup handles several rows
 
 
 @dataclass(frozen=True)
@@ -123,11 +125,11 @@ def emit_embedding(k: EmbeddingKernel, limits=None, features=None) -> KernelSpec
 
 
 def grad_config(N: int, D: int) -> tuple[int, int, int]:
-    """(invocations per workgroup, positions per invocation per chunk, columns per invocation)."""
-    wg = max(64, min(256, pow2ceil(-(-D // 8))))
-    seg = max(1, min(16, -(-N // wg)))
+    """(invocations per workgroup, positions per chunk, columns per invocation)."""
+    wg = max(64, min(256, pow2ceil(-(-D // 16))))
+    ch = max(32, min(2048, pow2ceil(N)))
     nc = -(-D // wg)
-    return wg, seg, nc
+    return wg, ch, nc
 
 
 def emit_embedding_grad(k: EmbeddingGradKernel, limits=None, features=None) -> KernelSpec:
@@ -141,72 +143,68 @@ def emit_embedding_grad(k: EmbeddingGradKernel, limits=None, features=None) -> K
     check_bindings(name, 3, t)
     uses_f16 = check_dtypes(name, [dt], t)
     check_binding_size(name, "output", V * D, dt, t)
-    wg, seg, nc = grad_config(N, D)
-    ch = wg * seg
+    wg, ch, nc = grad_config(N, D)
+    nw = ch // 32
     check_invocations(name, wg, t)
-    check_workgroup_storage(name, 4 * (wg + ch), t)
-    grid = make_grid(name, V, t)
+    check_workgroup_storage(name, 4 * nw, t)
+    rpw = max(1, -(-V // MAX_GRAD_WORKGROUPS))  # rows per workgroup
+    ngroups = -(-V // rpw)
+    grid = make_grid(name, ngroups, t)
     nchunks = max(1, -(-N // ch))
     ind, i2, i3, i4 = "    ", "        ", "            ", "                "
     idt = k.ids.dtype.wgsl
     rowv = "i32(row)" if k.ids.dtype is i32 else "row"
     L = _header(uses_f16, [k.ids.dtype, dt, dt])
-    L += [f"var<workgroup> cnt: array<u32, {wg}>;", f"var<workgroup> pos: array<u32, {ch}>;", ""]
+    L += [f"var<workgroup> bits: array<atomic<u32>, {nw}>;", ""]
     L += _main_sig(wg)
-    L.append(f"{ind}let row = {grid.wg_expr};")
-    L.append(f"{ind}let live = row < {u(V)};")
+    L.append(f"{ind}let grp = {grid.wg_expr};")
+    L.append(f"{ind}if (grp >= {u(ngroups)}) {{ return; }}")
+    L.append(f"{ind}for (var row: u32 = grp * {u(rpw)}; row < min(grp * {u(rpw)} + {u(rpw)}, "
+             f"{u(V)}); row = row + 1u) {{")
+    L0 = L
+    L = []
     L.append(f"{ind}let key: {idt} = {rowv};")
     for j in range(nc):
         L.append(f"{ind}var acc{j}: f32 = 0.0;")
     L.append(f"{ind}for (var c0: u32 = 0u; c0 < {u(nchunks * ch)}; c0 = c0 + {u(ch)}) {{")
-    L.append(f"{i2}let p0 = c0 + lid * {u(seg)};")
-    L.append(f"{i2}var mine: u32 = 0u;")
-    L.append(f"{i2}for (var s: u32 = 0u; s < {u(seg)}; s = s + 1u) {{")
-    L.append(f"{i3}let p = p0 + s;")
-    L.append(f"{i3}if (p < {u(N)} && b0[p + {u(k.ids.offset)}] == key) {{ mine = mine + 1u; }}")
+    L.append(f"{i2}for (var w: u32 = lid; w < {u(nw)}; w = w + {u(wg)}) {{")
+    L.append(f"{i3}atomicStore(&bits[w], 0u);")
     L.append(f"{i2}}}")
-    L.append(f"{i2}cnt[lid] = mine;")
     L.append(f"{i2}workgroupBarrier();")
-    off = 1
-    while off < wg:  # Hillis-Steele inclusive scan of the counts
-        L.append(f"{i2}{{")
-        L.append(f"{i3}var x = cnt[lid];")
-        L.append(f"{i3}if (lid >= {u(off)}) {{ x = x + cnt[lid - {u(off)}]; }}")
-        L.append(f"{i3}workgroupBarrier();")
-        L.append(f"{i3}cnt[lid] = x;")
-        L.append(f"{i3}workgroupBarrier();")
-        L.append(f"{i2}}}")
-        off *= 2
-    L.append(f"{i2}var o = cnt[lid] - mine;")
-    L.append(f"{i2}for (var s: u32 = 0u; s < {u(seg)}; s = s + 1u) {{")
-    L.append(f"{i3}let p = p0 + s;")
+    # mark the matching positions of this chunk (OR is order-independent: deterministic)
+    L.append(f"{i2}for (var e: u32 = lid; e < {u(ch)}; e = e + {u(wg)}) {{")
+    L.append(f"{i3}let p = c0 + e;")
     L.append(f"{i3}if (p < {u(N)} && b0[p + {u(k.ids.offset)}] == key) {{")
-    L.append(f"{i4}pos[o] = p;")
-    L.append(f"{i4}o = o + 1u;")
+    L.append(f"{i4}atomicOr(&bits[e / 32u], 1u << (e % 32u));")
     L.append(f"{i3}}}")
     L.append(f"{i2}}}")
     L.append(f"{i2}workgroupBarrier();")
-    L.append(f"{i2}let total = cnt[{u(wg - 1)}];")
-    L.append(f"{i2}for (var q: u32 = 0u; q < total; q = q + 1u) {{")
-    L.append(f"{i3}let base = {u(k.dout.offset)} + pos[q] * {u(D)};")
+    # every invocation walks the set bits in position order for its own columns
+    L.append(f"{i2}for (var w: u32 = 0u; w < {u(nw)}; w = w + 1u) {{")
+    L.append(f"{i3}var word = atomicLoad(&bits[w]);")
+    L.append(f"{i3}loop {{")
+    L.append(f"{i4}if (word == 0u) {{ break; }}")
+    L.append(f"{i4}let p = c0 + w * 32u + firstTrailingBit(word);")
+    L.append(f"{i4}word = word & (word - 1u);")
+    L.append(f"{i4}let base = {u(k.dout.offset)} + p * {u(D)};")
     for j in range(nc):
         col = f"lid + {u(j * wg)}" if j else "lid"
         if (j + 1) * wg <= D:
-            L.append(f"{i3}acc{j} = acc{j} + f32(b1[base + {col}]);")
+            L.append(f"{i4}acc{j} = acc{j} + f32(b1[base + {col}]);")
         else:
-            L.append(f"{i3}if ({col} < {u(D)}) {{ acc{j} = acc{j} + f32(b1[base + {col}]); }}")
+            L.append(f"{i4}if ({col} < {u(D)}) {{ acc{j} = acc{j} + f32(b1[base + {col}]); }}")
+    L.append(f"{i3}}}")
     L.append(f"{i2}}}")
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
-    L.append(f"{ind}if (!live) {{ return; }}")
     for j in range(nc):
         col = f"lid + {u(j * wg)}" if j else "lid"
         st = f"b2[row * {u(D)} + {col}] = {dt.wgsl}(acc{j});"
         L.append(f"{ind}{st}" if (j + 1) * wg <= D else f"{ind}if ({col} < {u(D)}) {{ {st} }}")
-    L.append("}")
+    L = L0 + ["    " + x for x in L] + ["    }", "}"]
     return KernelSpec(name, "\n".join(L) + "\n", 3, grid.workgroups,
                       meta={"archetype": "embedding_grad", "workgroup_size": wg,
-                            "workgroup_storage": 4 * (wg + ch)})
+                            "workgroup_storage": 4 * nw})
 
 
 # ---------------------------------------------------------------------------------- dynamic slices
