@@ -19,7 +19,7 @@ Structure (names follow LeRobot's SmolVLA, ``lm_expert`` being the trimmed SmolL
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from .. import ops
 from ..errors import GraphBuildError
 from ..graph import Graph, Value
 from ..nn import Linear
-from ..nn.transformer import Attention, RMSNorm, RoPE, SwiGLU, apply_rope
+from ..nn.transformer import Attention, RMSNorm, RoPE, SwiGLU
 
 __all__ = ["ActionExpertConfig", "SMOLVLA_EXPERT", "tiny_vla", "VLAGraph", "action_expert",
            "time_embedding_scale", "PRESETS"]
@@ -97,7 +97,6 @@ class VLAGraph:
     target: Value | None = None
     loss: Value | None = None
     config: ActionExpertConfig | None = None
-    inputs: dict[str, Value] = field(default_factory=dict)
 
 
 def action_expert(cfg: ActionExpertConfig, batch: int, loss: bool = True,
@@ -121,8 +120,7 @@ def action_expert(cfg: ActionExpertConfig, batch: int, loss: bool = True,
     x = Linear(2 * H, H, name="action_time_mlp_in")(g, ops.concat([a, temb], 2))
     x = Linear(H, H, name="action_time_mlp_out")(g, ops.silu(x))
 
-    rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(
-        g, np.arange(T) + cfg.vlm_context)
+    rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(g, T, offset=cfg.vlm_context)
     for i in range(cfg.num_hidden_layers):
         p = f"lm_expert.layers.{i}"
         cross = cfg.is_cross(i)
@@ -130,20 +128,14 @@ def action_expert(cfg: ActionExpertConfig, batch: int, loss: bool = True,
                         name=f"{p}.self_attn", kv_in=cfg.vlm_kv_dim if cross else None,
                         impl=impl)
         h = RMSNorm(H, cfg.rms_norm_eps, name=f"{p}.input_layernorm")(g, x)
-        if cross:  # keys/values from the VLM; RoPE on the queries only
-            q, k, v = att.project(g, h, vlm[i])
-            o = att.attend(apply_rope(q, *rope), k, v)
-        else:
-            q, k, v = att.project(g, h)
-            o = att.attend(apply_rope(q, *rope), apply_rope(k, *rope), v)
-        x = x + att.output(g, o)
+        # cross layers: keys/values from the VLM, RoPE on the queries only
+        x = x + att(g, h, kv=vlm[i] if cross else None, rope=rope)
         h = RMSNorm(H, cfg.rms_norm_eps, name=f"{p}.post_attention_layernorm")(g, x)
         x = x + SwiGLU(H, cfg.intermediate_size, name=f"{p}.mlp")(g, h)
     x = RMSNorm(H, cfg.rms_norm_eps, name="lm_expert.norm")(g, x)
     vel = Linear(H, cfg.action_dim, name="action_out_proj")(g, x)
-    out = VLAGraph(g, x_t, time, vlm, vel, config=cfg, inputs=dict(g.inputs))
+    out = VLAGraph(g, x_t, time, vlm, vel, config=cfg)
     if loss:
         out.target = g.input("target", (B, T, cfg.action_dim))
         out.loss = ops.mse_loss(vel, out.target)
-        out.inputs = dict(g.inputs)
     return out

@@ -13,7 +13,6 @@ Tensor layout inside attention is ``(batch, heads, seq, head_dim)``; layers take
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,18 +152,21 @@ class RoPE:
         emb = np.concatenate([freqs, freqs], -1)
         return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
-    def tables(self, g: Graph, positions) -> tuple[Value, Value]:
-        """cos/sin tables for ``positions``: an int (sequence length, positions 0..n-1), a numpy
-        array (constant tables) or an integer Value of positions (computed in the graph, shape
-        positions.shape + (D,)).  Feed the result to :func:`apply_rope`."""
+    def tables(self, g: Graph, positions, offset: int = 0) -> tuple[Value, Value]:
+        """cos/sin tables, shape positions.shape + (D,), for ``positions``: an int n (positions
+        offset … offset+n-1), a numpy array (constant tables), or an integer Value of position
+        ids (computed in the graph at run time, e.g. a decode position; ``offset`` added).
+        Feed the result to :func:`apply_rope`."""
         if isinstance(positions, Value):
             p = positions.cast(f32)
+            if offset:
+                p = p + float(offset)
             inv = g.const(np.concatenate([self.inv_freq()] * 2))
             freqs = ops.unsqueeze(p, -1) * inv
             return ops.cos(freqs), ops.sin(freqs)
         if isinstance(positions, (int, np.integer)):
             positions = np.arange(int(positions))
-        cos, sin = self.tables_np(positions)
+        cos, sin = self.tables_np(np.asarray(positions) + offset)
         return g.const(cos), g.const(sin)
 
 
@@ -292,15 +294,15 @@ class Attention:
 
     def __call__(self, g: Graph, x: Value, kv: Value | tuple[Value, Value] | None = None,
                  rope: tuple[Value, Value] | None = None, causal: bool = False,
-                 mask: Value | None = None,
-                 kv_hook: Callable[[Value, Value], tuple[Value, Value]] | None = None) -> Value:
-        """``rope``: (cos, sin) applied to q and k.  ``kv_hook(k, v) -> (k, v)`` sees the
-        current keys/values after RoPE (a KV cache writes and extends them there)."""
+                 mask: Value | None = None) -> Value:
+        """x (B, S, hidden) -> (B, S, hidden).  ``rope``: (cos, sin) applied to q and k
+        (self-attention) or to q only (cross-attention, ``kv`` given).  For KV caches use
+        :meth:`project`, :meth:`attend` and :meth:`output` directly (see models/llama.py)."""
         q, k, v = self.project(g, x, kv)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv_hook is not None:
-            k, v = kv_hook(k, v)
+            q = apply_rope(q, *rope)
+            if kv is None:
+                k = apply_rope(k, *rope)
         return self.output(g, self.attend(q, k, v, causal=causal, mask=mask))
 
 
