@@ -63,6 +63,7 @@ CASES = {
     "window_causal": ((1, 1, 1, 5, 5, 2, 2), {"causal": True, "window": 2}),
     "window_only": ((1, 1, 1, 3, 5, 2, 2), {"window": 2, "q_offset": 2}),
     "dv_ne_d": ((1, 2, 1, 3, 4, 3, 5), {"causal": True, "q_offset": 1}),
+    "causal_negative_offset": ((1, 2, 1, 4, 3, 2, 2), {"causal": True, "q_offset": -2}),
     "decode_s1": ((1, 4, 2, 1, 6, 3, 3), {"causal": True, "q_offset": 5}),
     "decode_s1_window": ((2, 2, 1, 1, 6, 2, 2), {"causal": True, "q_offset": 5, "window": 3}),
     "scale": ((1, 1, 1, 3, 3, 4, 4), {"scale": 0.7, "causal": True}),
@@ -152,6 +153,38 @@ def test_attention_grad_is_recomputed_not_saved():
             for o in n.outputs:
                 assert o.size <= 2 * 64 * 4, f"{n.op} builds {o.type}"
     assert any(n.op == "attention_grad" for n in g2.nodes)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_attention_grad_expansion_matches_reference(split, with_mask, rng, monkeypatch):
+    """The GPU lowering of attention_grad (dQ kernel + dK/dV kernel, the latter per kv head or
+    per query head plus a sum over the group) computes the reference's values."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["meganeura.ops.attention"], "SPLIT_HEADS_BELOW",
+                        10**9 if split else 0)
+    B, Hq, Hkv, Sq, Skv, D, Dv = 2, 4, 2, 3, 5, 3, 2
+    g = mn.Graph()
+    names = ["q", "k", "v"] + (["m"] if with_mask else []) + ["do", "lse", "delta"]
+    shapes = [(B, Hq, Sq, D), (B, Hkv, Skv, D), (B, Hkv, Skv, Dv)] + \
+        ([(Sq, Skv)] if with_mask else []) + [(B, Hq, Sq, Dv), (B, Hq, Sq), (B, Hq, Sq)]
+    ins = [g.input(n, s) for n, s in zip(names, shapes, strict=True)]
+    env = {n: rand(rng, s) for n, s in zip(names, shapes, strict=True)}
+    attrs = dict(causal=True, scale=0.6, window=0, q_offset=2, has_mask=with_mask)
+    # a consistent lse (the forward's) so P is a real softmax
+    (env["lse"],) = evaluate(g, [ops.attention_with_lse(
+        *ins[:3], causal=True, scale=0.6, q_offset=2, mask=ins[3] if with_mask else None)[1]],
+        env, np.float64)
+    outs = g.apply("attention_grad", *ins, **attrs)
+    node = outs[0].node
+    expanded = node.opdef.lowering.expand(g, node)
+    ops_used = {v.node.op for v in expanded}
+    assert "attention_grad_dkdv" in ops_used or "sum" in ops_used
+    want = evaluate(g, list(outs), env, np.float64)
+    got = evaluate(g, list(expanded), env, np.float64)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_attention_errors():

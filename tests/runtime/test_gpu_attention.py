@@ -4,6 +4,8 @@ causal, full, cross, grouped-query, sliding-window, masked, q_offset, Dv != D an
 cases with odd sizes that cross tile boundaries; embedding/embedding_grad and the dynamic slices;
 and the memory gate: a causal attention training graph's planned peak grows ~linearly in S."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -73,6 +75,7 @@ CASES = {
     "window_only": ((1, 1, 1, 13, 29, 4, 4), {"window": 9, "q_offset": 10}),
     "dv_ne_d_scalar": ((1, 3, 3, 17, 21, 5, 3), {"causal": True, "q_offset": 4}),
     "dv_ne_d_vec": ((1, 2, 1, 10, 12, 4, 12), {}),
+    "causal_negative_offset": ((1, 2, 1, 9, 6, 4, 4), {"causal": True, "q_offset": -3}),
     "decode_s1": ((1, 3, 1, 1, 77, 8, 8), {"causal": True, "q_offset": 76}),
     "decode_s1_batch": ((3, 4, 2, 1, 9, 4, 4), {"causal": True, "q_offset": 8, "scale": 0.3}),
 }
@@ -102,14 +105,21 @@ def test_attention_gpu_differentiable_mask(gpu):
               mask=R.normal(size=(9, 10)), mask_grad=True)
 
 
-def test_attention_gpu_large_tiles(gpu, monkeypatch):
-    """Without the small-problem rule the tiles are the real-size ones (BQ = 32, BK = BKV = 32
-    for D = 8 here); odd sizes still cross their boundaries."""
+@pytest.mark.parametrize("split", [False, True])
+def test_attention_gpu_large_tiles(gpu, monkeypatch, split):
+    """Without the small-problem rules the tiles are the real-size ones (BQ = 32, BK = BKV = 32
+    for D = 8 here) and dK/dV sums the query heads of a group in the kernel (split=False) or
+    per query head plus a reduce (split=True); odd sizes still cross tile boundaries."""
     monkeypatch.setattr(cg_attention, "MIN_WORKGROUPS", 1)
+    monkeypatch.setattr(sys.modules["meganeura.ops.attention"], "SPLIT_HEADS_BELOW",
+                        10**9 if split else 0)
     sess = _run_case(gpu, (1, 4, 2, 41, 41, 8, 8), {"causal": True}, seed=3)
     tiles = {spec.meta["archetype"]: spec.meta["tiles"] for spec, _ in sess.infer.specs
              if "tiles" in spec.meta}
     assert tiles["attention_fwd"][0] == 32 and tiles["attention_dkdv"][0] == 32
+    dkdv = [lbl for lbl in sess.kernel_labels(inference=True) if "dkdv" in lbl]
+    assert dkdv == [f"attention_grad_dkdv {(1, 4 if split else 2, 41, 8)},"
+                    f"{(1, 4 if split else 2, 41, 8)}"]
 
 
 def test_attention_gpu_strided_inputs_need_no_copy(gpu):

@@ -76,6 +76,8 @@ class AttentionKernel:
     window: int
     q_offset: int
     name: str = "attention"
+    # dkdv only: one work item per query head (outputs (B, Hq, Skv, ·), summed by the caller)
+    split_heads: bool = False
     # force a tile configuration (tests): (rows per block, keys per tile / chunk)
     tiles: tuple[int, int] = (0, 0)
 
@@ -260,6 +262,8 @@ class _Gen:
     def packed(self, R: str, prefix: str) -> list[str]:
         """Lines: query position ``{prefix}i`` and query head ``{prefix}h`` of packed row R."""
         G = self.G
+        if self.k.split_heads:
+            return [f"let {prefix}i = {R};", f"let {prefix}h = hq_w;"]
         if G == 1:
             return [f"let {prefix}i = {R};", f"let {prefix}h = hkv;"]
         return [f"let {prefix}i = {R} / {u(G)};", f"let {prefix}h = hkv * {u(G)} + {R} % {u(G)};"]
@@ -464,10 +468,13 @@ def _keys_kernel(g: _Gen, t):
     """dK/dV: blocks of keys looping over packed query rows."""
     k = g.k
     storage = t.lim("max_compute_workgroup_storage_size")
-    BKV, TPR, BQ = keys_config(g.rows, g.Skv, g.B * g.Hkv, g.D, g.Dv, storage, k.tiles)
+    split = k.split_heads
+    NH = g.Hq if split else g.Hkv  # heads of the work items
+    P = 1 if split else g.G  # packed rows per query position
+    BKV, TPR, BQ = keys_config(g.Sq * P, g.Skv, g.B * NH, g.D, g.Dv, storage, k.tiles)
     g.wg = WG = BKV * TPR
     NKB = -(-g.Skv // BKV)
-    total = NKB * g.B * g.Hkv
+    total = NKB * g.B * NH
     grid = make_grid(k.name, total, t)
     wd, du, dp = g.wd, g.du, g.dp
     wv, vu, vp = g.wv, g.vu, g.vp
@@ -491,8 +498,13 @@ def _keys_kernel(g: _Gen, t):
         L.append(f"{ind}if (wg >= {u(total)}) {{ return; }}")
     L.append(f"{ind}let kb = wg % {u(NKB)};")
     L.append(f"{ind}let bh = wg / {u(NKB)};")
-    L.append(f"{ind}let hkv = bh % {u(g.Hkv)};")
-    L.append(f"{ind}let b = bh / {u(g.Hkv)};")
+    L.append(f"{ind}let hw = bh % {u(NH)};")
+    L.append(f"{ind}let b = bh / {u(NH)};")
+    if split:
+        L.append(f"{ind}let hq_w = hw;")
+        L.append(f"{ind}let hkv = hw / {u(g.G)};")
+    else:
+        L.append(f"{ind}let hkv = hw;")
     L.append(f"{ind}let kr = lid / {u(TPR)};")
     L.append(f"{ind}let c = lid % {u(TPR)};")
     L.append(f"{ind}let j0 = kb * {u(BKV)};")
@@ -507,8 +519,8 @@ def _keys_kernel(g: _Gen, t):
     if k.window:
         L.append(f"{ind}i_hi = clamp(i32(j1) - 1i + {_i(k.window)} - {_i(k.q_offset)}, 0i, "
                  f"{_i(g.Sq)});")
-    L.append(f"{ind}let R_lo = u32(i_lo) * {u(g.G)};")
-    L.append(f"{ind}let R_hi = u32(max(i_hi, i_lo)) * {u(g.G)};")
+    L.append(f"{ind}let R_lo = u32(i_lo) * {u(P)};")
+    L.append(f"{ind}let R_hi = u32(max(i_hi, i_lo)) * {u(P)};")
     pre_k = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
     g.stage(L, ind, "Ks", BKV, g.D, wd, dp, pre_k, f"jj < {u(g.Skv)}",
             lambda dd: g.ld("k", g.kvidx("k", "b", "hkv", "jj", dd), k.k.dtype), k.scale)
@@ -581,7 +593,7 @@ def _keys_kernel(g: _Gen, t):
     L.append(f"{i2}}}")
     L.append(f"{ind}}}")
     L.append(f"{ind}if (!key_ok) {{ return; }}")
-    obase = f"((b * {u(g.Hkv)} + hkv) * {u(g.Skv)} + jk)"
+    obase = f"((b * {u(NH)} + hw) * {u(g.Skv)} + jk)"
     for name, n_acc, w, units, dim, acc, scale in (
             ("dk", n_dk, wd, du, g.D, "dk", _f(k.scale)), ("dv", n_dv, wv, vu, g.Dv, "dv", None)):
         for j in range(n_acc):
@@ -657,7 +669,8 @@ def _make(kind):
         dout, lse, delta = rest if kind != "fwd" else (None, None, None)
         return AttentionKernel(kind, q, kk, v, mask, dout, lse, delta, attrs["causal"],
                                attrs["scale"], attrs["window"], attrs["q_offset"],
-                               name=f"attention_{kind}")
+                               name=f"attention_{kind}",
+                               split_heads=bool(attrs.get("split_heads", False)))
 
     return make
 

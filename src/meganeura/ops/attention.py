@@ -47,6 +47,10 @@ from .matmul import matmul
 
 __all__ = ["attention", "attention_with_lse", "visible_mask"]
 
+# attention_grad's dK/dV kernel works per (batch, kv head, 16-key block); with fewer such items
+# than this it works per query head and sums the group afterwards (more parallel work).
+SPLIT_HEADS_BELOW = 128
+
 # ------------------------------------------------------------------ helpers
 
 
@@ -165,8 +169,13 @@ def _grad_parts(xs, a):
     ds = pg * (dp - delta.reshape(B, Hkv, G, Sq, 1))
     scale = q.dtype.type(a["scale"])
     dq = (np.einsum("bhgij,bhjd->bhgid", ds, k) * scale).reshape(q.shape)
-    dk = np.einsum("bhgij,bhgid->bhjd", ds, q.reshape(B, Hkv, G, Sq, D)) * scale
-    dv = np.einsum("bhgij,bhgid->bhjd", pg, dog)
+    if a.get("split_heads"):  # per query head (summed over the group by the caller)
+        dk = (np.einsum("bhgij,bhgid->bhgjd", ds, q.reshape(B, Hkv, G, Sq, D)) * scale).reshape(
+            B, Hq, Skv, D)
+        dv = np.einsum("bhgij,bhgid->bhgjd", pg, dog).reshape(B, Hq, Skv, Dv)
+    else:
+        dk = np.einsum("bhgij,bhgid->bhjd", ds, q.reshape(B, Hkv, G, Sq, D)) * scale
+        dv = np.einsum("bhgij,bhgid->bhjd", pg, dog)
     return dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype)
 
 
@@ -204,7 +213,12 @@ def _dq_infer(types, a):
 
 
 def _dkdv_infer(types, a):
-    return list(_grad_operands(types, a)[1:])
+    q, k, v = _grad_operands(types, a)
+    if a.get("split_heads"):
+        B, Hq = q.shape[:2]
+        return [TensorType((B, Hq) + k.shape[2:], k.dtype),
+                TensorType((B, Hq) + v.shape[2:], v.dtype)]
+    return [k, v]
 
 
 # ------------------------------------------------------------------ VJPs
@@ -255,7 +269,16 @@ def _expand_grad(graph, node):
     a = node.attrs
     ins = node.inputs
     dq = graph.apply("attention_grad_dq", *ins, **a)
-    dk, dv = graph.apply("attention_grad_dkdv", *ins, **a)
+    q, k, v = ins[:3]
+    B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
+    if G > 1 and B * Hkv * -(-Skv // 16) < SPLIT_HEADS_BELOW:
+        # too few (batch, kv head, key block) work items to fill a GPU: one work item per query
+        # head instead, then a (deterministic) sum over the group
+        dkh, dvh = graph.apply("attention_grad_dkdv", *ins, **a, split_heads=True)
+        dk = R.sum(S.reshape(dkh, (B, Hkv, G, Skv, D)), 2)
+        dv = R.sum(S.reshape(dvh, (B, Hkv, G, Skv, Dv)), 2)
+    else:
+        dk, dv = graph.apply("attention_grad_dkdv", *ins, **a)
     return [dq, dk, dv]
 
 
