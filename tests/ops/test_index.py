@@ -43,6 +43,20 @@ def test_embedding_out_of_range_ids_give_zero_rows_and_no_gradient(rng):
     check_op(lambda i, t: ops.embedding(i, t), twin, ids, table)
 
 
+@pytest.mark.parametrize("case", [((5, 3), (4,), 0), ((2, 5, 3), (2, 2), 1), ((2, 3, 4), (3,), 2),
+                                  ((4,), (2, 3), 0), ((3, 4), (), 1)], ids=str)
+def test_take(case, rng):
+    xs, ishape, axis = case
+    idx = rng.integers(0, xs[axis], ishape).astype(np.int32)
+    check_op(lambda x, i: ops.take(x, i, axis), lambda x, i: _torch_take(x, i, axis),
+             rand(rng, xs), idx)
+
+
+def _torch_take(x, i, axis):
+    out = torch.index_select(x, axis, i.reshape(-1))
+    return out.reshape(x.shape[:axis] + tuple(i.shape) + x.shape[axis + 1:])
+
+
 def test_embedding_grad(rng):
     V, D = 7, 4
     ids = np.array([[2, 5, 2], [0, 2, 9]], np.int32)  # 9: out of range, ignored

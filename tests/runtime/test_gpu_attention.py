@@ -236,6 +236,12 @@ def test_embedding_grad_gpu_is_deterministic_and_exact_order(gpu, V, N):
     assert np.all(a[40:V - 1] == 0.0)
 
 
+def test_take_gpu(gpu):
+    idx = np.array([[4, 0], [2, 4], [7, -1]], np.int32)  # 7, -1: out of range -> zeros
+    _grad_case(gpu, lambda g, p, i: ops.take(p["x"], i["idx"], axis=1) * 3.0,
+               {"x": (2, 5, 3)}, {"idx": idx})
+
+
 @pytest.mark.parametrize("start", [0, 3, 9, -4])
 def test_dynamic_update_slice_gpu(gpu, start):
     got, want = _grad_case(

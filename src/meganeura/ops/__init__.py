@@ -59,6 +59,7 @@ from .index import (  # noqa: F401
     dynamic_update_slice,
     embedding,
     embedding_grad,
+    take,
 )
 from .matmul import matmul  # noqa: F401
 from .nn import (  # noqa: F401

@@ -21,7 +21,7 @@ from ..lowering import Kernel
 from . import elementwise as E
 from ._common import TensorType, axis_for, build_error, defop, register_builder
 
-__all__ = ["embedding", "embedding_grad", "dynamic_slice", "dynamic_update_slice"]
+__all__ = ["embedding", "embedding_grad", "take", "dynamic_slice", "dynamic_update_slice"]
 
 # ------------------------------------------------------------------ embedding
 
@@ -65,6 +65,29 @@ def embedding(ids: Value, table: Value) -> Value:
         raise build_error(GraphBuildError, "embedding", "ids and table must be graph Values",
                           ids, table)
     return ids.graph.apply("embedding", ids, table)
+
+
+@register_builder("take")
+def take(x: Value, idx: Value, axis: int = 0) -> Value:
+    """``x`` indexed along ``axis`` by the integer tensor ``idx``: the result has shape
+    ``x.shape[:axis] + idx.shape + x.shape[axis + 1:]`` (numpy's ``take``), built on
+    ``embedding`` (indices outside [0, x.shape[axis]) give zeros; gradient w.r.t. ``x``)."""
+    from . import shape as S
+
+    if not isinstance(x, Value) or not isinstance(idx, Value):
+        raise build_error(GraphBuildError, "take", "x and idx must be graph Values", x, idx)
+    if x.ndim == 0:
+        raise build_error(ShapeError, "take", "x must have rank >= 1", x, idx)
+    ax = axis_for("take", axis, x)
+    perm = (ax,) + tuple(d for d in range(x.ndim) if d != ax)
+    xt = S.permute(x, perm)
+    rest = xt.shape[1:]
+    table = S.reshape(xt, (x.shape[ax], int(np.prod(rest, dtype=np.int64))))
+    rows = S.reshape(embedding(idx, table), idx.shape + rest)
+    k = idx.ndim
+    # rows: idx dims, then x's other axes in order; move idx dims to position ax
+    back = tuple(range(k, k + ax)) + tuple(range(k)) + tuple(range(k + ax, k + len(rest)))
+    return S.permute(rows, back)
 
 
 def _embedding_grad_infer(types, a):
