@@ -26,7 +26,7 @@ from .. import ops
 from ..dtypes import i32
 from ..errors import GraphBuildError
 from ..graph import Graph, Value
-from ..nn.transformer import Attention, Embedding, RMSNorm, RoPE, SwiGLU, apply_rope, op_for
+from ..nn.transformer import Attention, Embedding, RMSNorm, RoPE, SwiGLU, op_for
 
 __all__ = ["LlamaConfig", "SMOLLM2_135M", "tiny_llama", "LlamaGraph", "llama_lm",
            "llama_prefill", "llama_decode", "cache_names", "PRESETS"]
@@ -123,8 +123,7 @@ def decoder(g: Graph, cfg: LlamaConfig, ids: Value, rope: tuple[Value, Value],
         p = f"model.layers.{i}"
         att = _attn(cfg, i)
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, name=f"{p}.input_layernorm")(g, x)
-        q, k, v = att.project(g, h)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = att.project(g, h, rope=rope)
         x = x + att.output(g, attend(i, q, k, v))
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, name=f"{p}.post_attention_layernorm")(g, x)
         x = x + SwiGLU(cfg.hidden_size, cfg.intermediate_size, name=f"{p}.mlp")(g, h)

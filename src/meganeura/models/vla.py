@@ -26,8 +26,7 @@ import numpy as np
 from .. import ops
 from ..errors import GraphBuildError
 from ..graph import Graph, Value
-from ..nn import Linear
-from ..nn.transformer import Attention, RMSNorm, RoPE, SwiGLU
+from ..nn.transformer import Attention, RMSNorm, RoPE, SwiGLU, dense
 
 __all__ = ["ActionExpertConfig", "SMOLVLA_EXPERT", "tiny_vla", "VLAGraph", "action_expert",
            "time_embedding_scale", "PRESETS"]
@@ -112,13 +111,13 @@ def action_expert(cfg: ActionExpertConfig, batch: int, loss: bool = True,
                g.input(f"vlm_v.{i}", (B, cfg.vlm_context, cfg.vlm_kv_dim)))
            for i in cfg.cross_layers}
 
-    a = Linear(cfg.action_dim, H, name="action_in_proj")(g, x_t)
+    a = dense(g, x_t, "action_in_proj", cfg.action_dim, H)
     scale = g.const(time_embedding_scale(H, cfg.min_period, cfg.max_period))
     ang = ops.unsqueeze(time, 1) * scale  # (B, H/2)
     temb = ops.concat([ops.sin(ang), ops.cos(ang)], 1)
     temb = ops.broadcast_to(ops.unsqueeze(temb, 1), (B, T, H))
-    x = Linear(2 * H, H, name="action_time_mlp_in")(g, ops.concat([a, temb], 2))
-    x = Linear(H, H, name="action_time_mlp_out")(g, ops.silu(x))
+    x = dense(g, ops.concat([a, temb], 2), "action_time_mlp_in", 2 * H, H)
+    x = dense(g, ops.silu(x), "action_time_mlp_out", H, H)
 
     rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(g, T, offset=cfg.vlm_context)
     for i in range(cfg.num_hidden_layers):
@@ -133,7 +132,7 @@ def action_expert(cfg: ActionExpertConfig, batch: int, loss: bool = True,
         h = RMSNorm(H, cfg.rms_norm_eps, name=f"{p}.post_attention_layernorm")(g, x)
         x = x + SwiGLU(H, cfg.intermediate_size, name=f"{p}.mlp")(g, h)
     x = RMSNorm(H, cfg.rms_norm_eps, name="lm_expert.norm")(g, x)
-    vel = Linear(H, cfg.action_dim, name="action_out_proj")(g, x)
+    vel = dense(g, x, "action_out_proj", H, cfg.action_dim)
     out = VLAGraph(g, x_t, time, vlm, vel, config=cfg)
     if loss:
         out.target = g.input("target", (B, T, cfg.action_dim))

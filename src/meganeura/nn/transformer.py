@@ -13,6 +13,7 @@ Tensor layout inside attention is ``(batch, heads, seq, head_dim)``; layers take
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,14 +22,13 @@ from .. import ops
 from ..dtypes import f32
 from ..errors import GraphBuildError, ShapeError
 from ..graph import Graph, Value
-from ..init import normal, ones, zeros
+from ..init import fan_in_uniform, kaiming_uniform, normal, ones, zeros
 from ..ops.nn import one_hot
-from .layers import Linear
 
 __all__ = [
     "Embedding", "RMSNorm", "LayerNorm", "RoPE", "Attention", "SwiGLU", "GeluMLP",
     "attention", "composite_attention", "embed", "rotate_half", "apply_rope",
-    "causal_mask", "sinusoids",
+    "causal_mask", "sinusoids", "dense", "fused_dense",
 ]
 
 NEG_INF = float("-inf")
@@ -80,6 +80,49 @@ class Embedding:
 
     def __call__(self, g: Graph, ids: Value) -> Value:
         return embed(ids, self.weight(g), self.impl)
+
+
+# ------------------------------------------------------------------------------ projections
+
+
+def _linear_params(g: Graph, name: str, n_in: int, n_out: int, bias: bool):
+    """``{name}.weight`` (n_out, n_in) and ``{name}.bias`` with nn.Linear's initializers."""
+    w = g.param(f"{name}.weight", (n_out, n_in), init=kaiming_uniform())
+    b = g.param(f"{name}.bias", (n_out,), init=fan_in_uniform(n_in)) if bias else None
+    return w, b
+
+
+def _fused_matmul(g: Graph, x: Value, n_in: int, parts: Sequence[tuple[str, int, bool]]):
+    """(rows, Σ n_out) = x2 @ concat(W)ᵀ + concat(b), x2 being x with leading dims flattened."""
+    x2 = ops.reshape(x, (-1, n_in)) if x.ndim != 2 else x
+    ws, bs = zip(*(_linear_params(g, name, n_in, n, bias) for name, n, bias in parts),
+                 strict=True)
+    w = ops.concat(list(ws), 0) if len(ws) > 1 else ws[0]
+    y = ops.matmul(x2, w, transpose_b=True)
+    if any(b is not None for b in bs):
+        full = [b if b is not None else g.full((n,), 0.0, x.dtype)
+                for b, (_, n, _) in zip(bs, parts, strict=True)]
+        y = y + (ops.concat(full, 0) if len(full) > 1 else full[0])
+    return y
+
+
+def fused_dense(g: Graph, x: Value, n_in: int,
+                parts: Sequence[tuple[str, int, bool]]) -> tuple[Value, ...]:
+    """Several linear layers ``(name, n_out, bias)`` on the same input as one GEMM: the
+    weights are concatenated along their output axis (the parameters stay separate, with
+    PyTorch/HF names, layout and init) and the result is split back.
+
+    Leading dims of ``x`` are flattened first, so the product is one 2-D GEMM and each weight
+    gradient a single matmul over all rows (no batched product reduced afterwards)."""
+    y = _fused_matmul(g, x, n_in, parts)
+    outs = ops.split(y, [n for _, n, _ in parts], -1) if len(parts) > 1 else (y,)
+    return tuple(ops.reshape(o, x.shape[:-1] + (o.shape[-1],)) for o in outs)
+
+
+def dense(g: Graph, x: Value, name: str, n_in: int, n_out: int, bias: bool = True) -> Value:
+    """``nn.Linear`` (``{name}.weight``/``.bias``, same init) with x's leading dims flattened
+    (see :func:`fused_dense`)."""
+    return fused_dense(g, x, n_in, [(name, n_out, bias)])[0]
 
 
 # ------------------------------------------------------------------------------ norms
@@ -268,20 +311,38 @@ class Attention:
             raise ShapeError(f"{self.name}: n_heads {self.n_heads} is not a multiple of "
                              f"n_kv_heads {self.n_kv_heads}")
 
-    def _proj(self, g, x, which, n_out, bias, n_in):
-        return Linear(n_in, n_out, bias=bias, name=f"{self.name}.{which}")(g, x)
+    def project(self, g: Graph, x: Value, kv: Value | tuple[Value, Value] | None = None,
+                rope: tuple[Value, Value] | None = None):
+        """q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D).  ``kv``: the source of keys and values
+        (cross-attention), or a (key source, value source) pair.  ``rope`` (cos, sin): applied
+        to q and k for self-attention, to q only for cross-attention.
 
-    def project(self, g: Graph, x: Value, kv: Value | tuple[Value, Value] | None = None):
-        """q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D) before RoPE.  ``kv``: the source of
-        keys and values (cross-attention), or a (key source, value source) pair."""
-        k_src, v_src = (x, x) if kv is None else (kv if isinstance(kv, tuple) else (kv, kv))
+        Projections sharing an input run as one GEMM (q/k/v for self-attention, k/v for a
+        single cross source), and self-attention rotates q and k together."""
+        hd, hq, hkv = self.head_dim, self.n_heads, self.n_kv_heads
         kv_in = self.kv_in or self.hidden
-        hd = self.head_dim
-        q = self._proj(g, x, "q_proj", self.n_heads * hd, self.q_bias, self.hidden)
-        k = self._proj(g, k_src, "k_proj", self.n_kv_heads * hd, self.k_bias, kv_in)
-        v = self._proj(g, v_src, "v_proj", self.n_kv_heads * hd, self.v_bias, kv_in)
-        return (_heads(q, self.n_heads, hd), _heads(k, self.n_kv_heads, hd),
-                _heads(v, self.n_kv_heads, hd))
+        q_part = (f"{self.name}.q_proj", hq * hd, self.q_bias)
+        k_part = (f"{self.name}.k_proj", hkv * hd, self.k_bias)
+        v_part = (f"{self.name}.v_proj", hkv * hd, self.v_bias)
+        if kv is None:
+            y = _fused_matmul(g, x, self.hidden, [q_part, k_part, v_part])
+            qk, v = ops.split(y, [(hq + hkv) * hd, hkv * hd], -1)
+            lead = x.shape[:-1]
+            qk = _heads(ops.reshape(qk, lead + (qk.shape[-1],)), hq + hkv, hd)
+            if rope is not None:  # q and k heads side by side: one rotation for both
+                qk = apply_rope(qk, *rope)
+            q, k = ops.split(qk, [hq, hkv], 1)
+            return q, k, _heads(ops.reshape(v, lead + (v.shape[-1],)), hkv, hd)
+        (q,) = fused_dense(g, x, self.hidden, [q_part])
+        q = _heads(q, hq, hd)
+        if rope is not None:
+            q = apply_rope(q, *rope)
+        if isinstance(kv, tuple):
+            (k,) = fused_dense(g, kv[0], kv_in, [k_part])
+            (v,) = fused_dense(g, kv[1], kv_in, [v_part])
+        else:
+            k, v = fused_dense(g, kv, kv_in, [k_part, v_part])
+        return q, _heads(k, hkv, hd), _heads(v, hkv, hd)
 
     def attend(self, q, k, v, causal=False, mask=None, q_offset=0) -> Value:
         return attention(q, k, v, causal=causal, scale=self.scale, mask=mask, q_offset=q_offset,
@@ -289,8 +350,8 @@ class Attention:
 
     def output(self, g: Graph, o: Value) -> Value:
         """(B, Hq, Sq, D) -> (B, Sq, hidden) through the output projection."""
-        return Linear(self.n_heads * self.head_dim, self.hidden, bias=self.o_bias,
-                      name=f"{self.name}.{self.out_name}")(g, _merge_heads(o))
+        return dense(g, _merge_heads(o), f"{self.name}.{self.out_name}",
+                     self.n_heads * self.head_dim, self.hidden, self.o_bias)
 
     def __call__(self, g: Graph, x: Value, kv: Value | tuple[Value, Value] | None = None,
                  rope: tuple[Value, Value] | None = None, causal: bool = False,
@@ -298,11 +359,7 @@ class Attention:
         """x (B, S, hidden) -> (B, S, hidden).  ``rope``: (cos, sin) applied to q and k
         (self-attention) or to q only (cross-attention, ``kv`` given).  For KV caches use
         :meth:`project`, :meth:`attend` and :meth:`output` directly (see models/llama.py)."""
-        q, k, v = self.project(g, x, kv)
-        if rope is not None:
-            q = apply_rope(q, *rope)
-            if kv is None:
-                k = apply_rope(k, *rope)
+        q, k, v = self.project(g, x, kv, rope)
         return self.output(g, self.attend(q, k, v, causal=causal, mask=mask))
 
 
@@ -318,10 +375,10 @@ class SwiGLU:
     name: str = "mlp"
 
     def __call__(self, g: Graph, x: Value) -> Value:
-        gate = Linear(self.hidden, self.ffn, bias=False, name=f"{self.name}.gate_proj")(g, x)
-        up = Linear(self.hidden, self.ffn, bias=False, name=f"{self.name}.up_proj")(g, x)
-        return Linear(self.ffn, self.hidden, bias=False,
-                      name=f"{self.name}.down_proj")(g, ops.silu(gate) * up)
+        gate, up = fused_dense(g, x, self.hidden, [(f"{self.name}.gate_proj", self.ffn, False),
+                                                   (f"{self.name}.up_proj", self.ffn, False)])
+        return dense(g, ops.silu(gate) * up, f"{self.name}.down_proj", self.ffn, self.hidden,
+                     bias=False)
 
 
 @dataclass
@@ -335,5 +392,5 @@ class GeluMLP:
 
     def __call__(self, g: Graph, x: Value) -> Value:
         p = f"{self.name}." if self.name else ""
-        h = Linear(self.hidden, self.ffn, name=f"{p}fc1")(g, x)
-        return Linear(self.ffn, self.hidden, name=f"{p}fc2")(g, ops.gelu(h, self.approximate))
+        h = dense(g, x, f"{p}fc1", self.hidden, self.ffn)
+        return dense(g, ops.gelu(h, self.approximate), f"{p}fc2", self.ffn, self.hidden)
