@@ -179,6 +179,29 @@ def test_attention_memory_grows_linearly_in_sequence_length(gpu):
     assert p512 / p128 < 6.0, (p128, p512)  # measured: 4.0x
 
 
+@pytest.mark.parametrize("D", [64, 128, 5])
+@pytest.mark.parametrize("storage", [16384, 32768, 49152])
+def test_attention_tile_configs_fit_the_limits(D, storage):
+    """Every kernel finds a tile configuration within WebGPU's minimum (16 KiB), lavapipe's
+    (32 KiB) and the H200's (48 KiB) workgroup storage; WGSL is emitted (no device needed)."""
+    from meganeura.codegen.common import DEFAULT_LIMITS
+    from meganeura.codegen.ir import Strided
+    from meganeura.dtypes import f32
+
+    limits = dict(DEFAULT_LIMITS, max_compute_workgroup_storage_size=storage)
+    C = Strided.contiguous
+    q, kv = C(f32, (2, 9, 128, D)), C(f32, (2, 3, 128, D))
+    row = C(f32, (2, 9, 128))
+    for kind in ("fwd", "dq", "dkdv"):
+        extra = (None, None, None) if kind == "fwd" else (q, row, row)
+        spec = cg_attention.emit(cg_attention.AttentionKernel(
+            kind, q, kv, kv, None, *extra, True, 0.125, 0, 0), limits)
+        assert spec.meta["workgroup_storage"] <= storage
+        assert spec.meta["workgroup_size"] <= 256
+    if storage == 32768 and D == 64:  # lavapipe, SmolLM2-like: (BQ, TPR, BK)
+        assert cg_attention.rows_config("fwd", 27 * 128, 6, 64, 64, storage) == (32, 8, 32)
+
+
 # ---------------------------------------------------------------------------------- index ops
 
 
