@@ -115,8 +115,8 @@ def fused_dense(g: Graph, x: Value, n_in: int,
     Leading dims of ``x`` are flattened first, so the product is one 2-D GEMM and each weight
     gradient a single matmul over all rows (no batched product reduced afterwards)."""
     y = _fused_matmul(g, x, n_in, parts)
-    outs = ops.split(y, [n for _, n, _ in parts], -1) if len(parts) > 1 else (y,)
-    return tuple(ops.reshape(o, x.shape[:-1] + (o.shape[-1],)) for o in outs)
+    y = ops.reshape(y, x.shape[:-1] + (y.shape[-1],))  # (a view: split after reshaping)
+    return ops.split(y, [n for _, n, _ in parts], -1) if len(parts) > 1 else (y,)
 
 
 def dense(g: Graph, x: Value, name: str, n_in: int, n_out: int, bias: bool = True) -> Value:
@@ -326,13 +326,13 @@ class Attention:
         v_part = (f"{self.name}.v_proj", hkv * hd, self.v_bias)
         if kv is None:
             y = _fused_matmul(g, x, self.hidden, [q_part, k_part, v_part])
-            qk, v = ops.split(y, [(hq + hkv) * hd, hkv * hd], -1)
-            lead = x.shape[:-1]
-            qk = _heads(ops.reshape(qk, lead + (qk.shape[-1],)), hq + hkv, hd)
+            # (B, S, Hq + 2·Hkv, D) heads as views of the GEMM result, split by head
+            heads = _heads(ops.reshape(y, x.shape[:-1] + (y.shape[-1],)), hq + 2 * hkv, hd)
+            qk, v = ops.split(heads, [hq + hkv, hkv], 1)
             if rope is not None:  # q and k heads side by side: one rotation for both
                 qk = apply_rope(qk, *rope)
             q, k = ops.split(qk, [hq, hkv], 1)
-            return q, k, _heads(ops.reshape(v, lead + (v.shape[-1],)), hkv, hd)
+            return q, k, v
         (q,) = fused_dense(g, x, self.hidden, [q_part])
         q = _heads(q, hq, hd)
         if rope is not None:
