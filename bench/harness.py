@@ -171,6 +171,7 @@ def run_torch(w, args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.deterministic = True
+    torch.set_default_device(dev)  # twins make position tables/masks inside forward()
     m = w.torch_model().to(dev).float()
     w.load_torch(m, w.params)
     feeds = w.torch_feeds(dev)
@@ -246,6 +247,7 @@ def run_torch(w, args) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     res["cells"] = cells
+    torch.set_default_device("cpu")
     m = None  # free the model before the next workload
     gc.collect()
     if cuda:

@@ -88,5 +88,132 @@ def mlp(quick: bool, variant: str) -> Workload:
                     tloss, load, grads)
 
 
-WORKLOADS: dict[str, Callable[..., Workload]] = {"mlp": mlp}
+def _twin_workload(name, graph, loss, outputs, feeds, make_twin, twin_loss, skip=()):
+    """A workload whose weights come from a seeded PyTorch twin (HF-style init)."""
+    import torch
+    from tests.models.twins_transformer import grads_of, load_into, params_of
+
+    torch.manual_seed(0)
+    tw = make_twin()
+    params = params_of(tw, skip)
+    params = {k: v for k, v in params.items() if k in graph.params}
+
+    def tfeeds(d):
+        out = {}
+        for k, v in feeds.items():
+            t = torch.from_numpy(v)
+            out[k] = (t.long() if v.dtype == np.int32 else t).to(d)
+        return out
+
+    def grads(m):
+        return {k: v.astype(np.float64) for k, v in grads_of(m, skip).items()}
+
+    return Workload(name, graph, loss, outputs, feeds, params, make_twin, tfeeds, twin_loss,
+                    lambda m, p: load_into(m, p, skip), grads)
+
+
+def llama(quick: bool, variant: str) -> Workload:
+    """SmolLM2-135M, batch 1, seq 128 (minlat: seq 2, the shortest next-token step)."""
+    from tests.models.twins_transformer import LlamaForCausalLM
+
+    from meganeura.models.llama import SMOLLM2_135M, llama_lm, tiny_llama
+
+    cfg = tiny_llama() if quick else SMOLLM2_135M
+    S = 2 if variant == "minlat" else (16 if quick else 128)
+    m = llama_lm(cfg, 1, S)
+    r = np.random.default_rng(0)
+    ids = r.integers(0, cfg.vocab_size, (1, S)).astype(np.int32)
+    feeds = {"ids": ids, "labels": ids.copy()}
+
+    def make():
+        tw = LlamaForCausalLM(cfg)
+        with __import__("torch").no_grad():
+            tw.model.embed_tokens.weight.normal_(0.0, 0.5 if quick else 0.02)
+        return tw
+
+    def tloss(model, f):
+        logits, loss = model(f["ids"], f["labels"])
+        return loss, {"logits": logits}
+
+    skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    return _twin_workload("smollm2", m.graph, m.loss, {"logits": m.logits}, feeds, make, tloss,
+                          skip)
+
+
+def vla(quick: bool, variant: str) -> Workload:
+    """SmolVLA action expert: chunk 50, VLM context 16, batch 1 (minlat: chunk 1)."""
+    from dataclasses import replace
+
+    from tests.models.twins_transformer import ActionExpert
+
+    from meganeura.models.vla import SMOLVLA_EXPERT, action_expert, tiny_vla
+
+    cfg = tiny_vla() if quick else SMOLVLA_EXPERT
+    if variant == "minlat":
+        cfg = replace(cfg, chunk_size=1)
+    m = action_expert(cfg, 1)
+    r = np.random.default_rng(0)
+    feeds = {"x_t": r.standard_normal((1, cfg.chunk_size, cfg.action_dim), np.float32),
+             "time": r.random(1, np.float32),
+             "target": r.standard_normal((1, cfg.chunk_size, cfg.action_dim), np.float32)}
+    for i in cfg.cross_layers:
+        for kv in "kv":
+            feeds[f"vlm_{kv}.{i}"] = r.standard_normal((1, cfg.vlm_context, cfg.vlm_kv_dim),
+                                                       np.float32)
+
+    def tloss(model, f):
+        kv = {i: (f[f"vlm_k.{i}"], f[f"vlm_v.{i}"]) for i in cfg.cross_layers}
+        v, loss = model(f["x_t"], f["time"], kv, f["target"])
+        return loss, {"velocity": v}
+
+    return _twin_workload("smolvla", m.graph, m.loss, {"velocity": m.velocity}, feeds,
+                          lambda: ActionExpert(cfg), tloss)
+
+
+def whisper(quick: bool, variant: str) -> Workload:
+    """Whisper-tiny encoder, 80 mels x 3000 frames, batch 1, 64-class head."""
+    from tests.models.twins_transformer import WhisperClassifier
+
+    from meganeura.models.whisper import (
+        WHISPER_TINY,
+        position_table,
+        tiny_whisper,
+        whisper_encoder,
+    )
+
+    cfg = tiny_whisper() if quick else WHISPER_TINY
+    m = whisper_encoder(cfg, 1)
+    r = np.random.default_rng(0)
+    feeds = {"mel": r.standard_normal((1, cfg.num_mel_bins, cfg.frames), np.float32),
+             "labels": r.integers(0, cfg.num_classes, 1).astype(np.int32)}
+
+    def tloss(model, f):
+        h, logits, loss = model(f["mel"], f["labels"])
+        return loss, {"logits": logits}
+
+    def make():
+        import torch
+
+        tw = WhisperClassifier(cfg)
+        with torch.no_grad():  # our encoder has the sinusoid table as a constant
+            tw.encoder.embed_positions.weight.copy_(torch.from_numpy(position_table(cfg)))
+        return tw
+
+    w = _twin_workload("whisper", m.graph, m.loss, {"logits": m.logits}, feeds, make, tloss,
+                       WhisperClassifier.skip)
+    load = w.load_torch
+
+    def load_with_positions(model, params):
+        import torch
+
+        load(model, params)
+        with torch.no_grad():
+            model.encoder.embed_positions.weight.copy_(torch.from_numpy(position_table(cfg)))
+    w.load_torch = load_with_positions
+    return w
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "mlp": mlp, "smollm2": llama, "smolvla": vla, "whisper": whisper,
+}
 del mn
