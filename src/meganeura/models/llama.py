@@ -105,9 +105,9 @@ def tiny_llama(**overrides) -> LlamaConfig:
 AttendFn = Callable[[int, Value, Value, Value], Value]
 
 
-def _attn(cfg: LlamaConfig, i: int, impl: str = "auto") -> Attention:
+def _attn(cfg: LlamaConfig, i: int, impl: str = "auto", fuse: bool = True) -> Attention:
     return Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                     cfg.head_dim, name=f"model.layers.{i}.self_attn", impl=impl)
+                     cfg.head_dim, name=f"model.layers.{i}.self_attn", impl=impl, fuse=fuse)
 
 
 def _embedding(cfg: LlamaConfig, impl: str = "auto") -> Embedding:
@@ -116,17 +116,18 @@ def _embedding(cfg: LlamaConfig, impl: str = "auto") -> Embedding:
 
 
 def decoder(g: Graph, cfg: LlamaConfig, ids: Value, rope: tuple[Value, Value],
-            attend: AttendFn, impl: str = "auto") -> Value:
-    """Embeddings through the final norm: (B, S) ids -> (B, S, hidden)."""
+            attend: AttendFn, impl: str = "auto", fuse: bool = True) -> Value:
+    """Embeddings through the final norm: (B, S) ids -> (B, S, hidden).  ``fuse``: q/k/v and
+    gate/up projections as single GEMMs (see :func:`~meganeura.nn.transformer.fused_dense`)."""
     x = _embedding(cfg, impl)(g, ids)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
-        att = _attn(cfg, i)
+        att = _attn(cfg, i, impl, fuse)
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, name=f"{p}.input_layernorm")(g, x)
         q, k, v = att.project(g, h, rope=rope)
         x = x + att.output(g, attend(i, q, k, v))
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, name=f"{p}.post_attention_layernorm")(g, x)
-        x = x + SwiGLU(cfg.hidden_size, cfg.intermediate_size, name=f"{p}.mlp")(g, h)
+        x = x + SwiGLU(cfg.hidden_size, cfg.intermediate_size, name=f"{p}.mlp", fuse=fuse)(g, h)
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, name="model.norm")(g, x)
 
 
@@ -154,11 +155,15 @@ class LlamaGraph:
 
 
 def llama_lm(cfg: LlamaConfig, batch: int, seq: int, loss: bool = True,
-             ignore_index: int = -100, impl: str = "auto") -> LlamaGraph:
+             ignore_index: int = -100, impl: str = "auto",
+             fuse: bool | None = None) -> LlamaGraph:
     """The causal LM on a (batch, seq) block of token ids (input ``ids``, i32).
 
     ``loss=True`` adds input ``labels`` (B, seq) aligned with ``ids`` (HF convention): the loss
-    is the mean CE of ``logits[:, :-1]`` against ``labels[:, 1:]``, skipping ``ignore_index``."""
+    is the mean CE of ``logits[:, :-1]`` against ``labels[:, 1:]``, skipping ``ignore_index``.
+    ``impl``: "auto"/"op" (attention, embedding ops) or "composite" (primitive ops only).
+    ``fuse``: fused projection GEMMs; default: with the loss (training), not without."""
+    fuse = loss if fuse is None else fuse
     g = Graph("llama")
     ids = g.input("ids", (batch, seq), dtype=i32)
     rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(g, seq)
@@ -166,7 +171,7 @@ def llama_lm(cfg: LlamaConfig, batch: int, seq: int, loss: bool = True,
     def attend(i, q, k, v):
         return _attn(cfg, i, impl).attend(q, k, v, causal=True)
 
-    h = decoder(g, cfg, ids, rope, attend, impl)
+    h = decoder(g, cfg, ids, rope, attend, impl, fuse)
     logits = lm_head(g, cfg, h)
     out = LlamaGraph(g, ids, logits, config=cfg)
     if loss:
@@ -233,7 +238,7 @@ def llama_prefill(cfg: LlamaConfig, batch: int, prompt_len: int, max_len: int,
         g.set_update(f"cache.{i}.v", _write(cv, v, 0, impl))
         return _attn(cfg, i, impl).attend(q, k, v, causal=True)
 
-    h = decoder(g, cfg, ids, rope, attend, impl)
+    h = decoder(g, cfg, ids, rope, attend, impl, fuse=False)  # memory-bound: no weight copies
     return LlamaGraph(g, ids, _last_logits(g, cfg, h), config=cfg)
 
 
@@ -256,5 +261,5 @@ def llama_decode(cfg: LlamaConfig, batch: int, max_len: int,
         g.set_update(f"cache.{i}.v", nv)
         return _attn(cfg, i, impl).attend(q, nk, nv, mask=mask)
 
-    h = decoder(g, cfg, ids, rope, attend, impl)
+    h = decoder(g, cfg, ids, rope, attend, impl, fuse=False)  # memory-bound: no weight copies
     return LlamaGraph(g, ids, _last_logits(g, cfg, h), config=cfg, pos=pos)

@@ -99,10 +99,12 @@ class VLAGraph:
 
 
 def action_expert(cfg: ActionExpertConfig, batch: int, loss: bool = True,
-                  impl: str = "auto") -> VLAGraph:
+                  impl: str = "auto", fuse: bool | None = None) -> VLAGraph:
     """Inputs: ``x_t`` (B, chunk, action_dim), ``time`` (B,), ``vlm_k.{i}``/``vlm_v.{i}``
     (B, vlm_context, vlm_kv_dim) for each cross-attention layer i, and with ``loss`` the
-    ``target`` velocity.  Output: ``velocity`` (B, chunk, action_dim)."""
+    ``target`` velocity.  Output: ``velocity`` (B, chunk, action_dim).  ``impl``/``fuse``: as
+    in :func:`~meganeura.models.llama.llama_lm` (fused projections by default with the loss)."""
+    fuse = loss if fuse is None else fuse
     g = Graph("vla_expert")
     B, T, H = batch, cfg.chunk_size, cfg.hidden_size
     x_t = g.input("x_t", (B, T, cfg.action_dim))
@@ -125,12 +127,12 @@ def action_expert(cfg: ActionExpertConfig, batch: int, loss: bool = True,
         cross = cfg.is_cross(i)
         att = Attention(H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                         name=f"{p}.self_attn", kv_in=cfg.vlm_kv_dim if cross else None,
-                        impl=impl)
+                        impl=impl, fuse=fuse)
         h = RMSNorm(H, cfg.rms_norm_eps, name=f"{p}.input_layernorm")(g, x)
         # cross layers: keys/values from the VLM, RoPE on the queries only
         x = x + att(g, h, kv=vlm[i] if cross else None, rope=rope)
         h = RMSNorm(H, cfg.rms_norm_eps, name=f"{p}.post_attention_layernorm")(g, x)
-        x = x + SwiGLU(H, cfg.intermediate_size, name=f"{p}.mlp")(g, h)
+        x = x + SwiGLU(H, cfg.intermediate_size, name=f"{p}.mlp", fuse=fuse)(g, h)
     x = RMSNorm(H, cfg.rms_norm_eps, name="lm_expert.norm")(g, x)
     vel = dense(g, x, "action_out_proj", H, cfg.action_dim)
     out = VLAGraph(g, x_t, time, vlm, vel, config=cfg)

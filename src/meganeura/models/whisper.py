@@ -120,7 +120,8 @@ def _conv_params(g: Graph, name: str, cout: int, cin: int, k: int):
     return w, b
 
 
-def encoder(g: Graph, cfg: WhisperEncoderConfig, mel: Value, impl: str = "auto") -> Value:
+def encoder(g: Graph, cfg: WhisperEncoderConfig, mel: Value, impl: str = "auto",
+            fuse: bool = True) -> Value:
     """mel (B, n_mels, frames) -> features (B, positions, d_model)."""
     d = cfg.d_model
     w1, b1 = _conv_params(g, "encoder.conv1", d, cfg.num_mel_bins, 3)
@@ -141,7 +142,7 @@ def encoder(g: Graph, cfg: WhisperEncoderConfig, mel: Value, impl: str = "auto")
     for i in range(cfg.encoder_layers):
         p = f"encoder.layers.{i}"
         att = Attention(d, h, h, d // h, name=f"{p}.self_attn", q_bias=True, v_bias=True,
-                        o_bias=True, out_name="out_proj", impl=impl)
+                        o_bias=True, out_name="out_proj", impl=impl, fuse=fuse)
         x = x + att(g, LayerNorm(d, cfg.layer_norm_eps, name=f"{p}.self_attn_layer_norm")(g, x))
         y = LayerNorm(d, cfg.layer_norm_eps, name=f"{p}.final_layer_norm")(g, x)
         x = x + GeluMLP(d, cfg.encoder_ffn_dim, name=p)(g, y)
@@ -149,12 +150,14 @@ def encoder(g: Graph, cfg: WhisperEncoderConfig, mel: Value, impl: str = "auto")
 
 
 def whisper_encoder(cfg: WhisperEncoderConfig, batch: int, loss: bool = True,
-                    impl: str = "auto") -> WhisperGraph:
+                    impl: str = "auto", fuse: bool | None = None) -> WhisperGraph:
     """Inputs ``mel`` (B, n_mels, 2·positions) and, with ``loss``, ``labels`` (B,) i32.
-    Outputs: ``features`` (B, positions, d_model), ``logits`` (B, num_classes)."""
+    Outputs: ``features`` (B, positions, d_model), ``logits`` (B, num_classes).
+    ``impl``/``fuse``: as in :func:`~meganeura.models.llama.llama_lm`."""
+    fuse = loss if fuse is None else fuse
     g = Graph("whisper_encoder")
     mel = g.input("mel", (batch, cfg.num_mel_bins, cfg.frames))
-    feats = encoder(g, cfg, mel, impl)
+    feats = encoder(g, cfg, mel, impl, fuse)
     logits = Linear(cfg.d_model, cfg.num_classes, name="head")(g, ops.mean(feats, 1))
     out = WhisperGraph(g, mel, feats, logits, config=cfg)
     if loss:

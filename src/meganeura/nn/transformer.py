@@ -106,14 +106,18 @@ def _fused_matmul(g: Graph, x: Value, n_in: int, parts: Sequence[tuple[str, int,
     return y
 
 
-def fused_dense(g: Graph, x: Value, n_in: int,
-                parts: Sequence[tuple[str, int, bool]]) -> tuple[Value, ...]:
-    """Several linear layers ``(name, n_out, bias)`` on the same input as one GEMM: the
-    weights are concatenated along their output axis (the parameters stay separate, with
-    PyTorch/HF names, layout and init) and the result is split back.
+def fused_dense(g: Graph, x: Value, n_in: int, parts: Sequence[tuple[str, int, bool]],
+                fuse: bool = True) -> tuple[Value, ...]:
+    """Several linear layers ``(name, n_out, bias)`` on the same input.  ``fuse``: as one GEMM
+    — the weights are concatenated along their output axis (the parameters stay separate,
+    with PyTorch/HF names, layout and init) and the result is split back.  That saves
+    dispatches and makes one larger GEMM, at the price of copying the weights every step
+    (worth it in training; memory-bound inference, e.g. decoding, is better off unfused).
 
-    Leading dims of ``x`` are flattened first, so the product is one 2-D GEMM and each weight
+    Leading dims of ``x`` are flattened first, so each product is one 2-D GEMM and each weight
     gradient a single matmul over all rows (no batched product reduced afterwards)."""
+    if not fuse and len(parts) > 1:
+        return tuple(fused_dense(g, x, n_in, [p])[0] for p in parts)
     y = _fused_matmul(g, x, n_in, parts)
     y = ops.reshape(y, x.shape[:-1] + (y.shape[-1],))  # (a view: split after reshaping)
     return ops.split(y, [n for _, n, _ in parts], -1) if len(parts) > 1 else (y,)
@@ -303,6 +307,7 @@ class Attention:
     out_name: str = "o_proj"
     scale: float | None = None  # default 1/sqrt(head_dim)
     impl: str = "auto"
+    fuse: bool = True  # one GEMM for projections of the same input (see fused_dense)
 
     def __post_init__(self):
         self.n_kv_heads = self.n_kv_heads or self.n_heads
@@ -317,18 +322,27 @@ class Attention:
         (cross-attention), or a (key source, value source) pair.  ``rope`` (cos, sin): applied
         to q and k for self-attention, to q only for cross-attention.
 
-        Projections sharing an input run as one GEMM (q/k/v for self-attention, k/v for a
-        single cross source), and self-attention rotates q and k together."""
+        With ``fuse``, projections sharing an input run as one GEMM (q/k/v for self-attention,
+        k/v for a single cross source; see :func:`fused_dense`).  Self-attention rotates the
+        q and k heads together."""
         hd, hq, hkv = self.head_dim, self.n_heads, self.n_kv_heads
         kv_in = self.kv_in or self.hidden
         q_part = (f"{self.name}.q_proj", hq * hd, self.q_bias)
         k_part = (f"{self.name}.k_proj", hkv * hd, self.k_bias)
         v_part = (f"{self.name}.v_proj", hkv * hd, self.v_bias)
         if kv is None:
-            y = _fused_matmul(g, x, self.hidden, [q_part, k_part, v_part])
-            # (B, S, Hq + 2·Hkv, D) heads as views of the GEMM result, split by head
-            heads = _heads(ops.reshape(y, x.shape[:-1] + (y.shape[-1],)), hq + 2 * hkv, hd)
-            qk, v = ops.split(heads, [hq + hkv, hkv], 1)
+            if self.fuse:
+                y = _fused_matmul(g, x, self.hidden, [q_part, k_part, v_part])
+                # (B, Hq + 2·Hkv, S, D) heads as views of the GEMM result, split by head
+                heads = _heads(ops.reshape(y, x.shape[:-1] + (y.shape[-1],)),
+                               hq + 2 * hkv, hd)
+                qk, v = ops.split(heads, [hq + hkv, hkv], 1)
+            else:
+                q, k, v = fused_dense(g, x, self.hidden, [q_part, k_part, v_part], fuse=False)
+                q, k, v = _heads(q, hq, hd), _heads(k, hkv, hd), _heads(v, hkv, hd)
+                if rope is None:
+                    return q, k, v
+                qk = ops.concat([q, k], 1)
             if rope is not None:  # q and k heads side by side: one rotation for both
                 qk = apply_rope(qk, *rope)
             q, k = ops.split(qk, [hq, hkv], 1)
@@ -341,7 +355,7 @@ class Attention:
             (k,) = fused_dense(g, kv[0], kv_in, [k_part])
             (v,) = fused_dense(g, kv[1], kv_in, [v_part])
         else:
-            k, v = fused_dense(g, kv, kv_in, [k_part, v_part])
+            k, v = fused_dense(g, kv, kv_in, [k_part, v_part], fuse=self.fuse)
         return q, _heads(k, hkv, hd), _heads(v, hkv, hd)
 
     def attend(self, q, k, v, causal=False, mask=None, q_offset=0) -> Value:
@@ -373,10 +387,12 @@ class SwiGLU:
     hidden: int
     ffn: int
     name: str = "mlp"
+    fuse: bool = True  # gate and up projections as one GEMM (see fused_dense)
 
     def __call__(self, g: Graph, x: Value) -> Value:
         gate, up = fused_dense(g, x, self.hidden, [(f"{self.name}.gate_proj", self.ffn, False),
-                                                   (f"{self.name}.up_proj", self.ffn, False)])
+                                                   (f"{self.name}.up_proj", self.ffn, False)],
+                               fuse=self.fuse)
         return dense(g, ops.silu(gate) * up, f"{self.name}.down_proj", self.ffn, self.hidden,
                      bias=False)
 
