@@ -60,7 +60,7 @@ def test_forward_and_gradients_match_twin(gpu, impl):
 def test_untied_head_and_ignore_index_on_reference():
     cfg = tiny_llama(tie_word_embeddings=False, num_key_value_heads=1)  # MQA
     B, S = 2, 6
-    m = llama_lm(cfg, B, S, ignore_index=7)
+    m = llama_lm(cfg, B, S, ignore_index=7, fuse=False)  # the unfused projections
     assert "lm_head.weight" in m.graph.params
     s = grad_session(m.graph, m.loss, {"logits": m.logits}, backend="reference")
     tw = _twin(cfg, seed=1)
