@@ -163,7 +163,7 @@ def _attrs(G):
     return {"stride": G.stride, "padding": G.pad, "dilation": G.dilation, "groups": G.groups}
 
 
-@pytest.mark.parametrize("tile", [(16, 16), (32, 64), (64, 32), (64, 64)])
+@pytest.mark.parametrize("tile", [(8, 32), (8, 128), (16, 16), (32, 64), (64, 32), (64, 64)])
 def test_forced_tiles_all_three_kernels(dev, tile):
     rng = np.random.default_rng(sum(tile))
     xs, ws = (2, 6, 9, 7), (40, 3, 3, 2)

@@ -255,18 +255,31 @@ class _Gemm:
 
 
 def choose_tile(M: int, N: int, forced=()) -> tuple[int, int]:
+    """(TM, TN): 8 rows when M ≤ 8 (threads 8 × 32), else 16–64; columns up to 64 (128 for
+    8-row tiles).  ``forced`` overrides (any pair from ``TILES``)."""
     if forced:
-        tm, tn = forced
-        if tm not in TILE_SIZES or tn not in TILE_SIZES:
-            raise CodegenError(f"conv tile must be two of {TILE_SIZES}, got {forced}")
-        return tm, tn
-    return (min(64, max(16, pow2ceil(M))), min(64, max(16, pow2ceil(N))))
+        forced = tuple(forced)
+        if forced not in TILES:
+            raise CodegenError(f"conv tile must be one of {sorted(TILES)}, got {forced}")
+        return forced
+    if M <= 8:
+        return 8, 32 * min(4, pow2ceil(-(-N // 32)))
+    return (16 * min(4, pow2ceil(-(-M // 16))), 16 * min(4, pow2ceil(-(-N // 16))))
+
+
+# (TM, TN) -> invocation rows TY (columns TX = 256 / TY); each invocation computes
+# (TM / TY) × (TN / TX) results: contiguous rows and columns, read from workgroup memory as vec4
+# where that count is a multiple of 4.
+TILES = {(8, 32): 8, (8, 64): 8, (8, 128): 8}
+TILES.update({(tm, tn): 16 for tm in TILE_SIZES for tn in TILE_SIZES})
 
 
 def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
     TM, TN = gm.tile
-    RM, RN = TM // THREADS, TN // THREADS
     nth = THREADS * THREADS
+    TY = TILES[(TM, TN)]
+    TX = nth // TY
+    RM, RN = TM // TY, TN // TX
     mt, nt = -(-gm.M // TM), -(-gm.N // TN)
     grid = make_grid(gm.name, mt * nt * gm.GB, t)
     ind, i2 = "    ", "        "
@@ -283,15 +296,16 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
     else:
         L.append(f"{ind}let gbc = gb;")
     gm.gb_lines(L, ind)
-    L.append(f"{ind}let tx = lid % {u(THREADS)};")
-    L.append(f"{ind}let ty = lid / {u(THREADS)};")
+    L.append(f"{ind}let tx = lid % {u(TX)};")
+    L.append(f"{ind}let ty = lid / {u(TX)};")
     L.append(f"{ind}let row0 = tm * {u(TM)};")
     L.append(f"{ind}let col0 = tn * {u(TN)};")
 
     # staging maps (independent of k0): hoist what depends on the staged row/column only
-    stage_plan = []  # (which, l, r_name, k_name)
+    stage_plan = []
     for which, op, T, lim in (("a", gm.A, TM, gm.M), ("b", gm.B, TN, gm.N)):
-        for l in range(T * BK // nth):
+        n_el = T * BK
+        for l in range(-(-n_el // nth)):
             e = f"(lid + {u(l * nth)})" if l else "lid"
             rn, kn = f"s{which}r{l}", f"s{which}k{l}"
             if op.k_fast:
@@ -308,35 +322,58 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
             if live:
                 cond += " && live"
             L.append(f"{ind}let ok{tag} = {cond};")
-            stage_plan.append((which, l, rn, kn, op, T))
+            partial = (l + 1) * nth > n_el  # the last round stages fewer elements than threads
+            stage_plan.append((which, l, rn, kn, op, T, partial, n_el))
 
     for i in range(RM):
         for j in range(RN):
             L.append(f"{ind}var acc{i}_{j}: f32 = 0.0;")
+    vec_a, vec_b = RM % 4 == 0, RN % 4 == 0
+
+    def sh(arr: str, T: int, vec: bool, k: str, x: str) -> str:
+        if vec:
+            return f"{arr}[{k} * {u(T // 4)} + {x} / 4u][{x} % 4u]"
+        return f"{arr}[{k} * {u(T)} + {x}]"
 
     def step(out: list[str], ii: str, check_k: bool, kend: str) -> None:
-        for which, l, rn, kn, op, T in stage_plan:
+        for which, l, rn, kn, op, T, partial, n_el in stage_plan:
             tag = f"{which}{l}"
             kv = f"k{tag}"
-            out.append(f"{ii}let {kv} = k0 + {kn};")
+            jj = ii
+            if partial:
+                out.append(f"{ii}if (lid + {u(l * nth)} < {u(n_el)}) {{")
+                jj = ii + ind
+            out.append(f"{jj}let {kv} = k0 + {kn};")
             body: list[str] = []
-            cond, idx = op.load(kv, tag, body, ii)
+            cond, idx = op.load(kv, tag, body, jj)
             out += body
             conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
                 [cond] if cond else [])
             arr = "As" if which == "a" else "Bs"
-            out.append(f"{ii}var v{tag}: f32 = 0.0;")
-            out.append(f"{ii}if ({' && '.join(conds)}) {{")
-            out.append(f"{ii}    v{tag} = {_read(op.binding, idx, op.dtype)};")
-            out.append(f"{ii}}}")
-            out.append(f"{ii}{arr}[{kn} * {u(T)} + {rn}] = v{tag};")
+            out.append(f"{jj}var v{tag}: f32 = 0.0;")
+            out.append(f"{jj}if ({' && '.join(conds)}) {{")
+            out.append(f"{jj}    v{tag} = {_read(op.binding, idx, op.dtype)};")
+            out.append(f"{jj}}}")
+            vec = vec_a if which == "a" else vec_b
+            out.append(f"{jj}{sh(arr, T, vec, kn, rn)} = v{tag};")
+            if partial:
+                out.append(f"{ii}}}")
         out.append(f"{ii}workgroupBarrier();")
         jj = ii + ind
         out.append(f"{ii}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
-        for i in range(RM):
-            out.append(f"{jj}let ra{i} = As[kk * {u(TM)} + ty + {u(THREADS * i)}];")
-        for j in range(RN):
-            out.append(f"{jj}let rb{j} = Bs[kk * {u(TN)} + tx + {u(THREADS * j)}];")
+        comp = "xyzw"
+        for arr, R, T, vec, who, th in (("As", RM, TM, vec_a, "ra", "ty"),
+                                        ("Bs", RN, TN, vec_b, "rb", "tx")):
+            if vec:
+                for q in range(R // 4):
+                    out.append(f"{jj}let {who}4_{q} = {arr}[kk * {u(T // 4)} + {th} * "
+                               f"{u(R // 4)} + {u(q)}];")
+                for i in range(R):
+                    out.append(f"{jj}let {who}{i} = {who}4_{i // 4}.{comp[i % 4]};")
+            else:
+                for i in range(R):
+                    off = f"{th} * {u(R)} + {u(i)}" if R > 1 else th
+                    out.append(f"{jj}let {who}{i} = {arr}[kk * {u(T)} + {off}];")
         for i in range(RM):
             for j in range(RN):
                 out.append(f"{jj}acc{i}_{j} = fma(ra{i}, rb{j}, acc{i}_{j});")
@@ -371,9 +408,9 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
 
     helpers: set[str] = set()
     for i in range(RM):
-        L.append(f"{ind}let r{i} = row0 + ty + {u(THREADS * i)};")
+        L.append(f"{ind}let r{i} = row0 + ty * {u(RM)} + {u(i)};")
     for j in range(RN):
-        L.append(f"{ind}let n{j} = col0 + tx + {u(THREADS * j)};")
+        L.append(f"{ind}let n{j} = col0 + tx * {u(RN)} + {u(j)};")
     for i in range(RM):
         for j in range(RN):
             conds = []
@@ -383,16 +420,12 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
                 conds.append(f"n{j} < {u(gm.N)}")
             if live:
                 conds.append("live")
-            if conds:
-                L.append(f"{ind}if ({' && '.join(conds)}) {{")
-                gm.store(L, i2, f"r{i}", f"n{j}", f"acc{i}_{j}", helpers)
-                L.append(f"{ind}}}")
-            else:
-                L.append(f"{ind}{{")
-                gm.store(L, i2, f"r{i}", f"n{j}", f"acc{i}_{j}", helpers)
-                L.append(f"{ind}}}")
-    shared = [f"var<workgroup> As: array<f32, {BK * TM}>;",
-              f"var<workgroup> Bs: array<f32, {BK * TN}>;"]
+            L.append(f"{ind}if ({' && '.join(conds)}) {{" if conds else f"{ind}{{")
+            gm.store(L, i2, f"r{i}", f"n{j}", f"acc{i}_{j}", helpers)
+            L.append(f"{ind}}}")
+    ta = f"array<vec4<f32>, {BK * TM // 4}>" if vec_a else f"array<f32, {BK * TM}>"
+    tb = f"array<vec4<f32>, {BK * TN // 4}>" if vec_b else f"array<f32, {BK * TN}>"
+    shared = [f"var<workgroup> As: {ta};", f"var<workgroup> Bs: {tb};"]
     nbytes = 4 * BK * (TM + TN)
     check_workgroup_storage(gm.name, nbytes, t)
     check_invocations(gm.name, nth, t)
