@@ -34,7 +34,7 @@ __all__ = [
 NEG_INF = float("-inf")
 
 
-# ------------------------------------------------------------------------------ embedding
+# ------------------------------------------------------------------------------ impl choice
 
 
 def op_for(name: str, impl: str):
@@ -45,6 +45,9 @@ def op_for(name: str, impl: str):
     if impl == "op" and fn is None:
         raise GraphBuildError(f"impl='op': the op {name!r} is not registered")
     return None if impl == "composite" else fn
+
+
+# ------------------------------------------------------------------------------ embedding
 
 
 def embed(ids: Value, table: Value, impl: str = "auto") -> Value:
@@ -111,8 +114,8 @@ def fused_dense(g: Graph, x: Value, n_in: int, parts: Sequence[tuple[str, int, b
     """Several linear layers ``(name, n_out, bias)`` on the same input.  ``fuse``: as one GEMM
     — the weights are concatenated along their output axis (the parameters stay separate,
     with PyTorch/HF names, layout and init) and the result is split back.  That saves
-    dispatches and makes one larger GEMM, at the price of copying the weights every step
-    (worth it in training; memory-bound inference, e.g. decoding, is better off unfused).
+    dispatches and makes one larger GEMM, at the price of copying the weights every step (a
+    trade-off: the model builders fuse in training graphs, not in inference/decode graphs).
 
     Leading dims of ``x`` are flattened first, so each product is one 2-D GEMM and each weight
     gradient a single matmul over all rows (no batched product reduced afterwards)."""
