@@ -11,7 +11,7 @@ mkdir -p "$out/work/docs"
 seed=bench/results/h200.json   # earlier results (copied back into the repo) are kept, not rerun
 [ -f "$seed" ] && [ ! -f "$out/results.json" ] && cp "$seed" "$out/results.json"
 export XDG_RUNTIME_DIR=$(mktemp -d) PYTHONUNBUFFERED=1
-python3 bench/harness.py --workloads "$workloads" --impls wgpu,dawn --torch-compile --profile \
+timeout "${BENCH_TIMEOUT:-530}" python3 bench/harness.py --workloads "$workloads" --impls wgpu,dawn --torch-compile --profile \
   --trace-dir "$out/work" --warmup 3 --steps 20 --out "$out/results.json" "$@" 2>&1 | tee -a "$out/harness.log"
 python3 bench/report.py "$out/results.json" --out "$out/work/docs" > /dev/null
 tar -C "$out/work" -czf "$out/bundle.tgz" .   # traces + rendered docs in one file

@@ -292,6 +292,9 @@ def main(argv=None) -> int:
     if os.path.exists(args.out):
         results = json.load(open(args.out))
     for name in names:
+        if name not in WORKLOADS:
+            print(f"{name}: no such workload (known: {', '.join(WORKLOADS)}); skipped", flush=True)
+            continue
         for variant in variants:
             key = f"{name}/{variant}"
             if any(r["key"] == key for r in results):
