@@ -157,3 +157,23 @@ def test_wide_fused_expression_stays_within_8_bindings(gpu):
     for k in want:
         _compare(got[k], want[k], RED, k)
     assert all(spec.n_bindings <= 8 for spec, _ in sess.infer.specs)
+
+
+def test_two_views_of_one_tensor_share_one_binding(gpu):
+    """RoPE-style halves of one buffer in one kernel: bound once (WebGPU forbids overlapping
+    writable bindings; Dawn validates it)."""
+    g = mn.Graph()
+    x = g.param("x", (4, 8))
+    lo, hi = x[:, :4], x[:, 4:]
+    y = ops.concat([lo * 2.0 - hi, hi * lo], 1)
+    z = ops.matmul(x, x, transpose_b=True)  # both operands from one buffer
+    env = {"x": R.normal(size=(4, 8)).astype(np.float32)}
+    sess = mn.compile(g, outputs={"y": y, "z": z}, device=gpu)
+    sess.set_params(env)
+    got = sess.run()
+    want = reference.evaluate(g, [y, z], env, np.float64)
+    _compare(got["y"], want[0], EW, "y")
+    _compare(got["z"], want[1], RED, "z")
+    for spec, label in sess.infer.specs:
+        decls = spec.wgsl.count("var<storage, read_write>")
+        assert decls == spec.n_bindings, label

@@ -6,7 +6,9 @@ it never looks at ops, autodiff or passes beyond calling the pipeline once at co
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import time
 
 import numpy as np
@@ -61,6 +63,8 @@ class _Executable:
                                  sess._buffer(self, k.dst), k.dst.offset, _round4(k.src.nbytes)))
                 continue
             spec = _emit(k.desc, dev)
+            binds = list(k.binds)
+            spec, binds = _share_bindings(spec, binds)
             if "wgsl" in _DEBUG:
                 print(f"// ---- {k.label}\n{spec.wgsl}")
             pipeline = dev.pipeline(spec)
@@ -68,7 +72,7 @@ class _Executable:
             entries = [{"binding": i, "resource": {"buffer": sess._buffer(self, loc),
                                                    "offset": loc.offset,
                                                    "size": _round4(loc.nbytes)}}
-                       for i, loc in enumerate(k.binds)]
+                       for i, loc in enumerate(binds)]
             bg = dev.device.create_bind_group(layout=layout, entries=entries)
             self.ops.append(("dispatch", pipeline, bg, spec.workgroups))
             self.specs.append((spec, k.label))
@@ -94,6 +98,33 @@ class _Executable:
             for src, off, dst, doff, n in staging:
                 enc.copy_buffer_to_buffer(src, off, dst, doff, n)
         return enc.finish()
+
+
+def _share_bindings(spec, binds):
+    """Several views of one tensor (RoPE halves, q/k/v of a fused projection) would bind the
+    same buffer range more than once, which WebGPU forbids for writable storage bindings
+    (Dawn validates it): keep the first binding and point the others' reads at it."""
+    first: dict = {}
+    drop: dict[int, int] = {}
+    for i, loc in enumerate(binds):
+        if loc in first:
+            drop[i] = first[loc]
+        else:
+            first[loc] = i
+    if not drop:
+        return spec, binds
+    src = spec.wgsl
+    for j, i in drop.items():
+        src = re.sub(rf"^.*@binding\({j}\) var<storage, read_write> b{j}:.*\n", "", src,
+                     flags=re.M)
+        src = re.sub(rf"\bb{j}\[", f"b{i}[", src)
+        src = re.sub(rf"&b{j}\b", f"&b{i}", src)
+    keep = [i for i in range(len(binds)) if i not in drop]
+    for new, old in enumerate(keep):  # binding numbers must stay dense: 0..n-1
+        src = src.replace(f"@binding({old}) var", f"@binding(@{new}@) var")
+    src = re.sub(r"@binding\(@(\d+)@\) var", r"@binding(\1) var", src)
+    spec = dataclasses.replace(spec, wgsl=src, n_bindings=len(keep))
+    return spec, [binds[i] for i in keep]
 
 
 def _check_buffer(dev, nbytes: int, what: str, binding: bool = False) -> None:
