@@ -233,3 +233,32 @@ def test_f16_operands_accumulate_in_f32(dev):
                     (1, 8, 6, 6))
     want = _conv2d_ref([x.astype(np.float64), w.astype(np.float64)], _attrs(G))[0]
     _compare(got, want, RED, "f16 conv")
+
+
+def test_conv_epilogue_fusion_through_the_planner(gpu):
+    """With the planner's archetype-epilogue hook, a ReLU and a residual add + SiLU after a
+    convolution run inside the conv kernel (inference graphs); results unchanged."""
+    from meganeura.codegen.archetypes import archetype
+
+    if getattr(archetype("conv2d"), "epilogue", None) is None:
+        pytest.skip("the planner has no archetype epilogue hook yet")
+    rng = np.random.default_rng(0)
+    g = mn.Graph()
+    x = g.input("x", (2, 3, 6, 6))
+    w = g.param("w", (3, 3, 3, 3))
+    b = g.param("b", (3,))
+    w2 = g.param("w2", (4, 3, 3, 3))
+    h = ops.conv2d(x, w, b, padding=1).relu()
+    y = (ops.conv2d(h, w, b, padding=1) + h).silu()
+    z = ops.conv2d(y, w2, padding=1)
+    sess = mn.compile(g, outputs={"z": z}, device=gpu)
+    labels = sess.kernel_labels(inference=True)
+    assert sum("conv2d" in lab and "+" in lab for lab in labels) == 2, labels
+    env = {"x": rng.normal(size=(2, 3, 6, 6)).astype(np.float32),
+           "w": rng.normal(size=(3, 3, 3, 3)).astype(np.float32),
+           "b": rng.normal(size=(3,)).astype(np.float32),
+           "w2": rng.normal(size=(4, 3, 3, 3)).astype(np.float32)}
+    sess.set_params({k: env[k] for k in ("w", "b", "w2")})
+    got = sess.run(x=env["x"])["z"]
+    (want,) = reference.evaluate(g, [z], env, np.float64)
+    _compare(got, want, RED, "fused conv epilogues")

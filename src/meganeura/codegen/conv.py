@@ -769,7 +769,11 @@ def _make_weight_grad(attrs, inputs, outputs):
 def _register() -> None:
     from .archetypes import register_archetype
 
-    register_archetype("conv2d", Conv2dKernel, _make_forward, emit_forward)
+    try:  # epilogue fusion (ReLU/SiLU/residual after a conv) where the planner supports it
+        register_archetype("conv2d", Conv2dKernel, _make_forward, emit_forward,
+                           epilogue=conv2d_with_epilogue)
+    except TypeError:  # registry without epilogue hooks: the planner runs them separately
+        register_archetype("conv2d", Conv2dKernel, _make_forward, emit_forward)
     register_archetype("conv2d_input_grad", Conv2dInputGradKernel, _make_input_grad,
                        emit_input_grad)
     register_archetype("conv2d_weight_grad", Conv2dWeightGradKernel, _make_weight_grad,
