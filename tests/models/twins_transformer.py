@@ -56,8 +56,8 @@ def rotate_half(x):
 
 
 def rope_cos_sin(head_dim, theta, positions, dtype=torch.float32):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
-                                / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=positions.device).float() / head_dim))
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -79,9 +79,9 @@ def eager_attention(q, k, v, scale, mask=None):
     return torch.matmul(w, v)
 
 
-def causal(sq, skv, offset=0, dtype=torch.float32):
-    i = torch.arange(sq)[:, None] + offset
-    j = torch.arange(skv)[None, :]
+def causal(sq, skv, offset=0, dtype=torch.float32, device=None):
+    i = torch.arange(sq, device=device)[:, None] + offset
+    j = torch.arange(skv, device=device)[None, :]
     return torch.where(j <= i, 0.0, float("-inf")).to(dtype)
 
 
@@ -166,9 +166,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, ids, labels=None, ignore_index=-100):
         c = self.config
         S = ids.shape[1]
-        rope = rope_cos_sin(c.head_dim, c.rope_theta, torch.arange(S))
+        rope = rope_cos_sin(c.head_dim, c.rope_theta, torch.arange(S, device=ids.device))
         x = self.model.embed_tokens(ids)
-        mask = causal(S, S)
+        mask = causal(S, S, device=ids.device)
         for layer in self.model.layers:
             x = layer(x, rope, mask)
         logits = self.lm_head(self.model.norm(x))
@@ -240,7 +240,7 @@ class WhisperClassifier(nn.Module):
 
 
 def time_embedding(time, dim, min_period, max_period):
-    fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64)
+    fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=time.device)
     period = min_period * (max_period / min_period) ** fraction
     scale = (1.0 / period * 2 * math.pi).to(torch.float32)
     x = scale[None, :] * time[:, None]
@@ -294,7 +294,8 @@ class ActionExpert(nn.Module):
         te = time_embedding(time, c.hidden_size, c.min_period, c.max_period)
         te = te[:, None, :].expand(B, T, c.hidden_size)
         x = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat([a, te], -1))))
-        rope = rope_cos_sin(c.head_dim, c.rope_theta, torch.arange(T) + c.vlm_context)
+        rope = rope_cos_sin(c.head_dim, c.rope_theta,
+                            torch.arange(T, device=x_t.device) + c.vlm_context)
         for i, layer in enumerate(self.lm_expert.layers):
             x = layer(x, rope, vlm_kv.get(i))
         v = self.action_out_proj(self.lm_expert.norm(x))
