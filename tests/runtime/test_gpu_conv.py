@@ -143,11 +143,13 @@ def test_split_weight_grad_on_gpu(gpu, split):
 # ------------------------------------------------------------------ the kernel template
 
 
-def _dispatch(dev, spec, inputs, out_shape, out_dtype=np.float32):
+def _dispatch(dev, spec, inputs, out_shape, out_dtype=np.float32, n_out=1):
     bufs = [dev.upload(a) for a in inputs]
     n = int(np.prod(out_shape))
-    bufs.append(dev.create_buffer(n * np.dtype(out_dtype).itemsize))
+    for _ in range(n_out):  # further outputs of the same size (max_pool2d's indices)
+        bufs.append(dev.create_buffer(n * 4))
     dev.dispatch(spec, bufs)
+    bufs = bufs[: len(inputs) + 1]
     return dev.read_array(bufs[-1], out_shape, out_dtype)
 
 
@@ -262,3 +264,52 @@ def test_conv_epilogue_fusion_through_the_planner(gpu):
     got = sess.run(x=env["x"])["z"]
     (want,) = reference.evaluate(g, [z], env, np.float64)
     _compare(got, want, RED, "fused conv epilogues")
+
+
+def test_wrapped_grids_and_dead_workgroups(dev):
+    """A tiny per-dimension workgroup limit forces 2-D grids with more workgroups than tiles
+    (their ``live`` flag is off): results unchanged, pooling included."""
+    from meganeura.codegen.pool import MaxPoolKernel, PoolGeom, emit_max_pool
+
+    rng = np.random.default_rng(9)
+    lim = dict(dev.limits, max_compute_workgroups_per_dimension=3)
+    xs, ws = (2, 4, 9, 7), (12, 2, 3, 3)
+    G = _geom(xs, ws, g=2)
+    x = rng.normal(size=xs).astype(np.float32)
+    w = rng.normal(size=ws).astype(np.float32)
+    dy = rng.normal(size=(G.n, G.o, G.oh, G.ow)).astype(np.float32)
+    C = Strided.contiguous
+    f32 = mn.f32
+    a = _attrs(G)
+    spec = emit_forward(Conv2dKernel(G, C(f32, xs), C(f32, ws), tile=(8, 32)), lim, dev.features)
+    assert spec.workgroups[1] > 1
+    y = _dispatch(dev, spec, [x, w], dy.shape)
+    _compare(y, _conv2d_ref([x.astype(np.float64), w], a)[0], RED, "forward")
+    wk = Conv2dWeightGradKernel(G, C(f32, xs), C(f32, dy.shape), 5, tile=(8, 32))
+    dw = _dispatch(dev, emit_weight_grad(wk, lim, dev.features), [x, dy], (5,) + ws)
+    want = _weight_grad_ref([x.astype(np.float64), dy], dict(a, kernel_size=ws[2:], split=5))[0]
+    _compare(dw, want, RED, "weight grad")
+    pg = PoolGeom(2, 4, 9, 7, 3, 3, 4, 3, (2, 2), (0, 0))
+    spec = emit_max_pool(MaxPoolKernel(pg, C(f32, xs), f32), lim, dev.features)
+    got = _dispatch(dev, spec, [x], (2, 4, 4, 3), n_out=2)
+    ref = np.stack([x[:, :, 2 * i:2 * i + 3, 2 * j:2 * j + 3].max((2, 3))
+                    for i in range(4) for j in range(3)], -1).reshape(2, 4, 4, 3)
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_degenerate_shapes_on_gpu(gpu):
+    """1x1 images, a kernel larger than the input (padding makes it fit), one channel per
+    group, batch 1."""
+    rng = np.random.default_rng(11)
+    g = mn.Graph()
+    a = g.param("a", (1, 2, 1, 1))
+    wa = g.param("wa", (4, 1, 1, 1))
+    b = g.param("b", (1, 3, 2, 3))
+    wb = g.param("wb", (2, 3, 5, 5))
+    ya = ops.conv2d(a, wa, groups=2)
+    yb = ops.conv2d(b, wb, padding=2, stride=2)
+    loss = (ya * ya).sum() + (yb * yb).sum()
+    g2, grads = mn.grad(g, loss)
+    outs = {"ya": g2[ya], "yb": g2[yb], **{f"d{k}": v for k, v in grads.items()}}
+    env = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in g.params.items()}
+    _session_check(gpu, g2, outs, env, RED, "degenerate")
