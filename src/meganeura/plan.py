@@ -22,7 +22,7 @@ import numpy as np
 from .codegen import ir
 from .codegen.archetypes import archetype
 from .codegen.reduce import split_plan
-from .dtypes import DType
+from .dtypes import DType, f32
 from .errors import GraphBuildError
 from .graph import Graph, Node, TensorType, Value
 from .lowering import Kernel, Matmul, Pointwise, Reduce, View
@@ -360,6 +360,8 @@ class _Planner:
         instrs = tuple(ir.Instr(i.expr, tuple(arg(a) for a in i.args), i.dtype, i.helpers)
                        for i in kb.instrs)
         desc, mm_bases = self._matmul_desc(mm)
+        if _split_k(desc) > 1:
+            return False  # split-K: the epilogue runs after the partial sums are reduced
         desc = ir.MatmulKernel(desc.batch, desc.m, desc.n, desc.k, desc.a, desc.b, tuple(extras),
                                instrs, out.dtype, name="matmul_ep")
         self.emit(desc, mm_bases + bases, [out],
@@ -368,7 +370,27 @@ class _Planner:
 
     def matmul(self, v: Value) -> None:
         desc, bases = self._matmul_desc(v)
-        self.emit(desc, bases, [v], f"matmul {desc.batch}x{desc.m}x{desc.n}x{desc.k}")
+        label = f"matmul {desc.batch}x{desc.m}x{desc.n}x{desc.k}"
+        split = _split_k(desc)
+        if split <= 1:
+            self.emit(desc, bases, [v], label)
+            return
+        # Few output tiles and a long K (weight gradients, small-M GEMMs): K split into
+        # `split` chunks computed as a batch of matmuls (strides only), then summed in order.
+        a, b, kc = desc.a, desc.b, desc.k // split
+        a_s = ir.Strided(a.dtype, (split, desc.m, kc), (a.strides[2] * kc,) + a.strides[1:],
+                         a.offset, a.extent)
+        b_s = ir.Strided(b.dtype, (split, kc, desc.n), (b.strides[1] * kc,) + b.strides[1:],
+                         b.offset, b.extent)
+        acc = f32 if v.dtype.is_float else v.dtype
+        tmp = self.temp_value((split, desc.m, desc.n), acc)
+        self.emit(ir.MatmulKernel(split, desc.m, desc.n, kc, a_s, b_s, out_dtype=acc,
+                                  name="matmul_splitk"), bases, [tmp],
+                  f"{label} [split-K {split}]")
+        red = ir.ReduceKernel(tmp.shape, (0,), "sum", (ir.Strided.contiguous(acc, tmp.shape),),
+                              (ir.Instr("{0}", (("in", 0),), acc),), out_dtype=v.dtype,
+                              name="splitk_sum")
+        self.emit(red, [tmp], [v], f"{label} [split-K sum]")
 
     def _matmul_desc(self, v: Value):
         n = v.node
@@ -455,6 +477,25 @@ def _as_batched(s: ir.Strided, batch, transposed: bool) -> ir.Strided:
         r, c, rs, cs = c, r, cs, rs
     nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
     return ir.Strided(s.dtype, (nb, r, c), (bstride, rs, cs), s.offset, s.extent)
+
+
+SPLIT_K_MIN_TILES = 64  # fewer 128x128 output tiles than this leaves a big GPU mostly idle
+SPLIT_K_MIN_CHUNK = 256
+
+
+def _split_k(desc: ir.MatmulKernel) -> int:
+    """How many K chunks a single-batch matmul with few output tiles should be split into
+    (1 = no split).  A divisor of K, so every chunk has the same length."""
+    if desc.batch != 1 or desc.m <= 4 or desc.n <= 4 or desc.k < 4 * SPLIT_K_MIN_CHUNK:
+        return 1
+    tiles = -(-desc.m // 128) * -(-desc.n // 128)
+    if tiles >= SPLIT_K_MIN_TILES:
+        return 1
+    want = min(desc.k // SPLIT_K_MIN_CHUNK, -(-2 * SPLIT_K_MIN_TILES // tiles), 64)
+    for s in range(want, 1, -1):
+        if desc.k % s == 0:
+            return s
+    return 1
 
 
 class _Unmergeable(Exception):
