@@ -213,7 +213,67 @@ def whisper(quick: bool, variant: str) -> Workload:
     return w
 
 
+def _vision_workload(name, m, feeds, make_twin, twin_loss, outputs):
+    import torch
+    from tests.models.twins_vision import grads_of, load_into, to_numpy
+
+    torch.manual_seed(0)
+    full = to_numpy(make_twin())  # parameters and running statistics (torch defaults)
+    params = {k: v for k, v in full.items() if k in m.graph.params}
+
+    def tfeeds(d):
+        return {k: (torch.from_numpy(v).long() if v.dtype == np.int32
+                    else torch.from_numpy(v)).to(d) for k, v in feeds.items()}
+
+    return Workload(name, m.graph, m.loss, outputs, feeds, params, make_twin, tfeeds, twin_loss,
+                    lambda mod, p: load_into(mod, {**full, **p}),
+                    lambda mod: {k: v.astype(np.float64) for k, v in grads_of(mod).items()})
+
+
+def resnet50(quick: bool, variant: str) -> Workload:
+    """ResNet-50, batch 4, 224x224, 1000 classes, training-mode batch norm (minlat: batch 1)."""
+    from tests.models.twins_vision import TorchResNet
+    from torch.nn import functional as F
+
+    from meganeura.models import resnet
+
+    batch = 1 if variant == "minlat" else (2 if quick else 4)
+    m = resnet.resnet("resnet50-tiny" if quick else "resnet50", batch, training=True)
+    r = np.random.default_rng(0)
+    feeds = {"x": r.standard_normal(m.x.shape, np.float32),
+             "y": r.integers(0, m.config.num_classes, m.y.shape).astype(np.int32)}
+
+    def tloss(model, f):
+        logits = model(f["x"])
+        return F.cross_entropy(logits, f["y"]), {"logits": logits}
+
+    return _vision_workload("resnet50", m, feeds, lambda: TorchResNet(m.config), tloss,
+                            {"logits": m.logits})
+
+
+def unet(quick: bool, variant: str) -> Workload:
+    """SD-style U-Net (~2.5M parameters), batch 2, 32x32x4 latent, MSE (minlat: batch 1)."""
+    from tests.models.twins_vision import TorchUNet
+    from torch.nn import functional as F
+
+    from meganeura.models import unet as unet_mod
+
+    batch = 1 if variant == "minlat" else 2
+    m = unet_mod.unet("sd-unet-tiny" if quick else "sd-unet", batch)
+    r = np.random.default_rng(0)
+    feeds = {"x": r.standard_normal(m.x.shape, np.float32),
+             "target": r.standard_normal(m.target.shape, np.float32)}
+
+    def tloss(model, f):
+        out = model(f["x"])
+        return F.mse_loss(out, f["target"]), {"out": out}
+
+    return _vision_workload("unet", m, feeds, lambda: TorchUNet(m.config), tloss,
+                            {"out": m.out})
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
-    "mlp": mlp, "smollm2": llama, "smolvla": vla, "whisper": whisper,
+    "mlp": mlp, "smollm2": llama, "smolvla": vla, "whisper": whisper, "resnet50": resnet50,
+    "unet": unet,
 }
 del mn
