@@ -313,3 +313,24 @@ def test_degenerate_shapes_on_gpu(gpu):
     outs = {"ya": g2[ya], "yb": g2[yb], **{f"d{k}": v for k, v in grads.items()}}
     env = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in g.params.items()}
     _session_check(gpu, g2, outs, env, RED, "degenerate")
+
+
+@pytest.mark.parametrize("xs,ws,st,pad,dil", [
+    ((2, 4, 7, 6), (6, 4, 1, 1), (2, 2), ((0, 0), (0, 0)), (1, 1)),  # phases without taps
+    ((1, 3, 8, 9), (5, 3, 2, 2), (3, 3), ((1, 2), (0, 1)), (1, 1)),  # kernel < stride
+    ((1, 2, 9, 8), (3, 2, 3, 3), (2, 3), ((2, 1), (0, 2)), (2, 2)),  # dilation, gcd > 1
+    ((2, 3, 2, 5), (4, 3, 3, 3), (4, 2), ((1, 1), (1, 1)), (1, 1)),  # H < stride
+    ((1, 2, 11, 10), (2, 2, 7, 7), (2, 2), ((3, 3), (3, 3)), (1, 1)),  # ResNet stem
+])
+def test_strided_input_grad_phases_match_naive_and_reference(dev, xs, ws, st, pad, dil):
+    rng = np.random.default_rng(len(xs) + sum(ws))
+    G = _geom(xs, ws, st, pad, dil)
+    dy = rng.normal(size=(G.n, G.o, G.oh, G.ow)).astype(np.float32)
+    w = rng.normal(size=ws).astype(np.float32)
+    C = Strided.contiguous
+    want = _input_grad_ref([dy.astype(np.float64), w], dict(_attrs(G), input_size=xs[2:]))[0]
+    for naive in (False, True):
+        desc = Conv2dInputGradKernel(G, C(mn.f32, dy.shape), C(mn.f32, ws), naive=naive)
+        spec = emit_input_grad(desc, dev.limits, dev.features)
+        assert ("phases" in spec.meta) != naive
+        _compare(_dispatch(dev, spec, [dy, w], xs), want, RED, f"naive={naive}")

@@ -127,6 +127,7 @@ class Conv2dInputGradKernel:
     out_dtype: DType | None = None
     tile: tuple[int, ...] = ()
     name: str = "conv2d_dgrad"
+    naive: bool = False  # strided convs: one GEMM over all taps (no phase decomposition)
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,9 @@ class _Gemm:
     gb_lines: Callable  # (lines, ind) -> decompose ``gb`` into the kernel's own indices
     krange: Callable | None  # (lines, ind) -> defines kbeg, kend (runtime, uniform)
     store: Callable  # (lines, ind, r, col, acc, helpers)
+    # Runtime (workgroup-uniform) column count, a WGSL expression defined by gb_lines; ``N`` is
+    # then its maximum (for the grid).
+    n_bound: str | None = None
 
 
 def choose_tile(M: int, N: int, forced=()) -> tuple[int, int]:
@@ -303,7 +307,8 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
 
     # staging maps (independent of k0): hoist what depends on the staged row/column only
     stage_plan = []
-    for which, op, T, lim in (("a", gm.A, TM, gm.M), ("b", gm.B, TN, gm.N)):
+    for which, op, T, lim in (("a", gm.A, TM, u(gm.M)),
+                              ("b", gm.B, TN, gm.n_bound or u(gm.N))):
         n_el = T * BK
         for l in range(-(-n_el // nth)):
             e = f"(lid + {u(l * nth)})" if l else "lid"
@@ -318,7 +323,7 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
             tag = f"{which}{l}"
             L.append(f"{ind}let g{tag} = {base} + {rn};")
             op.hoist(f"g{tag}", tag, L, ind)
-            cond = f"g{tag} < {u(lim)}"
+            cond = f"g{tag} < {lim}"
             if live:
                 cond += " && live"
             L.append(f"{ind}let ok{tag} = {cond};")
@@ -416,7 +421,9 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
             conds = []
             if gm.M % TM:
                 conds.append(f"r{i} < {u(gm.M)}")
-            if gm.N % TN:
+            if gm.n_bound:
+                conds.append(f"n{j} < {gm.n_bound}")
+            elif gm.N % TN:
                 conds.append(f"n{j} < {u(gm.N)}")
             if live:
                 conds.append("live")
@@ -645,6 +652,8 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None) -> Ker
         oidx = _lin([("sn", G.c * hw), (f"(gi * {u(G.cg)} + {r})", hw), ("sq", 1)])
         L.append(f"{ind}b2[{oidx}] = {store_value(acc, f32, out_dt)};")
 
+    if (sh_, sw_) != (1, 1) and not k.naive:
+        return _input_grad_phases(k, t, sd, sw, out_dt)
     A = _Operand("b1", op_dt, not (sw[1] == 1 and G.cg > 1), a_hoist, a_load)
     B = _Operand("b0", op_dt, False, b_hoist, b_load)
     tile = choose_tile(M, N, k.tile)
@@ -654,6 +663,118 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None) -> Ker
                    {"archetype": "conv2d_input_grad", "tile": tile,
                     "flops": 2 * M * N * K * G.groups})
 
+
+
+
+def _phase_table(size: int, k: int, s: int, p: int, d: int):
+    """Per phase r (input coordinate ≡ r mod s): (positions, first tap, taps, first output
+    offset), plus the tap step and the output step per tap.  The taps i with
+    (r + p − i·d) ≡ 0 (mod s) form an arithmetic progression i0 + t·s/g (g = gcd(d, s)); tap
+    i reads output coordinate q + (r + p − i·d)/s for input coordinate r + s·q."""
+    import math
+
+    g = math.gcd(d, s)
+    rows = []
+    for r in range(s):
+        taps = [i for i in range(k) if (r + p - i * d) % s == 0]
+        i0 = taps[0] if taps else 0
+        rows.append((max(0, -(-(size - r) // s)), i0, len(taps), (r + p - i0 * d) // s))
+    return rows, s // g, d // g
+
+
+def _select(r: str, values, ty: str = "u") -> str:
+    """WGSL expression picking ``values[r]`` (r a u32 expression; literal suffix ``ty``)."""
+    lit = [f"{int(v)}{ty}" if ty == "i" else u(v) for v in values]
+    expr = lit[0]
+    for i in range(1, len(lit)):
+        if lit[i] != lit[0] or expr != lit[0]:
+            expr = f"select({expr}, {lit[i]}, {r} == {u(i)})"
+    return expr
+
+
+def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt) -> KernelSpec:
+    """Input gradient of a strided convolution, one GEMM per (group, phase): input positions
+    with h ≡ rh (mod sh), w ≡ rw (mod sw) receive only the taps that land on them, so no K
+    step reads the zeros a plain transposed convolution would (sh·sw× less work)."""
+    name, G = k.name, k.geom
+    dy, w = k.dy, k.w
+    op_dt = dy.dtype
+    sh_, sw_ = G.stride
+    (pt, pb), (pl, pr) = G.pad
+    hrows, hstep, hdo = _phase_table(G.h, G.kh, sh_, pt, G.dilation[0])
+    wrows, wstep, wdo = _phase_table(G.w, G.kw, sw_, pl, G.dilation[1])
+    hw = G.h * G.w
+    M = G.cg
+    N = G.n * max(r[0] for r in hrows) * max(r[0] for r in wrows)
+    kmax = G.og * max(r[2] for r in hrows) * max(r[2] for r in wrows)
+
+    def gb_lines(L, ind):
+        L.append(f"{ind}let gi = gbc % {u(G.groups)};")
+        L.append(f"{ind}let ph = gbc / {u(G.groups)};")
+        L.append(f"{ind}let rh = ph / {u(sw_)};")
+        L.append(f"{ind}let rw = ph % {u(sw_)};")
+        for a, rows, rv in (("h", hrows, "rh"), ("w", wrows, "rw")):
+            L.append(f"{ind}let q{a} = {_select(rv, [r[0] for r in rows])};")
+            L.append(f"{ind}let i0{a} = {_select(rv, [r[1] for r in rows])};")
+            L.append(f"{ind}let nt{a} = {_select(rv, [r[2] for r in rows])};")
+            L.append(f"{ind}let d0{a} = {_select(rv, [r[3] for r in rows], 'i')};")
+        L.append(f"{ind}let qhw = max(qh * qw, 1u);")
+        L.append(f"{ind}let ntap = max(nth * ntw, 1u);")
+        L.append(f"{ind}let ncol = {u(G.n)} * qh * qw;")
+
+    def krange(L, ind):
+        L.append(f"{ind}let kbeg = 0u;")
+        L.append(f"{ind}let kend = {u(G.og)} * nth * ntw;")
+
+    def taps(kv, p, L, ind):
+        L.append(f"{ind}let {p}o = {kv} / ntap;")
+        L.append(f"{ind}let {p}t = {kv} % ntap;")
+        L.append(f"{ind}let {p}a = {p}t / max(ntw, 1u);")
+        L.append(f"{ind}let {p}b = {p}t % max(ntw, 1u);")
+        return f"{p}o", f"{p}a", f"{p}b"
+
+    def a_hoist(r, tag, L, ind):
+        L.append(f"{ind}let ab{tag} = "
+                 f"{_lin([(r, sw[1]), (f'gi * {u(G.og)}', sw[0])], w.offset)};")
+
+    def a_load(kv, tag, L, ind):
+        o, ta, tb = taps(kv, f"w{tag}", L, ind)
+        i, j = f"(i0h + {_mul(ta, hstep)})", f"(i0w + {_mul(tb, wstep)})"
+        return "", _lin([(o, sw[0]), (i, sw[2]), (j, sw[3])], f"ab{tag}")
+
+    def b_hoist(p, tag, L, ind):
+        L.append(f"{ind}let pn{tag} = {p} / qhw;")
+        L.append(f"{ind}let pq{tag} = {p} % qhw;")
+        L.append(f"{ind}let oh{tag} = i32(pq{tag} / max(qw, 1u)) + d0h;")
+        L.append(f"{ind}let ow{tag} = i32(pq{tag} % max(qw, 1u)) + d0w;")
+        L.append(f"{ind}let db{tag} = "
+                 f"{_lin([(f'pn{tag}', sd[0]), (f'gi * {u(G.og)}', sd[1])], dy.offset)};")
+
+    def b_load(kv, tag, L, ind):
+        o, ta, tb = taps(kv, f"d{tag}", L, ind)
+        L.append(f"{ind}let y{tag} = oh{tag} - i32({_mul(ta, hdo)});")
+        L.append(f"{ind}let z{tag} = ow{tag} - i32({_mul(tb, wdo)});")
+        cond = f"u32(y{tag}) < {u(G.oh)} && u32(z{tag}) < {u(G.ow)}"
+        return cond, _lin([(o, sd[1]), (f"u32(y{tag})", sd[2]), (f"u32(z{tag})", sd[3])],
+                          f"db{tag}")
+
+    def store(L, ind, r, col, acc, helpers):
+        L.append(f"{ind}let sn = {col} / qhw;")
+        L.append(f"{ind}let sq = {col} % qhw;")
+        L.append(f"{ind}let sh = rh + {u(sh_)} * (sq / max(qw, 1u));")
+        L.append(f"{ind}let sw = rw + {u(sw_)} * (sq % max(qw, 1u));")
+        oidx = _lin([("sn", G.c * hw), (f"(gi * {u(G.cg)} + {r})", hw), ("sh", G.w), ("sw", 1)])
+        L.append(f"{ind}b2[{oidx}] = {store_value(acc, f32, out_dt)};")
+
+    A = _Operand("b1", op_dt, True, a_hoist, a_load)
+    B = _Operand("b0", op_dt, False, b_hoist, b_load)
+    tile = choose_tile(M, N, k.tile)
+    gm = _Gemm(name, M, N, None, G.groups * sh_ * sw_, tile, A, B, gb_lines, krange, store,
+               n_bound="ncol")
+    body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
+    return _module(name, [op_dt, op_dt, out_dt], [], body, shared, nbytes, grid, helpers, t,
+                   {"archetype": "conv2d_input_grad", "tile": tile, "phases": sh_ * sw_,
+                    "flops": 2 * M * N * kmax * G.groups * sh_ * sw_})
 
 # ---------------------------------------------------------------------------------------------
 # weight gradient
