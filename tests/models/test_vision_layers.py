@@ -157,3 +157,25 @@ def test_fold_batchnorm_equals_conv_then_bn():
     assert rel_l2(got, want) < TOL
     w2, b2 = mnn.fold_batchnorm(w, None, gam, bet, rm, rv)
     assert w2.shape == w.shape and b2.shape == (4,)
+
+
+def test_package_runs_without_torch():
+    """torch is a test dependency only: build and run a tiny ResNet and U-Net (reference
+    backend) in a fresh interpreter where importing torch fails."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules['torch'] = None
+import numpy as np
+import meganeura as mn
+from meganeura.models import resnet, unet, cnn
+m = resnet.resnet('resnet18-tiny', 1)
+s = mn.compile(m.graph, outputs={'y': m.logits}, backend='reference')
+assert s.run(x=np.zeros(m.x.shape, np.float32))['y'].shape == (1, 10)
+u = unet.unet('sd-unet-tiny', 1)
+cnn.digits_cnn(2)
+assert 'torch' not in [k for k, v in sys.modules.items() if v is not None]
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -52,6 +52,7 @@ def test_conv2d_forward_and_vjp(rng, case):
     check_op(ours, theirs, *inputs)
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same'")
 def test_conv2d_padding_forms_match_torch(rng):
     x, w = rand(rng, (1, 2, 6, 5)), rand(rng, (3, 2, 4, 3))
     # 'same' with an even kernel: the extra pixel goes bottom/right, as in PyTorch

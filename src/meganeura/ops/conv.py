@@ -432,6 +432,8 @@ def conv1d(x: Value, weight: Value, bias: Value | None = None, stride: int = 1, 
     stride, dilation = one(stride, "stride"), one(dilation, "dilation")
     if isinstance(padding, str):
         if padding == "same":
+            if int(stride) != 1:
+                raise build_error(GraphBuildError, "conv1d", "padding='same' needs stride 1", x)
             k = weight.shape[2]
             total = int(dilation) * (k - 1)
             pad = (total // 2, total - total // 2)
