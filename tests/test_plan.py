@@ -141,3 +141,17 @@ def test_split_k_matmul_for_few_tiles_and_long_k(gpu):
     want = reference.evaluate(g, [y, z], env, np.float64)
     np.testing.assert_allclose(got["y"], want[0], rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(got["z"], want[1], rtol=1e-4, atol=1e-3)
+
+
+def test_optimizer_states_update_in_place(gpu):
+    """Adam's moments and the step counter are written straight into their own buffers (no
+    temporaries, no end-of-step copies); training still matches the reference (see above)."""
+    from meganeura.plan import PlannedCopy
+
+    s = _sess((32,))
+    plan = s.train.plan
+    copied = {k.dst.name for k in plan.kernels if isinstance(k, PlannedCopy)}
+    states = set(s.state_names)
+    assert states and not (copied & states), copied & states
+    written = {loc.name for k in plan.kernels if hasattr(k, "binds") for loc in k.binds[-1:]}
+    assert states <= written

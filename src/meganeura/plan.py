@@ -498,6 +498,38 @@ def _split_k(desc: ir.MatmulKernel) -> int:
     return 1
 
 
+def _in_place_updates(kernels, updates, graph, fetched_leaves) -> dict[str, int]:
+    """Updates a pointwise kernel can write into the persistent tensor's own buffer: the kernel
+    produces exactly that value, reads the old tensor (if at all) only at each thread's own
+    element, and no later kernel (nor a fetched output) reads the old tensor.  The two
+    bindings of that buffer are then merged into one by the runtime (read, then write, per
+    element)."""
+    producer = {}
+    readers: dict[int, list[int]] = {}
+    for i, (_desc, ins, outs, _label) in enumerate(kernels):
+        for o in outs:
+            producer[o.id] = i
+        for x in ins:
+            readers.setdefault(x.id, []).append(i)
+    chosen: dict[str, int] = {}
+    for name, v in updates.items():
+        leaf = graph.leaves[name]
+        k = producer.get(v.id)
+        if k is None or name in fetched_leaves:
+            continue
+        desc, ins, outs, _ = kernels[k]
+        if not isinstance(desc, ir.PointwiseKernel) or len(outs) != 1 or outs[0] is not v:
+            continue
+        old = leaf.value
+        if any(r > k for r in readers.get(old.id, [])):
+            continue
+        ident = ir.Strided.contiguous(old.dtype, old.shape)
+        if all(s.shape == ident.shape and s.strides == ident.strides and s.offset == 0
+               for x, s in zip(ins, desc.inputs) if x is old) and desc.shape == old.shape:
+            chosen[name] = k
+    return chosen
+
+
 class _Unmergeable(Exception):
     pass
 
@@ -585,11 +617,17 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
     out_values = {fetch_bases[n][0].id for n in fetch_values}
     arena: list[tuple[int, int, int]] = []  # (offset, size, last use)
     placed: dict[int, Loc] = {}
+    if plan_memory:  # updates computed straight into their tensor's buffer (no temp, no copy)
+        fetched_leaves = {lf.name for n in fetch_values
+                          if (lf := graph.leaf_of(fetch_bases[n][0])) is not None}
+        for name in _in_place_updates(kernels, updates, graph, fetched_leaves):
+            v = updates[name]
+            placed[v.id] = Loc(graph.leaves[name].kind, name, 0, _nbytes(v.type))
     cursor = 0
     order = sorted(first, key=lambda vid: first[vid])
     for vid in order:
         v = values[vid]
-        if graph.leaf_of(v) is not None:
+        if graph.leaf_of(v) is not None or vid in placed:
             continue
         size = _align(_nbytes(v.type))
         if vid in out_values:
