@@ -40,3 +40,14 @@ def test_gates_detect_a_wrong_gradient(bench_path):
     ok = gates({"loss": np.array(1.0), "grad:w": np.ones(10) * (1 + 1e-5)}, ref)
     bad = gates({"loss": np.array(1.0), "grad:w": np.ones(10) * 1.01}, ref)
     assert ok["bwd_pass"] and not bad["bwd_pass"] and bad["worst_param"] == "grad:w"
+
+
+def test_f64_aware_gate(bench_path):
+    import numpy as np
+    from gate_f64 import f64_gates
+
+    f64 = {"grad:a": np.ones(4), "grad:b": np.ones(4)}
+    f32 = {"grad:a": np.ones(4) * 1.02, "grad:b": np.ones(4)}  # PyTorch f32 itself 2% off on a
+    ok = f64_gates({"grad:a": np.ones(4) * 0.98, "grad:b": np.ones(4)}, f32, f64)
+    bad = f64_gates({"grad:a": np.ones(4), "grad:b": np.ones(4) * 1.01}, f32, f64)
+    assert ok["pass"] and not bad["pass"] and bad["fails"] == ["grad:b"]
