@@ -47,11 +47,11 @@ from .common import (
     check_extent,
     check_invocations,
     check_workgroup_storage,
-    helpers_code,
     index_code,
     make_grid,
     make_target,
     module_header,
+    module_source,
     pow2ceil,
     u,
 )
@@ -643,18 +643,13 @@ def emit(k: AttentionKernel, limits=None, features=None) -> KernelSpec:
     check_workgroup_storage(k.name, words, t)
     shared = [x for x in lines if x.startswith("var<workgroup>")]
     body = [x for x in lines if not x.startswith("var<workgroup>")]
-    src = module_header(uses_f16) + binding_decls(g.dts) + shared + [""]
-    src += helpers_code({"mn_inf"})
-    src.append(f"@compute @workgroup_size({wg})")
-    src.append("fn main(@builtin(workgroup_id) wid: vec3<u32>, "
-               "@builtin(local_invocation_index) lid: u32) {")
-    src += body
-    src.append("}")
+    src = module_source(module_header(uses_f16) + binding_decls(g.dts) + shared, {"mn_inf"},
+                        wg, body)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)
     meta.update({"archetype": f"attention_{k.kind}", "workgroup_size": wg,
                  "binding_dtypes": tuple(g.dts), "flops": flops})
-    return KernelSpec(k.name, "\n".join(src) + "\n", n_bind, grid.workgroups, meta=meta)
+    return KernelSpec(k.name, src, n_bind, grid.workgroups, meta=meta)
 
 
 # ------------------------------------------------------------------------------ registration

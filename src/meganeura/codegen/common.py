@@ -411,6 +411,16 @@ def binding_decls(dtypes: Sequence[DType]) -> list[str]:
     ]
 
 
+def module_source(lines: list[str], helpers, workgroup_size, body: list[str]) -> str:
+    """The WGSL module: declarations ``lines``, helper functions, then ``main`` around ``body``
+    (every archetype's entry point has the same signature)."""
+    out = list(lines) + [""] + helpers_code(helpers)
+    out.append(f"@compute @workgroup_size({workgroup_size})")
+    out.append("fn main(@builtin(workgroup_id) wid: vec3<u32>, "
+               "@builtin(local_invocation_index) lid: u32) {")
+    return "\n".join(out + list(body) + ["}"]) + "\n"
+
+
 def helpers_code(names) -> list[str]:
     names = resolve(sorted(names))
     return [helper_source(names)] if names else []

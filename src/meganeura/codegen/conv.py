@@ -42,11 +42,11 @@ from .common import (
     check_invocations,
     check_workgroup_storage,
     emit_instrs,
-    helpers_code,
     load,
     make_grid,
     make_target,
     module_header,
+    module_source,
     pow2ceil,
     store_value,
     u,
@@ -442,16 +442,11 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
 def _module(name, dts, extra_dts, body, shared, nbytes, grid, helpers, t, meta) -> KernelSpec:
     check_bindings(name, len(dts), t)
     uses_f16 = check_dtypes(name, list(dts) + list(extra_dts), t)
-    lines = module_header(uses_f16) + binding_decls(dts) + shared + [""]
-    lines += helpers_code(helpers)
-    lines.append(f"@compute @workgroup_size({THREADS * THREADS})")
-    lines.append("fn main(@builtin(workgroup_id) wid: vec3<u32>, "
-                 "@builtin(local_invocation_index) lid: u32) {")
-    lines += body
-    lines.append("}")
+    lines = module_source(module_header(uses_f16) + binding_decls(dts) + shared, helpers,
+                          THREADS * THREADS, body)
     meta = dict(meta, workgroup_size=THREADS * THREADS, workgroup_storage=nbytes,
                 binding_dtypes=tuple(dts))
-    return KernelSpec(name=name, wgsl="\n".join(lines) + "\n", n_bindings=len(dts),
+    return KernelSpec(name=name, wgsl=lines, n_bindings=len(dts),
                       workgroups=grid.workgroups, meta=meta)
 
 

@@ -34,12 +34,12 @@ from .common import (
     check_invocations,
     check_workgroup_storage,
     emit_instrs,
-    helpers_code,
     index_code,
     load,
     make_grid,
     make_target,
     module_header,
+    module_source,
     pow2ceil,
     store_value,
     u,
@@ -116,17 +116,9 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
     lines = module_header(uses_f16)
     lines += binding_decls(dts)
     lines += shared[0]
-    lines += [""] + helpers_code(helpers)
-    lines.append(f"@compute @workgroup_size({wg_size})")
-    lines.append(
-        "fn main(@builtin(workgroup_id) wid: vec3<u32>, "
-        "@builtin(local_invocation_index) lid: u32) {"
-    )
-    lines += body
-    lines.append("}")
     return KernelSpec(
         name=name,
-        wgsl="\n".join(lines) + "\n",
+        wgsl=module_source(lines, helpers, wg_size, body),
         n_bindings=n_bind,
         workgroups=grid.workgroups,
         meta={

@@ -20,13 +20,13 @@ from .common import (
     check_invocations,
     coords_code,
     emit_instrs,
-    helpers_code,
     index_code,
     load,
     make_grid,
     make_target,
     merge_dims,
     module_header,
+    module_source,
     prod,
     store_value,
     u,
@@ -109,17 +109,9 @@ def emit(k: PointwiseKernel, limits=None, features=None) -> KernelSpec:
         v, dt = res[o]
         body.append(f"{ind}b{len(k.inputs) + j}[i] = {store_value(v, dt, out_dtypes[j])};")
 
-    lines += [""] + helpers_code(helpers)
-    lines.append(f"@compute @workgroup_size({WORKGROUP})")
-    lines.append(
-        "fn main(@builtin(workgroup_id) wid: vec3<u32>, "
-        "@builtin(local_invocation_index) lid: u32) {"
-    )
-    lines += body
-    lines.append("}")
     return KernelSpec(
         name=name,
-        wgsl="\n".join(lines) + "\n",
+        wgsl=module_source(lines, helpers, WORKGROUP, body),
         n_bindings=n_bind,
         workgroups=grid.workgroups,
         meta={

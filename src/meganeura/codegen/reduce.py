@@ -34,7 +34,6 @@ from .common import (
     convert,
     coords_code,
     emit_instrs,
-    helpers_code,
     identity,
     index_code,
     load,
@@ -42,6 +41,7 @@ from .common import (
     make_target,
     merge_dims,
     module_header,
+    module_source,
     pow2ceil,
     prod,
     store_value,
@@ -312,17 +312,9 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
     lines += binding_decls([s.dtype for s in k.inputs] + [s.dtype for s in k.extra] + [out_dtype])
     if ty > 1:
         lines.append(f"var<workgroup> red: array<{acc_t.wgsl}, {wg}>;")
-    lines += [""] + helpers_code(helpers)
-    lines.append(f"@compute @workgroup_size({wg})")
-    lines.append(
-        "fn main(@builtin(workgroup_id) wid: vec3<u32>, "
-        "@builtin(local_invocation_index) lid: u32) {"
-    )
-    lines += body
-    lines.append("}")
     return KernelSpec(
         name=name,
-        wgsl="\n".join(lines) + "\n",
+        wgsl=module_source(lines, helpers, wg, body),
         n_bindings=n_bind,
         workgroups=grid.workgroups,
         meta={
