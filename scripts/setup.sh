@@ -8,7 +8,10 @@ want_test=0
 [ "${1:-}" = "--test" ] && want_test=1
 
 have_vulkan() {
-  ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json >/dev/null 2>&1 || [ -n "${VK_DRIVER_FILES:-}${VK_ICD_FILENAMES:-}" ]
+  [ -n "${VK_DRIVER_FILES:-}${VK_ICD_FILENAMES:-}" ] && return 0
+  local f
+  for f in /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json; do [ -e "$f" ] && return 0; done
+  return 1
 }
 if ! have_vulkan || ! ldconfig -p 2>/dev/null | grep libvulkan.so.1 >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
