@@ -198,3 +198,20 @@ def test_smollm2_135m_preset_builds_with_hf_names():
     assert (c.head_dim, c.num_key_value_heads) == (16, 4)
     with pytest.raises(mn.GraphBuildError, match="multiple"):
         tiny_llama(num_key_value_heads=3)
+
+
+def test_lm_attention_state_grows_linearly_with_sequence(gpu):
+    """memory_report: the LM's training plan grows O(S·heads) with the attention op (no S×S
+    buffer saved), while the composite attention (matmul + softmax) grows ~S²."""
+    cfg = tiny_llama(vocab_size=32, hidden_size=16, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=8, intermediate_size=16)
+
+    def peak(S, impl):
+        m = llama_lm(cfg, 1, S, impl=impl)
+        s = mn.compile(m.graph, loss=m.loss, optimizer=optim.SGD(lr=0.1), device=gpu)
+        return s.memory_report()["train"]["planned_peak_bytes"]
+
+    op = peak(512, "op") / peak(128, "op")
+    comp = peak(512, "composite") / peak(128, "composite")
+    assert op < 5.0, op  # 4x the sequence: about 4x the memory
+    assert comp > 8.0, comp  # the S×S scores dominate without the flash-style op
