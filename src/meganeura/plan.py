@@ -26,7 +26,7 @@ from .dtypes import DType, f32
 from .errors import GraphBuildError
 from .graph import Graph, Node, TensorType, Value
 from .lowering import Kernel, Matmul, Pointwise, Reduce, View
-from .passes.fuse import materialized_values
+from .passes.fuse import materialized_values, takes_epilogue
 from .program import Program
 
 ALIGN = 256  # bytes; >= minStorageBufferOffsetAlignment on every adapter we know
@@ -170,7 +170,8 @@ class _KernelBuilder:
 
     def read(self, v: Value, shape=None) -> tuple[str, int]:
         base, s = self.p.views.resolve(v)
-        if base.id not in self.p.materialized and isinstance(base.node.opdef.lowering, Matmul):
+        if base.id not in self.p.materialized and (
+                isinstance(base.node.opdef.lowering, Matmul) or takes_epilogue(base.node)):
             if (base is not v or shape is not None or v.shape != self.shape
                     or self.epilogue_of is not None):
                 self.p.materialize(base)  # not fusable here after all: compute it first
@@ -243,14 +244,7 @@ class _Planner:
     def archetype_kernel(self, n: Node, low: Kernel) -> None:
         """A dedicated kernel from the archetype registry, computing all outputs of ``n``."""
         arch = archetype(low.archetype)
-        bases, views = [], []
-        for x in n.inputs:
-            base, s = self.views.resolve(x)
-            if arch.contiguous_inputs and (s.strides != _contiguous(x.shape) or s.offset):
-                base = self.copy_value(x, x.shape)
-                s = ir.Strided.contiguous(x.dtype, x.shape)
-            bases.append(base)
-            views.append(s)
+        bases, views = self._archetype_inputs(n, arch)
         desc = arch.make(n.attrs, views, [o.type for o in n.outputs])
         shapes = ",".join(str(o.shape) for o in n.outputs)
         self.emit(desc, bases, list(n.outputs), f"{low.archetype} {shapes}")
@@ -276,7 +270,10 @@ class _Planner:
         ops = ",".join([o for o in kb.ops if o != "full"] or ["copy"])
         ops = ops if len(ops) < 48 else ops[:45] + "..."
         if kb.epilogue_of is not None and len(outs) == 1:
-            if self.matmul_with_epilogue(kb, outs[0], ops):
+            if isinstance(kb.epilogue_of.node.opdef.lowering, Kernel):
+                if self.kernel_with_epilogue(kb, outs[0], ops):
+                    return
+            elif self.matmul_with_epilogue(kb, outs[0], ops):
                 return
             self.materialize(kb.epilogue_of)
             return self.pointwise(outs)
@@ -327,6 +324,50 @@ class _Planner:
         self.materialized.add(v.id)
         self.views.cache.pop(v.id, None)
         self.kernel_for(v)
+
+    def _archetype_inputs(self, n: Node, arch) -> tuple[list[Value], list[ir.Strided]]:
+        """The node's inputs as (bases, strided views); copies where the archetype needs
+        contiguous inputs."""
+        bases, views = [], []
+        for x in n.inputs:
+            base, s = self.views.resolve(x)
+            if arch.contiguous_inputs and (s.strides != _contiguous(x.shape) or s.offset):
+                base = self.copy_value(x, x.shape)
+                s = ir.Strided.contiguous(x.dtype, x.shape)
+            bases.append(base)
+            views.append(s)
+        return bases, views
+
+    def kernel_with_epilogue(self, kb: _KernelBuilder, out: Value, ops: str) -> bool:
+        """The pointwise kernel ``kb`` as the epilogue of the archetype kernel it reads."""
+        src = kb.epilogue_of
+        n = src.node
+        low = n.opdef.lowering
+        arch = archetype(low.archetype)
+        i_src = kb.bases.index(src)
+        extras, ebases, remap = [], [], {}
+        for j, (b, s) in enumerate(zip(kb.bases, kb.inputs)):
+            if j != i_src:  # already broadcast to the kernel's output shape
+                remap[j] = ("x", len(extras))
+                extras.append(s)
+                ebases.append(b)
+
+        def arg(a):
+            if a[0] != "in":
+                return a
+            return ("acc", 0) if a[1] == i_src else remap[a[1]]
+
+        instrs = tuple(ir.Instr(i.expr, tuple(arg(a) for a in i.args), i.dtype, i.helpers)
+                       for i in kb.instrs)
+        bases, views = self._archetype_inputs(n, arch)
+        if len(bases) + len(extras) + 1 > MAX_BINDINGS:
+            return False
+        desc = arch.epilogue(arch.make(n.attrs, views, [src.type]), tuple(extras), instrs,
+                             out.dtype)
+        if desc is None:
+            return False
+        self.emit(desc, bases + ebases, [out], f"{low.archetype} {src.shape} +{ops}")
+        return True
 
     def matmul_with_epilogue(self, kb: _KernelBuilder, out: Value, ops: str) -> bool:
         """The pointwise kernel ``kb`` as the epilogue of the matmul it reads; False if its

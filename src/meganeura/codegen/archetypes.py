@@ -21,6 +21,9 @@ class Archetype:
     make: Callable[..., Any]
     emit: Callable[..., Any]
     contiguous_inputs: bool = False
+    # epilogue(desc, extra: Strided views over the output, instrs, out_dtype) -> desc | None:
+    # the same kernel with a fused pointwise epilogue (ReLU/SiLU/residual after a conv)
+    epilogue: Callable[..., Any] | None = None
 
 
 _BY_NAME: dict[str, Archetype] = {}
@@ -28,8 +31,8 @@ _BY_DESC: dict[type, Archetype] = {}
 
 
 def register_archetype(name: str, desc_type: type, make, emit,
-                       contiguous_inputs: bool = False) -> Archetype:
-    a = Archetype(name, desc_type, make, emit, contiguous_inputs)
+                       contiguous_inputs: bool = False, epilogue=None) -> Archetype:
+    a = Archetype(name, desc_type, make, emit, contiguous_inputs, epilogue)
     _BY_NAME[name] = a
     _BY_DESC[desc_type] = a
     return a

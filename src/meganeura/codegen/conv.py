@@ -885,11 +885,9 @@ def _make_weight_grad(attrs, inputs, outputs):
 def _register() -> None:
     from .archetypes import register_archetype
 
-    try:  # epilogue fusion (ReLU/SiLU/residual after a conv) where the planner supports it
-        register_archetype("conv2d", Conv2dKernel, _make_forward, emit_forward,
-                           epilogue=conv2d_with_epilogue)
-    except TypeError:  # registry without epilogue hooks: the planner runs them separately
-        register_archetype("conv2d", Conv2dKernel, _make_forward, emit_forward)
+    # epilogue fusion: ReLU/SiLU/residual after a conv run inside the conv kernel
+    register_archetype("conv2d", Conv2dKernel, _make_forward, emit_forward,
+                       epilogue=conv2d_with_epilogue)
     register_archetype("conv2d_input_grad", Conv2dInputGradKernel, _make_input_grad,
                        emit_input_grad)
     register_archetype("conv2d_weight_grad", Conv2dWeightGradKernel, _make_weight_grad,

@@ -5,7 +5,7 @@ strides (views).  The planner builds kernels from this set."""
 from __future__ import annotations
 
 from ..graph import Graph, Value
-from ..lowering import Matmul, Pointwise, Reduce, View
+from ..lowering import Kernel, Matmul, Pointwise, Reduce, View
 
 
 def _lowering(node):
@@ -52,8 +52,9 @@ def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> 
                     out.add(v.id)
             elif strided_view:
                 continue
-            elif fuse and isinstance(low, Matmul) and _epilogue_candidate(v, consumers):
-                continue  # computed inside its consumer's kernel, as a matmul epilogue
+            elif fuse and (isinstance(low, Matmul) or takes_epilogue(node)) and \
+                    _epilogue_candidate(v, consumers):
+                continue  # computed inside its consumer's kernel, as an epilogue
             else:
                 out.add(v.id)
     return out
@@ -67,3 +68,13 @@ def _epilogue_candidate(v: Value, consumers) -> bool:
     (c,) = cons.values()
     return isinstance(_lowering(c), Pointwise) and c.outputs[0].shape == v.shape and sum(
         1 for x in c.inputs if x is v) == 1
+
+
+def takes_epilogue(node) -> bool:
+    """A single-output dedicated kernel whose archetype can fuse a pointwise epilogue."""
+    low = _lowering(node)
+    if not isinstance(low, Kernel) or len(node.outputs) != 1:
+        return False
+    from ..codegen.archetypes import archetype
+
+    return archetype(low.archetype).epilogue is not None
