@@ -51,3 +51,22 @@ def test_f64_aware_gate(bench_path):
     ok = f64_gates({"grad:a": np.ones(4) * 0.98, "grad:b": np.ones(4)}, f32, f64)
     bad = f64_gates({"grad:a": np.ones(4), "grad:b": np.ones(4) * 1.01}, f32, f64)
     assert ok["pass"] and not bad["pass"] and bad["fails"] == ["grad:b"]
+
+
+def test_quick_all_five_workloads_pass_their_gates(gpu, bench_path, tmp_path):
+    """Tiny configs of the five matched workloads through the whole harness (lavapipe +
+    PyTorch CPU): every cell timed and every gate passed."""
+    import harness
+
+    out = tmp_path / "five.json"
+    assert harness.main(["--quick", "--workloads", "smollm2,smolvla,whisper,resnet50,unet",
+                         "--impls", "wgpu", "--warmup", "0", "--steps", "1",
+                         "--torch-device", "cpu", "--out", str(out)]) == 0
+    recs = json.load(open(out))
+    assert [r["workload"] for r in recs] == ["smollm2", "smolvla", "whisper", "resnet50", "unet"]
+    for r in recs:
+        assert "error" not in r, r.get("tb")
+        o = r["ours"]["wgpu"]
+        assert "error" not in o, o.get("tb")
+        assert o["gates"]["fwd_pass"] and o["gates"]["bwd_pass"], (r["key"], o["gates"])
+        assert r["torch"]["cells"]["eager_f32"]["train_sgd"]["median_ms"] > 0
