@@ -155,3 +155,15 @@ def test_optimizer_states_update_in_place(gpu):
     assert states and not (copied & states), copied & states
     written = {loc.name for k in plan.kernels if hasattr(k, "binds") for loc in k.binds[-1:]}
     assert states <= written
+
+
+def test_reductions_over_unit_axes_become_reshapes():
+    from meganeura.passes import run_pipeline
+    from meganeura.program import build_program
+
+    g = mn.Graph()
+    x = g.param("x", (1, 4, 3))
+    y = (x * 2.0).sum(0).max((1,), keepdims=True)  # sum over a size-1 axis; a real max
+    p = run_pipeline(build_program(g, outputs={"y": y}))
+    ops = [n.op for n in p.graph.nodes]
+    assert ops.count("sum") == 0 and ops.count("max") == 1, ops

@@ -54,5 +54,22 @@ def fold_constant_views(program: Program) -> Program:
     return rebuild(program, rewrite)
 
 
+_REDUCTIONS = ("sum", "mean", "max", "min")
+
+
+def drop_trivial_reductions(program: Program) -> Program:
+    """A reduction over axes that all have size 1 is a reshape (e.g. the batch-1 sum that
+    follows every weight-gradient matmul): no kernel, no buffer."""
+
+    def rewrite(g, node, ins):
+        if node.op in _REDUCTIONS and all(ins[0].shape[a] == 1 for a in node.attrs["axes"]):
+            return [g.apply("reshape", ins[0], shape=node.out.shape)
+                    if ins[0].shape != node.out.shape else ins[0]]
+        return None
+
+    return rebuild(program, rewrite)
+
+
 def simplify(program: Program) -> Program:
-    return eliminate_dead_code(eliminate_common_subexpressions(fold_constant_views(program)))
+    program = drop_trivial_reductions(fold_constant_views(program))
+    return eliminate_dead_code(eliminate_common_subexpressions(program))
