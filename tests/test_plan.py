@@ -167,3 +167,23 @@ def test_reductions_over_unit_axes_become_reshapes():
     p = run_pipeline(build_program(g, outputs={"y": y}))
     ops = [n.op for n in p.graph.nodes]
     assert ops.count("sum") == 0 and ops.count("max") == 1, ops
+
+
+def test_matmul_epilogue_through_a_reshape(gpu):
+    """A 2-D projection viewed as (batch, seq, features) plus bias and residual: one kernel."""
+    from meganeura import ops, reference
+
+    g = mn.Graph()
+    x = g.param("x", (2, 5, 8))
+    w = g.param("w", (8, 8))
+    b = g.param("b", (8,))
+    h = ops.matmul(x.reshape(10, 8), w, transpose_b=True).reshape(2, 5, 8)
+    y = (h + b) + x
+    env = {k: np.random.default_rng(i).normal(size=v.shape).astype(np.float32)
+           for i, (k, v) in enumerate(g.params.items())}
+    sess = mn.compile(g, outputs={"y": y})
+    labels = sess.kernel_labels(inference=True)
+    assert len(labels) == 1 and labels[0].startswith("matmul") and "+add" in labels[0], labels
+    sess.set_params(env)
+    np.testing.assert_allclose(sess.run()["y"], reference.evaluate(g, [y], env, np.float64)[0],
+                               rtol=1e-5, atol=1e-5)

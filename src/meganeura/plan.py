@@ -172,7 +172,10 @@ class _KernelBuilder:
         base, s = self.p.views.resolve(v)
         if base.id not in self.p.materialized and (
                 isinstance(base.node.opdef.lowering, Matmul) or takes_epilogue(base.node)):
-            if (base is not v or shape is not None or v.shape != self.shape
+            reshaped = (base is not v and isinstance(base.node.opdef.lowering, Matmul)
+                        and v.size == base.size and s.offset == 0
+                        and s.strides == _contiguous(v.shape))
+            if ((base is not v and not reshaped) or shape is not None or v.shape != self.shape
                     or self.epilogue_of is not None):
                 self.p.materialize(base)  # not fusable here after all: compute it first
             else:
@@ -381,6 +384,10 @@ class _Planner:
         for j, (b, s) in enumerate(zip(kb.bases, kb.inputs)):
             if j == i_mm:
                 continue
+            if s.shape != mm.shape:  # the epilogue reads the matmul through a reshape
+                s = reshape_strided(s, mm.shape)
+                if s is None:
+                    return False
             lead, lead_st = s.shape[:-2], s.strides[:-2]
             try:
                 bst = _merge_batch(tuple(batch), lead_st) if batch else 0
@@ -569,6 +576,32 @@ def _in_place_updates(kernels, updates, graph, fetched_leaves) -> dict[str, int]
                for x, s in zip(ins, desc.inputs) if x is old) and desc.shape == old.shape:
             chosen[name] = k
     return chosen
+
+
+def reshape_strided(s: ir.Strided, shape) -> ir.Strided | None:
+    """The same elements viewed with ``shape`` when every new dim is a merge of consecutive
+    old dims that strides can walk (contiguous runs, or broadcast runs); else None."""
+    old = [(d, st) for d, st in zip(s.shape, s.strides) if d != 1]
+    new_strides = []
+    i = 0
+    for n in shape:
+        if n == 1:
+            new_strides.append(0)
+            continue
+        size, run = 1, []
+        while i < len(old) and size < n:
+            size *= old[i][0]
+            run.append(old[i])
+            i += 1
+        if size != n:
+            return None
+        for (_d1, s1), (d2, s2) in zip(run, run[1:]):
+            if s1 != s2 * d2:
+                return None
+        new_strides.append(run[-1][1])
+    if i != len(old):
+        return None
+    return ir.Strided(s.dtype, tuple(shape), tuple(new_strides), s.offset, s.extent)
 
 
 class _Unmergeable(Exception):

@@ -60,12 +60,15 @@ def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> 
     return out
 
 
-def _epilogue_candidate(v: Value, consumers) -> bool:
-    """A matmul result read once, elementwise at its own shape: bias, activation, residual…"""
+def _epilogue_candidate(v: Value, consumers, through_reshape: bool = True) -> bool:
+    """A matmul result read once, elementwise at its own shape (bias, activation, residual…),
+    possibly through one reshape (a 2-D projection viewed as (batch, seq, features))."""
     cons = {c.id: c for c in consumers.get(v.id, [])}
     if len(cons) != 1:
         return False
     (c,) = cons.values()
+    if through_reshape and c.op == "reshape":
+        return _epilogue_candidate(c.outputs[0], consumers, through_reshape=False)
     return isinstance(_lowering(c), Pointwise) and c.outputs[0].shape == v.shape and sum(
         1 for x in c.inputs if x is v) == 1
 
