@@ -187,3 +187,32 @@ def test_matmul_epilogue_through_a_reshape(gpu):
     sess.set_params(env)
     np.testing.assert_allclose(sess.run()["y"], reference.evaluate(g, [y], env, np.float64)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_parameters_live_in_the_optimizer_group_buffer(gpu):
+    """The optimizer's flat parameter vector is the parameters' own storage: no concat of the
+    parameters, no update copies; get/set_params still address each tensor; training equals
+    the ungrouped session."""
+    from meganeura.plan import PlannedCopy
+
+    s = _sess((24, 24))
+    assert s.groups.home and set(s.param_names) <= set(s.groups.home)
+    plan = s.train.plan
+    assert not [k for k in plan.kernels if isinstance(k, PlannedCopy)]
+    m = mlp_classifier(32, in_dim=64, hidden=(24, 24), classes=10)
+    plain = mn.compile(m.graph, loss=m.loss, outputs={"logits": m.logits},
+                       optimizer=optim.AdamW(lr=1e-2, weight_decay=0.01, clip_grad_norm=5.0),
+                       group_params=False)
+    plain.init_params(seed=1)
+    assert not plain.groups.home
+    for k, v in plain.get_params().items():
+        np.testing.assert_array_equal(s.get_params()[k], v)
+    r = np.random.default_rng(0)
+    for _ in range(3):
+        x = r.normal(size=(32, 64)).astype(np.float32)
+        y = r.integers(0, 10, 32).astype(np.int32)
+        np.testing.assert_allclose(s.step(x=x, y=y).loss, plain.step(x=x, y=y).loss, rtol=1e-6)
+    for k, v in plain.get_state().items():
+        np.testing.assert_allclose(s.get_state()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+    before = s.memory_report()["train"]["planned_peak_bytes"]
+    assert before < plain.memory_report()["train"]["planned_peak_bytes"]

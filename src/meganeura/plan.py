@@ -89,6 +89,7 @@ class _Views:
         self.materialized = materialized
         self.copier = copier  # (value, shape) -> contiguous copy of it (a planner kernel)
         self.cache: dict[int, tuple[Value, ir.Strided]] = {}
+        self.homes: dict[int, tuple[Value, int]] = {}  # value id -> (group value, elem offset)
 
     def resolve(self, v: Value) -> tuple[Value, ir.Strided]:
         if v.id in self.cache:
@@ -99,6 +100,10 @@ class _Views:
 
     def _resolve(self, v: Value):
         n = v.node
+        if v.id in self.homes:  # a grouped leaf, or the group's concat: part of one buffer
+            gv, off = self.homes[v.id]
+            s = ir.Strided.contiguous(v.dtype, v.shape)
+            return gv, ir.Strided(v.dtype, v.shape, s.strides, off, gv.size)
         if v.id in self.materialized or not isinstance(n.opdef.lowering, View):
             return v, ir.Strided.contiguous(v.dtype, v.shape)
         kind = n.opdef.lowering.kind
@@ -546,6 +551,50 @@ def _split_k(desc: ir.MatmulKernel) -> int:
     return 1
 
 
+@dataclass(frozen=True)
+class LeafGroups:
+    """Persistent tensors stored back to back in one buffer, because the program concatenates
+    them as flat vectors (the optimizer's per-group parameter vector): the concat is then the
+    buffer itself, and an update of the whole vector can be written in place."""
+
+    home: dict  # leaf name -> (group name, element offset)
+    groups: dict  # group name -> (dtype, elements, id of the concat value)
+
+    def loc(self, name: str, nbytes: int) -> Loc | None:
+        if name not in self.home:
+            return None
+        gname, off = self.home[name]
+        return Loc("group", gname, off * self.groups[gname][0].gpu_itemsize, nbytes)
+
+
+NO_GROUPS = LeafGroups({}, {})
+
+
+def find_leaf_groups(graph: Graph) -> LeafGroups:
+    home, groups = {}, {}
+    for node in graph.nodes:
+        if node.op != "concat" or node.attrs["axis"] != 0 or node.out.ndim != 1:
+            continue
+        members, off = [], 0
+        for x in node.inputs:
+            leaf_v = x.node.inputs[0] if x.node.op == "reshape" else x
+            lf = graph.leaf_of(leaf_v)
+            if lf is None or lf.kind not in ("param", "state") or lf.name in home or \
+                    lf.value.dtype != node.out.dtype or lf.value.dtype.gpu_itemsize != 4 or \
+                    lf.name in (m for m, _ in members):
+                members = None
+                break
+            members.append((lf.name, off))
+            off += lf.value.size
+        if not members:
+            continue
+        gname = f"group{len(groups)}:{members[0][0]}"
+        groups[gname] = (node.out.dtype, off, node.out.id)
+        for name, o in members:
+            home[name] = (gname, o)
+    return LeafGroups(home, groups)
+
+
 def _in_place_updates(kernels, updates, graph, fetched_leaves) -> dict[str, int]:
     """Updates a pointwise kernel can write into the persistent tensor's own buffer: the kernel
     produces exactly that value, reads the old tensor (if at all) only at each thread's own
@@ -604,6 +653,41 @@ def reshape_strided(s: ir.Strided, shape) -> ir.Strided | None:
     return ir.Strided(s.dtype, tuple(shape), tuple(new_strides), s.offset, s.extent)
 
 
+def _in_place_groups(kernels, updates, fetch_bases, groups: LeafGroups, group_values, graph):
+    """A group whose members are all updated from one new flat vector, laid out like the group
+    and computed by a pointwise kernel that reads the group only element-wise and is its last
+    reader: that vector is computed straight into the group's buffer."""
+    producer, readers = {}, {}
+    for i, (_desc, ins, outs, _label) in enumerate(kernels):
+        for o in outs:
+            producer[o.id] = i
+        for x in ins:
+            readers.setdefault(x.id, []).append(i)
+    chosen = {}
+    for gname, gv in group_values.items():
+        members = [n for n, (g, _) in groups.home.items() if g == gname]
+        bases = {fetch_bases[n][0].id: fetch_bases[n][0] for n in members if n in updates}
+        if len(bases) != 1 or len(members) != sum(1 for n in members if n in updates):
+            continue
+        (b,) = bases.values()
+        if b.shape != gv.shape or any(fetch_bases[n][1].offset != groups.home[n][1]
+                                      for n in members):
+            continue
+        k = producer.get(b.id)
+        if k is None:
+            continue
+        desc, ins, outs, _ = kernels[k]
+        if not isinstance(desc, ir.PointwiseKernel) or len(outs) != 1 or outs[0] is not b:
+            continue
+        if any(r > k for r in readers.get(gv.id, [])):
+            continue
+        ident = ir.Strided.contiguous(gv.dtype, gv.shape)
+        if all(s.strides == ident.strides and s.offset == 0 and s.shape == gv.shape
+               for x, s in zip(ins, desc.inputs) if x is gv):
+            chosen[gname] = b
+    return chosen
+
+
 class _Unmergeable(Exception):
     pass
 
@@ -622,8 +706,10 @@ def _merge_batch(batch, strides) -> int:
 
 
 def make_plan(program: Program, inference: bool, fuse: bool = True,
-              plan_memory: bool = True) -> Plan:
-    """Schedule, fuse and place every tensor of ``program`` (training step or inference run)."""
+              plan_memory: bool = True, groups: LeafGroups = NO_GROUPS) -> Plan:
+    """Schedule, fuse and place every tensor of ``program`` (training step or inference run).
+    ``groups``: persistent tensors stored together (``find_leaf_groups``), shared by every plan
+    of a session."""
     graph = program.graph
     roots = program.roots(inference)
     updates = {} if inference else dict(graph.updates)
@@ -632,6 +718,16 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
         fetch_values["__loss__"] = program.loss
 
     pl = _Planner(program, roots, fuse)
+    group_values = {}
+    for gname, (dtype, n, concat_id) in groups.groups.items():
+        gv = pl.temp_value((n,), dtype)
+        group_values[gname] = gv
+        pl.views.cache.pop(gv.id, None)
+        pl.views.homes[concat_id] = (gv, 0)
+        pl.materialized.discard(concat_id)
+        pl.done.add(concat_id)  # the concat is the buffer itself: no kernel
+    for name, (gname, off) in groups.home.items():
+        pl.views.homes[graph.leaves[name].value.id] = (group_values[gname], off)
     needed = graph.ancestors(roots)
     # 1) kernels in graph order for every materialized non-leaf value
     done = pl.done
@@ -664,7 +760,7 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
         lf = graph.leaf_of(v)
         if lf is None:
             return None
-        return Loc(lf.kind, lf.name, 0, _nbytes(v.type))
+        return groups.loc(lf.name, _nbytes(v.type)) or Loc(lf.kind, lf.name, 0, _nbytes(v.type))
 
     # 3) liveness over kernel indices for temp values
     kernels = pl.kernels
@@ -691,10 +787,18 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
     out_values = {fetch_bases[n][0].id for n in fetch_values}
     arena: list[tuple[int, int, int]] = []  # (offset, size, last use)
     placed: dict[int, Loc] = {}
+    for gname, gv in group_values.items():
+        placed[gv.id] = Loc("group", gname, 0, _nbytes(gv.type))
+    if plan_memory:
+        for gname, b in _in_place_groups(kernels, updates, fetch_bases, groups, group_values,
+                                         graph).items():
+            placed[b.id] = Loc("group", gname, 0, _nbytes(b.type))
     if plan_memory:  # updates computed straight into their tensor's buffer (no temp, no copy)
         fetched_leaves = {lf.name for n in fetch_values
                           if (lf := graph.leaf_of(fetch_bases[n][0])) is not None}
         for name in _in_place_updates(kernels, updates, graph, fetched_leaves):
+            if name in groups.home:
+                continue
             v = updates[name]
             placed[v.id] = Loc(graph.leaves[name].kind, name, 0, _nbytes(v.type))
     cursor = 0
@@ -737,7 +841,8 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
         base, s = fetch_bases[name]
         bl = loc_of(base)
         src = Loc(bl.pool, bl.name, bl.offset + s.offset * v.dtype.gpu_itemsize, _nbytes(v.type))
-        dst = Loc(graph.leaves[name].kind, name, 0, _nbytes(v.type))
+        dst = groups.loc(name, _nbytes(v.type)) or Loc(graph.leaves[name].kind, name, 0,
+                                                        _nbytes(v.type))
         if src != dst:
             plan.kernels.append(PlannedCopy(src, dst))
     plan.dispatches_unfused = sum(1 for n in graph.nodes if n.id in needed and not n.opdef.leaf

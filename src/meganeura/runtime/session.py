@@ -17,7 +17,7 @@ from .. import codegen
 from ..codegen.archetypes import emitter_for
 from ..errors import GraphBuildError
 from ..passes import run_pipeline
-from ..plan import Loc, Plan, PlannedCopy, PlannedKernel, make_plan
+from ..plan import NO_GROUPS, Loc, Plan, PlannedCopy, PlannedKernel, find_leaf_groups, make_plan
 from ..program import Program
 from ..session import Session
 from .device import get_device
@@ -151,7 +151,7 @@ class GPUSession(Session):
 
     def __init__(self, program: Program, precision: str = "strict", backend: str | None = None,
                  check_finite: bool = True, fuse: bool = True, plan_memory: bool = True,
-                 device=None, share: GPUSession | None = None):
+                 device=None, share: GPUSession | None = None, group_params: bool = True):
         super().__init__(program, check_finite)
         if precision != "strict":
             raise GraphBuildError(f"precision={precision!r} is not available on the GPU backend "
@@ -164,12 +164,22 @@ class GPUSession(Session):
         lowered = run_pipeline(program, debug="graph" in _DEBUG)
         self.lowered = lowered
         self.fuse, self.plan_memory = fuse, plan_memory
+        if share is not None:
+            grouped = [n for n in shared if n in share.groups.home]
+            if grouped:
+                raise GraphBuildError(
+                    f"share: {grouped[:3]} live in a parameter group of the other session; "
+                    "compile that session with group_params=False to share them")
+        # the optimizer's flat parameter vectors as the parameters' own storage
+        self.groups = (find_leaf_groups(lowered.graph)
+                       if group_params and share is None and program.training else NO_GROUPS)
         # shared persistent tensors: the other session's buffers
         self.pinned: dict[str, object] = {n: share.pinned[n] for n in shared}
         self._make_pinned(lowered)
-        self.train = (_Executable(self, make_plan(lowered, False, fuse, plan_memory), "train")
+        g = self.groups
+        self.train = (_Executable(self, make_plan(lowered, False, fuse, plan_memory, g), "train")
                       if program.training or program.loss is not None else None)
-        self.infer = (_Executable(self, make_plan(lowered, True, fuse, plan_memory), "infer")
+        self.infer = (_Executable(self, make_plan(lowered, True, fuse, plan_memory, g), "infer")
                       if program.outputs else None)
         if "plan" in _DEBUG:
             for ex in (self.train, self.infer):
@@ -184,8 +194,13 @@ class GPUSession(Session):
         import wgpu
 
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        for gname, (dtype, n, _) in self.groups.groups.items():
+            nbytes = _round4(n * dtype.gpu_itemsize)
+            _check_buffer(self.dev, nbytes, f"parameter group {gname!r}", binding=True)
+            self.pinned[gname] = self.dev.device.create_buffer(size=max(nbytes, 4), usage=usage,
+                                                               label=gname)
         for name, lf in lowered.graph.leaves.items():
-            if name in self.pinned:  # shared with another session
+            if name in self.pinned or name in self.groups.home:  # shared, or in a group
                 continue
             nbytes = _round4(max(lf.value.size, 1) * lf.value.dtype.gpu_itemsize)
             _check_buffer(self.dev, nbytes, f"{lf.kind} {name!r} ({lf.value.type})", binding=True)
@@ -242,12 +257,20 @@ class GPUSession(Session):
     def _run(self, feeds):
         return self._submit(self.infer, feeds)()
 
+    def _home(self, name: str):
+        """(buffer, byte offset) where a persistent tensor lives."""
+        if name in self.groups.home:
+            gname, off = self.groups.home[name]
+            return self.pinned[gname], off * self.groups.groups[gname][0].gpu_itemsize
+        return self.pinned[name], 0
+
     def _read(self, names):
         out = {}
         leaves = self.lowered.graph.leaves
         for n in names:
             t = leaves[n].value.type
-            raw = self.dev.queue.read_buffer(self.pinned[n], 0,
+            buf, off = self._home(n)
+            raw = self.dev.queue.read_buffer(buf, off,
                                              _round4(max(t.size, 1) * t.dtype.gpu_itemsize))
             out[n] = _from_gpu(bytes(raw)[: t.size * t.dtype.gpu_itemsize], t)
         return out
@@ -255,7 +278,8 @@ class GPUSession(Session):
     def _write(self, values):
         leaves = self.lowered.graph.leaves
         for n, v in values.items():
-            self.dev.queue.write_buffer(self.pinned[n], 0, _to_gpu(v, leaves[n].value.dtype))
+            buf, off = self._home(n)
+            self.dev.queue.write_buffer(buf, off, _to_gpu(v, leaves[n].value.dtype))
 
     # reports -----------------------------------------------------------------------------------
     def memory_report(self) -> dict:
