@@ -216,3 +216,20 @@ def test_parameters_live_in_the_optimizer_group_buffer(gpu):
         np.testing.assert_allclose(s.get_state()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
     before = s.memory_report()["train"]["planned_peak_bytes"]
     assert before < plain.memory_report()["train"]["planned_peak_bytes"]
+
+
+def test_gradients_are_computed_into_the_optimizer_vector(gpu):
+    """Gradients that exist only to be concatenated into the optimizer's flat vector are
+    written straight into their slots (no concat copy for them); results unchanged."""
+    s = _sess((64, 64))  # 256-byte-aligned slots for every weight gradient
+    labels = s.kernel_labels()
+    plain = _sess((64, 64), plan_memory=False)
+    n_concat = sum(lbl.startswith("concat") for lbl in labels)
+    assert n_concat < sum(lbl.startswith("concat") for lbl in plain.kernel_labels())
+    r = np.random.default_rng(0)
+    for _ in range(3):
+        x = r.normal(size=(32, 64)).astype(np.float32)
+        y = r.integers(0, 10, 32).astype(np.int32)
+        np.testing.assert_allclose(s.step(x=x, y=y).loss, plain.step(x=x, y=y).loss, rtol=1e-6)
+    for k, v in plain.get_state().items():
+        np.testing.assert_allclose(s.get_state()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)

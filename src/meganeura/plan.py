@@ -64,6 +64,7 @@ class Plan:
     fetch: dict[str, tuple[Loc, TensorType]] = field(default_factory=dict)
     naive_bytes: int = 0
     dispatches_unfused: int = 0
+    aliased: int = 0  # values computed straight into their concat slot
 
     @property
     def dispatch_count(self) -> int:
@@ -227,6 +228,14 @@ class _Planner:
         self.views = _Views(self.materialized, self.copy_value)
         self.kernels: list = []
         self.done: set[int] = set()  # values whose kernel has been emitted
+        self.alias: dict[int, tuple[Value, int]] = {}  # value id -> (concat value, elem offset)
+        self.alias_ok = True
+        self.root_ids = {r.id for r in roots}
+        self.consumers: dict[int, list[Node]] = {}
+        for node in self.graph.nodes:
+            for x in node.inputs:
+                if node not in self.consumers.setdefault(x.id, []):
+                    self.consumers[x.id].append(node)
         # value id -> Loc for materialized values once placed
         self.loc: dict[int, Loc] = {}
         self.temp_values: list[Value] = []
@@ -467,6 +476,26 @@ class _Planner:
         nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
         return ir.MatmulKernel(nb, M, N, K, ops[0], ops[1], out_dtype=v.dtype), bases
 
+    def _alias_into(self, v: Value, x: Value, start: int) -> bool:
+        """Place ``x``'s producer output directly at its slot of the 1-D-flat concat ``v``
+        (axis 0 of a flat vector): possible when that value exists only to be concatenated,
+        is read whole and contiguously, and its slot is binding-aligned."""
+        if not (self.alias_ok and v.ndim == 1 and self.fuse) or v.id in self.root_ids:
+            return False
+        base, s = self.views.resolve(x)
+        if (self.graph.leaf_of(base) is not None or base.id < 0 or base.dtype != v.dtype
+                or s.offset or s.strides != _contiguous(x.shape) or base.size != x.size
+                or base.id not in self.materialized or base.id in self.root_ids
+                or (start * v.dtype.gpu_itemsize) % ALIGN):
+            return False
+        chain = [base] + ([x] if x is not base else [])
+        for a, b in zip(chain, chain[1:] + [None]):
+            users = self.consumers.get(a.id, [])
+            if len(users) != 1 or (b is not None and users[0] is not b.node):
+                return False
+        self.alias[base.id] = (v, start)
+        return True
+
     def temp_value(self, shape, dtype, src: Value | None = None) -> Value:
         """A planner-made intermediate (no graph node): copies, partial reductions."""
         self.n_temps = getattr(self, "n_temps", 0) + 1
@@ -491,17 +520,29 @@ class _Planner:
 
         n = v.node
         if kind == "concat":
-            # chunks of inputs that fit WebGPU's guaranteed 8 storage bindings per stage
-            ax, start = n.attrs["axis"], 0
-            for i in range(0, len(n.inputs), MAX_BINDINGS - 1):
-                part = n.inputs[i: i + MAX_BINDINGS - 1]
+            ax = n.attrs["axis"]
+            starts, pos = [], 0
+            for x in n.inputs:
+                starts.append(pos)
+                pos += x.shape[ax]
+            # inputs produced only for this concat are computed straight into their slot
+            copy = [i for i, x in enumerate(n.inputs) if not self._alias_into(v, x, starts[i])]
+            # the rest in runs of consecutive inputs, each within WebGPU's guaranteed 8
+            # storage bindings per stage
+            runs: list[list[int]] = []
+            for i in copy:
+                if runs and runs[-1][-1] == i - 1 and len(runs[-1]) < MAX_BINDINGS - 1:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            for run in runs:
+                part = [n.inputs[i] for i in run]
                 srcs = [self.views.resolve(x) for x in part]
                 shape = list(v.shape)
                 shape[ax] = sum(x.shape[ax] for x in part)
                 desc = ConcatKernel(tuple(shape), ax, tuple(s for _, s in srcs), v.dtype,
-                                    v.shape, start)
+                                    v.shape, starts[run[0]])
                 self.emit(desc, [b for b, _ in srcs], [v], f"concat {tuple(shape)}->{v.shape}")
-                start += shape[ax]
         elif kind == "pad_slice":
             base, s = self.views.resolve(n.inputs[0])
             desc = PadSliceKernel(v.shape, n.attrs["starts"], n.attrs["steps"], s, v.dtype)
@@ -709,7 +750,21 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
               plan_memory: bool = True, groups: LeafGroups = NO_GROUPS) -> Plan:
     """Schedule, fuse and place every tensor of ``program`` (training step or inference run).
     ``groups``: persistent tensors stored together (``find_leaf_groups``), shared by every plan
-    of a session."""
+    of a session.
+
+    Computing values straight into their concat slot saves the copy but keeps the whole
+    concat buffer alive from the first such value on; when that raises the peak (gradients
+    produced while activations are still live), the plan without it is kept."""
+    plan = _make_plan(program, inference, fuse, plan_memory, groups, alias=True)
+    if plan.aliased:
+        other = _make_plan(program, inference, fuse, plan_memory, groups, alias=False)
+        if other.arena_bytes < plan.arena_bytes:
+            return other
+    return plan
+
+
+def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
+               groups: LeafGroups, alias: bool) -> Plan:
     graph = program.graph
     roots = program.roots(inference)
     updates = {} if inference else dict(graph.updates)
@@ -718,6 +773,7 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
         fetch_values["__loss__"] = program.loss
 
     pl = _Planner(program, roots, fuse)
+    pl.alias_ok = plan_memory and alias
     group_values = {}
     for gname, (dtype, n, concat_id) in groups.groups.items():
         gv = pl.temp_value((n,), dtype)
@@ -776,6 +832,12 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
             last[v.id] = max(last.get(v.id, i), i)
             values[v.id] = v
     end = len(kernels)
+    # a value computed into its slot of a concat makes the concat's buffer live from then on
+    for vid, (cv, _off) in pl.alias.items():
+        if vid in first:
+            first[cv.id] = min(first.get(cv.id, first[vid]), first[vid])
+            last[cv.id] = max(last.get(cv.id, first[vid]), last.get(vid, first[vid]))
+            values[cv.id] = cv
     fetch_bases = {}
     for name, v in list(fetch_values.items()) + list(updates.items()):
         base, s = pl.views.resolve(v)
@@ -805,7 +867,7 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
     order = sorted(first, key=lambda vid: first[vid])
     for vid in order:
         v = values[vid]
-        if graph.leaf_of(v) is not None or vid in placed:
+        if graph.leaf_of(v) is not None or vid in placed or vid in pl.alias:
             continue
         size = _align(_nbytes(v.type))
         if vid in out_values:
@@ -826,6 +888,12 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
         placed[vid] = Loc("temp", "", off, _nbytes(v.type))
         cursor = max(cursor, off + size)
     plan.arena_bytes = cursor
+    plan.aliased = len(pl.alias)
+    for vid, (cv, off) in pl.alias.items():
+        if vid in values:
+            c = placed[cv.id]
+            placed[vid] = Loc(c.pool, c.name, c.offset + off * cv.dtype.gpu_itemsize,
+                              _nbytes(values[vid].type))
 
     def loc_of(v: Value) -> Loc:
         return leaf_loc(v) or placed[v.id]

@@ -1,0 +1,55 @@
+"""Our planned peak GPU memory per workload without a GPU (the plan is device-independent):
+persistent tensors + inputs + the intermediate arena + fetched results, as the harness reports.
+
+  python bench/plan_memory.py [workloads] [--json out.json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from meganeura import optim  # noqa: E402
+from meganeura.passes import run_pipeline  # noqa: E402
+from meganeura.plan import NO_GROUPS, find_leaf_groups, make_plan  # noqa: E402
+from meganeura.program import build_program  # noqa: E402
+
+
+def peak_bytes(w, opt) -> tuple[int, int]:
+    prog = build_program(w.graph, w.loss, w.outputs if opt is None else {}, opt)
+    low = run_pipeline(prog)
+    inference = opt is None
+    groups = NO_GROUPS if inference else find_leaf_groups(low.graph)
+    plan = make_plan(low, inference, groups=groups)
+    leaves = low.graph.leaves.values()
+    persistent = sum(lf.value.size * 4 for lf in leaves if lf.kind in ("param", "state"))
+    inputs = sum(lf.value.size * 4 for lf in leaves if lf.kind == "input")
+    fetched = sum(loc.nbytes for loc, _ in plan.fetch.values())
+    return persistent + inputs + plan.arena_bytes + fetched, plan.dispatch_count
+
+
+def main(argv=None):
+    from workloads import WORKLOADS
+
+    p = argparse.ArgumentParser()
+    p.add_argument("workloads", nargs="?", default="smollm2,smolvla,whisper,resnet50,unet")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    rows = {}
+    for name in a.workloads.split(","):
+        w = WORKLOADS[name](quick=False, variant="main")
+        rows[name] = {k: peak_bytes(w, o) for k, o in
+                      (("infer", None), ("train_sgd", optim.SGD(lr=1e-4)),
+                       ("train_adamw", optim.AdamW(lr=1e-4)))}
+        print(name, {k: (round(v[0] / 2**20, 1), v[1]) for k, v in rows[name].items()},
+              flush=True)
+    if a.json:
+        json.dump(rows, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
