@@ -36,7 +36,7 @@ def _best(rec, key):
     return best
 
 
-def build(records, out_dir) -> str:
+def build(records, out_dir, plan_memory=None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     L = []
     meta = next((r for r in records if "torch" in r), {})
@@ -55,7 +55,8 @@ def build(records, out_dir) -> str:
              "$OUT [workloads]` (resumable: results accumulate in bench/results/h200.json), "
              "`python3 bench/gate_f64.py resnet50 $OUT/gate64.json --impl wgpu|dawn`; render "
              "with `python bench/report.py bench/results/h200.json --gate64 "
-             "bench/results/gate64-*.json --out docs`.\n")
+             "bench/results/gate64-*.json --plan-memory bench/results/plan-memory.json "
+             "--out docs`.\n")
     keys = [("infer", "inference"), ("train_sgd", "train step (SGD)"),
             ("train_adamw", "train step (AdamW)")]
     for key, title in keys:
@@ -118,6 +119,26 @@ def build(records, out_dir) -> str:
         L.append(f"| {r['key']} | {mb(o['infer']['peak_bytes'])} | {mb(e.get('infer_peak'))} | "
                  f"{mb(o['train_sgd']['peak_bytes'])} | {mb(e.get('train_sgd_peak'))} | "
                  f"{mb(o['train_adamw']['peak_bytes'])} | {mb(e.get('train_adamw_peak'))} |")
+    if plan_memory:
+        L.append("\nPlanned peak after later planner changes (parameters stored in the "
+                 "optimizer's flat vector and updated in place, optimizer states in place, "
+                 "gradients computed into their slot when that lowers the peak): our figures "
+                 "recomputed without a GPU by `bench/plan_memory.py` (the plan does not depend "
+                 "on the device), PyTorch's from the run above.\n")
+        L.append("| workload | ours infer | ours train SGD | torch train SGD | ours train AdamW "
+                 "| torch train AdamW |")
+        L.append("|---|---|---|---|---|---|")
+        for r in records:
+            pm = plan_memory.get(r.get("workload"))
+            if pm is None or "error" in r:
+                continue
+            e = r["torch"]["cells"]["eager_f32"]
+
+            def mb2(x):
+                return "—" if x is None else f"{x / 2**20:.1f}"
+            L.append(f"| {r['key']} | {mb2(pm['infer'][0])} | {mb2(pm['train_sgd'][0])} | "
+                     f"{mb2(e.get('train_sgd_peak'))} | {mb2(pm['train_adamw'][0])} | "
+                     f"{mb2(e.get('train_adamw_peak'))} |")
     L.append("\n## Gates (strict: forward rel. L2 ≤ 1e-4, every gradient rel. L2 ≤ 1e-3)\n")
     L.append("| workload | impl | forward rel L2 | worst gradient rel L2 (param) | min cosine | "
              "result |")
@@ -219,6 +240,7 @@ def main(argv=None):
     p.add_argument("results", nargs="+")
     p.add_argument("--out", default="docs")
     p.add_argument("--gate64", nargs="*", help="bench/gate_f64.py results to attach")
+    p.add_argument("--plan-memory", help="bench/plan_memory.py --json output")
     args = p.parse_args(argv)
     records = []
     for path in args.results:
@@ -228,7 +250,8 @@ def main(argv=None):
         for r in records:
             if r.get("workload") == g["workload"] and g["impl"] in r.get("ours", {}):
                 r["ours"][g["impl"]]["gate64"] = {k: v for k, v in g.items() if k != "rows"}
-    text = build(records, args.out)
+    pm = json.load(open(args.plan_memory)) if args.plan_memory else None
+    text = build(records, args.out, pm)
     with open(os.path.join(args.out, "benchmarks.md"), "w") as f:
         f.write(text)
     print(text)
