@@ -51,6 +51,8 @@ def build(records, out_dir, plan_memory=None) -> str:
              f"our implementations: {', '.join(f'{k} ({v})' for k, v in impl_dev.items())}. "
              "Median of timed steps after warm-ups, GPU synchronized each step; IQR in the JSON. "
              "Strict f32 (TF32 off on both sides). A cell whose gate failed shows `fail`.\n")
+    L.append("Software: wgpu 0.32.0 (wgpu-native) and wgpudawn 0.32.0.4 (Dawn) as pinned in "
+             "pyproject.toml; NVIDIA driver 580.159.04, Vulkan (docs/gpu-runtime.md).\n")
     L.append("Reproduce on the GPU machine (after `source .gpu/env.sh`): `bash bench/gpu_run.sh "
              "$OUT [workloads]` (resumable: results accumulate in bench/results/h200.json), "
              "`python3 bench/gate_f64.py resnet50 $OUT/gate64.json --impl wgpu|dawn`; render "
