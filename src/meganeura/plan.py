@@ -548,7 +548,7 @@ class _Planner:
             desc = PadSliceKernel(v.shape, n.attrs["starts"], n.attrs["steps"], s, v.dtype)
             self.emit(desc, [base], [v], f"pad_slice {v.shape}")
         else:
-            raise NotImplementedError(f"view kind {kind}")
+            raise GraphBuildError(f"no GPU lowering for view kind {kind!r} (op {n.op!r})")
 
     def emit(self, desc, in_values: list[Value], out_values: list[Value], label: str) -> None:
         self.kernels.append((desc, list(in_values), list(out_values), label))

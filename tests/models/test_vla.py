@@ -10,7 +10,7 @@ from meganeura import optim
 from meganeura.models.vla import SMOLVLA_EXPERT, action_expert, tiny_vla
 
 from .twins_transformer import ActionExpert, grads_of, params_of
-from .util_transformer import check_gates, compile_or_skip, grad_session
+from .util_transformer import check_gates, grad_session
 
 
 def _feeds(m, seed=0):
@@ -45,7 +45,7 @@ def test_forward_and_gradients_match_twin(gpu, impl):
 def test_training_reduces_the_flow_matching_loss(gpu):
     cfg = tiny_vla()
     m = action_expert(cfg, 2)
-    s = compile_or_skip(m.graph, loss=m.loss, outputs={"velocity": m.velocity},
+    s = mn.compile(m.graph, loss=m.loss, outputs={"velocity": m.velocity},
                         optimizer=optim.AdamW(lr=3e-3))
     s.init_params(seed=0)
     feeds = _feeds(m, seed=1)
