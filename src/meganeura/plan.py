@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .codegen import ir
-from .codegen.archetypes import archetype
+from .codegen.archetypes import archetype, archetype_of
 from .codegen.reduce import split_plan
 from .dtypes import DType, f32
 from .errors import GraphBuildError
@@ -655,13 +655,23 @@ def _in_place_updates(kernels, updates, graph, fetched_leaves) -> dict[str, int]
         k = producer.get(v.id)
         if k is None or name in fetched_leaves:
             continue
-        desc, ins, outs, _ = kernels[k]
-        if not isinstance(desc, ir.PointwiseKernel) or len(outs) != 1 or outs[0] is not v:
+        desc, ins, outs, label = kernels[k]
+        if len(outs) != 1 or outs[0] is not v:
             continue
         old = leaf.value
         if any(r > k for r in readers.get(old.id, [])):
             continue
         ident = ir.Strided.contiguous(old.dtype, old.shape)
+        arch = archetype_of(desc)
+        if arch is not None and arch.in_place is not None:
+            # e.g. a KV cache: input 0 is the cache itself (the hook checks its layout)
+            variant = arch.in_place(desc) if ins and ins[0] is old else None
+            if variant is not None and all(x is not old for x in ins[1:]):
+                kernels[k] = (variant, ins, outs, label + " [in place]")
+                chosen[name] = k
+            continue
+        if not isinstance(desc, ir.PointwiseKernel):
+            continue
         if all(s.shape == ident.shape and s.strides == ident.strides and s.offset == 0
                for x, s in zip(ins, desc.inputs) if x is old) and desc.shape == old.shape:
             chosen[name] = k

@@ -212,3 +212,17 @@ def test_lm_attention_state_grows_linearly_with_sequence(gpu):
     comp = peak(512, "composite") / peak(128, "composite")
     assert op < 5.0, op  # 4x the sequence: about 4x the memory
     assert comp > 8.0, comp  # the S×S scores dominate without the flash-style op
+
+
+def test_decode_updates_the_kv_cache_in_place(gpu):
+    """A decode step writes only the new K/V rows into the cache states (no whole-cache copy
+    kernel, no end-of-step copies); decoding still matches full recompute (test above)."""
+    from meganeura.init import init_leaves
+    from meganeura.plan import PlannedCopy
+
+    cfg = tiny_llama()
+    gen = LlamaGenerator(cfg, init_leaves(llama_lm(cfg, 1, 4).graph, 0), batch=1, max_len=16)
+    plan = gen.decoder.train.plan
+    assert not [k for k in plan.kernels if isinstance(k, PlannedCopy)]
+    labels = [lbl for _, lbl in gen.decoder.train.specs if "dynamic_update_slice" in lbl]
+    assert labels and all(lbl.endswith("[in place]") for lbl in labels), labels

@@ -24,6 +24,9 @@ class Archetype:
     # epilogue(desc, extra: Strided views over the output, instrs, out_dtype) -> desc | None:
     # the same kernel with a fused pointwise epilogue (ReLU/SiLU/residual after a conv)
     epilogue: Callable[..., Any] | None = None
+    # in_place(desc) -> desc | None: a variant whose output is input 0's own buffer (the
+    # planner binds both to one range), writing only what changes (KV-cache updates)
+    in_place: Callable[..., Any] | None = None
 
 
 _BY_NAME: dict[str, Archetype] = {}
@@ -31,8 +34,9 @@ _BY_DESC: dict[type, Archetype] = {}
 
 
 def register_archetype(name: str, desc_type: type, make, emit,
-                       contiguous_inputs: bool = False, epilogue=None) -> Archetype:
-    a = Archetype(name, desc_type, make, emit, contiguous_inputs, epilogue)
+                       contiguous_inputs: bool = False, epilogue=None,
+                       in_place=None) -> Archetype:
+    a = Archetype(name, desc_type, make, emit, contiguous_inputs, epilogue, in_place)
     _BY_NAME[name] = a
     _BY_DESC[desc_type] = a
     return a
@@ -45,6 +49,11 @@ def archetype(name: str) -> Archetype:
     except KeyError:
         raise KeyError(f"no kernel archetype {name!r} registered; known: "
                        f"{sorted(_BY_NAME)}") from None
+
+
+def archetype_of(desc) -> Archetype | None:
+    _load_builtin()
+    return _BY_DESC.get(type(desc))
 
 
 def emitter_for(desc) -> Callable | None:

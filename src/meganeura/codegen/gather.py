@@ -14,7 +14,7 @@ the matching rows; for V = 49152, N = 128, D = 576 that is 6.3 M id reads (L2-re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..dtypes import DType, i32, u32
 from .common import (
@@ -66,6 +66,8 @@ class DynamicSliceKernel:
     size: int
     update: Strided | None = None
     name: str = "dynamic_slice"
+    # the output is x's own buffer (a KV cache updated in place): write only the update
+    in_place: bool = False
 
 
 def _ids_check(name, dt):
@@ -222,6 +224,8 @@ def emit_dynamic_slice(k: DynamicSliceKernel, limits=None, features=None) -> Ker
     size = k.size if upd is None else upd.shape[ax]
     if upd is None:
         shape = tuple(size if d == ax else n for d, n in enumerate(x.shape))
+    elif k.in_place:
+        shape = tuple(upd.shape)  # threads over the update only; the rest stays as it is
     else:
         shape = tuple(x.shape)
     total = prod(shape)
@@ -250,6 +254,13 @@ def emit_dynamic_slice(k: DynamicSliceKernel, limits=None, features=None) -> Ker
         if len(shape) == 1:
             xc = ["(i + st)"]
         L.append(f"{ind}b2[i] = b0[{index_code(xc, x.strides, x.offset)}];")
+    elif k.in_place:
+        out_strides = Strided.contiguous(dt, x.shape).strides
+        xc = [f"({c} + st)" if d == ax else c for d, c in enumerate(coords)]
+        if len(shape) == 1:
+            xc = ["(i + st)"]
+        L.append(f"{ind}b3[{index_code(xc, out_strides, 0)}] = "
+                 f"b1[{index_code(coords, upd.strides, upd.offset)}];")
     else:
         ca = coords[ax]
         uc = [f"({ca} - st)" if d == ax else c for d, c in enumerate(coords)]
@@ -264,6 +275,14 @@ def emit_dynamic_slice(k: DynamicSliceKernel, limits=None, features=None) -> Ker
 
 
 # ---------------------------------------------------------------------------------- registration
+
+
+def _in_place_variant(d: DynamicSliceKernel) -> DynamicSliceKernel | None:
+    """dynamic_update_slice writing only the update into x's own (contiguous) buffer."""
+    if d.update is None or d.x.offset or \
+            d.x.strides != Strided.contiguous(d.x.dtype, d.x.shape).strides:
+        return None
+    return replace(d, in_place=True)
 
 
 def _register() -> None:
@@ -285,7 +304,8 @@ def _register() -> None:
 
     register_archetype("dynamic_slice", DynamicSliceKernel, make_ds, emit_dynamic_slice)
     # one description type serves both ops (the emitter branches on ``update``)
-    register_archetype("dynamic_update_slice", DynamicSliceKernel, make_dus, emit_dynamic_slice)
+    register_archetype("dynamic_update_slice", DynamicSliceKernel, make_dus, emit_dynamic_slice,
+                       in_place=_in_place_variant)
 
 
 _register()
