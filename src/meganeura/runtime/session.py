@@ -57,6 +57,7 @@ class _Executable:
                     size=_round4(loc.offset + loc.nbytes), usage=usage)
         self.ops: list[tuple] = []
         self.specs = []
+        self.checked = False  # set once an encode of this fixed stream passed validation
         for k in plan.kernels:
             if isinstance(k, PlannedCopy):
                 self.ops.append(("copy", sess._buffer(self, k.src), k.src.offset,
@@ -79,14 +80,25 @@ class _Executable:
 
     def encode(self, dev, staging=None):
         enc = dev.device.create_command_encoder()
-        cp = None
+        raw = _raw_calls(dev) if self.checked else None
+        cp = h = last = None
         for op in self.ops:
             if op[0] == "dispatch":
                 if cp is None:
                     cp = enc.begin_compute_pass()
-                cp.set_pipeline(op[1])
-                cp.set_bind_group(0, op[2])
-                cp.dispatch_workgroups(*op[3])
+                    h, last = cp._internal, None
+                if raw is not None:  # the same stream as the checked first encode
+                    lib, null = raw
+                    if op[1] is not last:
+                        lib.wgpuComputePassEncoderSetPipeline(h, op[1]._internal)
+                    lib.wgpuComputePassEncoderSetBindGroup(h, 0, op[2]._internal, 0, null)
+                    lib.wgpuComputePassEncoderDispatchWorkgroups(h, *op[3])
+                else:
+                    if op[1] is not last:
+                        cp.set_pipeline(op[1])
+                    cp.set_bind_group(0, op[2])
+                    cp.dispatch_workgroups(*op[3])
+                last = op[1]
             else:
                 if cp is not None:
                     cp.end()
@@ -97,7 +109,22 @@ class _Executable:
         if staging is not None:
             for src, off, dst, doff, n in staging:
                 enc.copy_buffer_to_buffer(src, off, dst, doff, n)
-        return enc.finish()
+        cb = enc.finish()
+        self.checked = True
+        return cb
+
+
+def _raw_calls(dev):
+    """wgpu-native's C entry points without wgpu-py's per-call error capture (~3 µs a call).
+    Used only after the first, fully checked encode of a plan: every later step encodes the
+    identical command stream.  None for other implementations."""
+    if dev.implementation != "wgpu":
+        return None
+    try:
+        from wgpu.backends.wgpu_native._ffi import ffi, lib
+    except ImportError:  # pragma: no cover - another wgpu layout
+        return None
+    return lib, ffi.NULL
 
 
 def _share_bindings(spec, binds):
