@@ -58,6 +58,7 @@ def test_gpu_training_matches_reference_session(gpu):
         np.testing.assert_allclose(g.step(x=x, y=y).loss, r.step(x=x, y=y).loss, rtol=1e-5)
     for k, v in r.get_params().items():
         np.testing.assert_allclose(g.get_params()[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+    assert g.train.checked  # steps 2.. used the direct (unchecked) encode path
 
 
 def test_profile_reports_every_kernel(gpu, tmp_path):
