@@ -108,7 +108,7 @@ class _Views:
         if v.id in self.materialized or not isinstance(n.opdef.lowering, View):
             return v, ir.Strided.contiguous(v.dtype, v.shape)
         kind = n.opdef.lowering.kind
-        if kind not in ("reshape", "permute", "broadcast", "slice", "split"):
+        if kind not in ("reshape", "permute", "broadcast", "slice", "split", "flip"):
             return v, ir.Strided.contiguous(v.dtype, v.shape)  # concat, pad_slice: kernels
         base, s = self.resolve(n.inputs[0])
         if kind == "reshape":
@@ -127,6 +127,11 @@ class _Views:
                 0 if (d == 1 and v.shape[lead + i] != 1) else st
                 for i, (d, st) in enumerate(zip(s.shape, s.strides)))
             return base, ir.Strided(v.dtype, v.shape, strides, s.offset, s.extent)
+        if kind == "flip":  # a negative stride, starting at the far end
+            axes = n.attrs["axes"]
+            off = s.offset + sum((s.shape[a] - 1) * s.strides[a] for a in axes)
+            strides = tuple(-st if i in axes else st for i, st in enumerate(s.strides))
+            return base, ir.Strided(v.dtype, v.shape, strides, off, s.extent)
         if kind == "slice":
             off = s.offset + sum(st * a for st, a in zip(s.strides, n.attrs["starts"]))
             strides = tuple(st * k for st, k in zip(s.strides, n.attrs["steps"]))
@@ -348,7 +353,8 @@ class _Planner:
         bases, views = [], []
         for x in n.inputs:
             base, s = self.views.resolve(x)
-            if arch.contiguous_inputs and (s.strides != _contiguous(x.shape) or s.offset):
+            if (arch.contiguous_inputs and (s.strides != _contiguous(x.shape) or s.offset)) \
+                    or any(st < 0 for st in s.strides):
                 base = self.copy_value(x, x.shape)
                 s = ir.Strided.contiguous(x.dtype, x.shape)
             bases.append(base)
@@ -465,6 +471,9 @@ class _Planner:
         bases = []
         for val, t in ((a, ta), (b, tb)):
             base, s = self.views.resolve(val)
+            if any(st < 0 for st in s.strides):  # flipped views: tiled kernels read forward
+                base = self.copy_value(val, val.shape)
+                s = ir.Strided.contiguous(val.dtype, val.shape)
             try:
                 s = _as_batched(s, batch, t)
             except _Unmergeable:

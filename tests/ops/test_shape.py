@@ -249,3 +249,11 @@ def test_pad_slice(case, rng):
 
     check_op(build, twin, rand(rng, out_shape))
     second_order(lambda x: build(x * x), lambda x: twin(x * x), rand(rng, out_shape))
+
+
+@pytest.mark.parametrize("case", [((5,), -1), ((2, 3, 4), (0, 2)), ((2, 3), 1), ((3, 1), 1)],
+                         ids=str)
+def test_flip(case, rng):
+    shape, axis = case
+    dims = axis if isinstance(axis, tuple) else (axis,)
+    check_op(lambda x: ops.flip(x, axis), lambda x: torch.flip(x, dims), rand(rng, shape))

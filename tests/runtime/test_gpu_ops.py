@@ -57,6 +57,10 @@ CASES = {
     "squeeze": ([(3, 1, 2)], lambda a: a.squeeze(1).unsqueeze(0) * 2.0, False, EW),
     "concat": ([(2, 3), (2, 5)], lambda a, b: ops.concat([a, b * 2.0], 1), False, EW),
     "split": ([(6, 2)], lambda a: ops.split(a, [2, 4], 0)[1] * 3.0, False, EW),
+    "flip": ([(3, 2, 4)], lambda a: a * ops.flip(a, (0, 2)) + ops.flip(a, 1).exp(), False, EW),
+    "flip_matmul": ([(4, 5), (5, 3)], lambda a, b: ops.flip(a, 0) @ ops.flip(b, 1), False, RED),
+    "rope_halves": ([(2, 3, 8), (3, 8)], lambda a, c: __import__(
+        "meganeura.nn.transformer", fromlist=["x"]).apply_rope(a, c.cos(), c.sin()), False, EW),
     "matmul": ([(5, 7), (7, 3)], lambda a, b: a @ b, False, RED),
     "matmul_tb": ([(5, 7), (3, 7)], lambda a, b: ops.matmul(a, b, transpose_b=True), False, RED),
     "matmul_ta": ([(7, 5), (7, 3)], lambda a, b: ops.matmul(a, b, transpose_a=True), False, RED),

@@ -175,8 +175,19 @@ def rotate_half(x: Value) -> Value:
 
 
 def apply_rope(x: Value, cos: Value, sin: Value) -> Value:
-    """``x * cos + rotate_half(x) * sin``; x (B, H, S, D), cos/sin (S, D) or (B, 1, S, D)."""
-    return x * cos + rotate_half(x) * sin
+    """``x * cos + rotate_half(x) * sin``; x (B, H, S, D), cos/sin (S, D) or (B, 1, S, D).
+
+    Computed on the halves: with x viewed as (…, 2, D/2), rotate_half is the view with the
+    half axis reversed (a negative stride) times (-1, +1), so the whole rotation is one fused
+    elementwise kernel (and so is its gradient) instead of split/negate/concat kernels."""
+    D = x.shape[-1]
+    halves = x.shape[:-1] + (2, D // 2)
+    xh = ops.reshape(x, halves)
+    sign = x.graph.const(np.array([[-1.0], [1.0]], np.float32), dtype=x.dtype)
+    ch = ops.reshape(cos, cos.shape[:-1] + (2, D // 2))
+    sh = ops.reshape(sin, sin.shape[:-1] + (2, D // 2))
+    out = xh * ch + ops.flip(xh, -2) * sign * sh
+    return ops.reshape(out, x.shape)
 
 
 @dataclass

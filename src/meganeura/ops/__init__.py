@@ -74,6 +74,7 @@ from .reduce import logsumexp, max, mean, min, sum, sum_to  # noqa: F401
 from .shape import (  # noqa: F401
     broadcast_to,
     concat,
+    flip,
     getitem,
     matrix_transpose,
     permute,

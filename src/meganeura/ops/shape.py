@@ -378,3 +378,27 @@ def split(x: Value, sizes_or_sections, axis: int = 0) -> tuple[Value, ...]:
         sizes = tuple(int(s) for s in sizes_or_sections)
     out = x.graph.apply("split", x, axis=ax, sizes=sizes)
     return out if isinstance(out, tuple) else (out,)
+
+
+# ------------------------------------------------------------------ flip
+
+
+def _flip_infer(types, attrs):
+    (t,) = types
+    if any(not 0 <= a < t.ndim for a in attrs["axes"]):
+        raise AxisError(f"flip axes {attrs['axes']} out of range for {t.shape}")
+    return [t]
+
+
+defop("flip", _flip_infer,
+      lambda xs, a: [np.ascontiguousarray(np.flip(xs[0], a["axes"]))],
+      lambda n, c: [flip(c[0], n.attrs["axes"])], View("flip"))
+
+
+@register_builder("flip")
+def flip(x: Value, axis=-1) -> Value:
+    """Reverse the order of elements along ``axis`` (int or tuple): a view (negative stride)."""
+    axes = tuple(a for a in axes_for("flip", axis, x) if x.shape[a] > 1)
+    if not axes:
+        return x
+    return x.graph.apply("flip", x, axes=axes)

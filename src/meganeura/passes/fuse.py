@@ -15,7 +15,7 @@ def _lowering(node):
     return low
 
 
-_STRIDED = ("reshape", "permute", "broadcast", "slice", "split")
+_STRIDED = ("reshape", "permute", "broadcast", "slice", "split", "flip")
 
 
 def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> set[int]:
