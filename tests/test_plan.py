@@ -234,3 +234,36 @@ def test_gradients_are_computed_into_the_optimizer_vector(gpu):
         np.testing.assert_allclose(s.step(x=x, y=y).loss, plain.step(x=x, y=y).loss, rtol=1e-6)
     for k, v in plain.get_state().items():
         np.testing.assert_allclose(s.get_state()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_reshape_of_strided_views_matches_numpy():
+    """reshape_strided agrees with numpy on random permuted/flipped views; when it declines,
+    a copy is needed (numpy would copy too for those we check)."""
+    from meganeura.codegen.ir import Strided
+    from meganeura.dtypes import f32
+    from meganeura.plan import reshape_strided
+
+    rng = np.random.default_rng(0)
+    done = 0
+    for _ in range(800):
+        shape = tuple(int(x) for x in rng.integers(1, 4, rng.integers(1, 5)))
+        owner = np.arange(int(np.prod(shape))).reshape(shape)
+        a = owner.transpose(rng.permutation(len(shape)))
+        if rng.random() < 0.3:
+            a = a[..., ::-1]
+        off = (a.__array_interface__["data"][0] - owner.__array_interface__["data"][0]) // 8
+        s = Strided(f32, a.shape, tuple(st // 8 for st in a.strides), off, a.size)
+        n, dims = a.size, []
+        while n > 1:
+            d = int(rng.choice([x for x in range(2, n + 1) if n % x == 0]))
+            dims.append(d)
+            n //= d
+        new = tuple(dims) or (1,)
+        r = reshape_strided(s, new)
+        if r is None:
+            continue
+        idx = np.indices(new).reshape(len(new), -1).T
+        got = owner.reshape(-1)[r.offset + idx @ np.array(r.strides, dtype=np.int64)]
+        np.testing.assert_array_equal(got.reshape(new), a.reshape(new))
+        done += 1
+    assert done > 400

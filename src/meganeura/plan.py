@@ -112,11 +112,13 @@ class _Views:
             return v, ir.Strided.contiguous(v.dtype, v.shape)  # concat, pad_slice: kernels
         base, s = self.resolve(n.inputs[0])
         if kind == "reshape":
-            if s.strides != _contiguous(s.shape) and not _all_unit(s):
-                src = n.inputs[0]  # strides cannot reshape it: copy to contiguous first
+            r = reshape_strided(s, v.shape)
+            if r is None:  # strides cannot express it: copy to contiguous first
+                src = n.inputs[0]
                 base = self.copier(src, src.shape)
-                s = ir.Strided.contiguous(src.dtype, src.shape)
-            return base, ir.Strided(v.dtype, v.shape, _contiguous(v.shape), s.offset, s.extent)
+                c = ir.Strided.contiguous(src.dtype, src.shape)
+                return base, ir.Strided(v.dtype, v.shape, _contiguous(v.shape), 0, c.extent)
+            return base, ir.Strided(v.dtype, v.shape, r.strides, r.offset, r.extent)
         if kind == "permute":
             perm = n.attrs["perm"]
             return base, ir.Strided(v.dtype, v.shape, tuple(s.strides[p] for p in perm),
@@ -688,29 +690,37 @@ def _in_place_updates(kernels, updates, graph, fetched_leaves) -> dict[str, int]
 
 
 def reshape_strided(s: ir.Strided, shape) -> ir.Strided | None:
-    """The same elements viewed with ``shape`` when every new dim is a merge of consecutive
-    old dims that strides can walk (contiguous runs, or broadcast runs); else None."""
-    old = [(d, st) for d, st in zip(s.shape, s.strides) if d != 1]
-    new_strides = []
-    i = 0
-    for n in shape:
-        if n == 1:
-            new_strides.append(0)
-            continue
-        size, run = 1, []
-        while i < len(old) and size < n:
-            size *= old[i][0]
-            run.append(old[i])
-            i += 1
-        if size != n:
-            return None
-        for (_d1, s1), (d2, s2) in zip(run, run[1:]):
-            if s1 != s2 * d2:
-                return None
-        new_strides.append(run[-1][1])
-    if i != len(old):
+    """The same elements (row-major order) viewed with ``shape`` without copying, when strides
+    can express it: dims may be split or merged where the merged run is itself walkable by one
+    stride (numpy's no-copy reshape).  None when a copy is needed."""
+    shape = tuple(int(d) for d in shape)
+    if int(np.prod(shape, dtype=np.int64)) != int(np.prod(s.shape, dtype=np.int64)):
         return None
-    return ir.Strided(s.dtype, tuple(shape), tuple(new_strides), s.offset, s.extent)
+    if 0 in shape:
+        return ir.Strided(s.dtype, shape, _contiguous(shape), s.offset, s.extent)
+    old = [(d, st) for d, st in zip(s.shape, s.strides) if d != 1]
+    new = [(i, d) for i, d in enumerate(shape) if d != 1]
+    strides = [0] * len(shape)
+    oi = ni = 0
+    while oi < len(old) and ni < len(new):
+        oj, nj = oi + 1, ni + 1
+        op, np_ = old[oi][0], new[ni][1]
+        while op != np_:
+            if np_ < op:
+                np_ *= new[nj][1]
+                nj += 1
+            else:
+                op *= old[oj][0]
+                oj += 1
+        for k in range(oi, oj - 1):  # the old run must be walkable by one stride
+            if old[k][1] != old[k + 1][0] * old[k + 1][1]:
+                return None
+        st = old[oj - 1][1]
+        for k in range(nj - 1, ni - 1, -1):
+            strides[new[k][0]] = st
+            st *= new[k][1]
+        oi, ni = oj, nj
+    return ir.Strided(s.dtype, shape, tuple(strides), s.offset, s.extent)
 
 
 def _in_place_groups(kernels, updates, fetch_bases, groups: LeafGroups, group_values, graph):
