@@ -236,6 +236,7 @@ class _Planner:
         self.kernels: list = []
         self.done: set[int] = set()  # values whose kernel has been emitted
         self.alias: dict[int, tuple[Value, int]] = {}  # value id -> (concat value, elem offset)
+        self.copies: dict[tuple, Value] = {}  # (value id, shape) -> its contiguous copy
         self.alias_ok = True
         self.root_ids = {r.id for r in roots}
         self.consumers: dict[int, list[Node]] = {}
@@ -518,8 +519,13 @@ class _Planner:
         return v
 
     def copy_value(self, src: Value, shape) -> Value:
-        """``src`` broadcast to ``shape`` in its own contiguous buffer."""
+        """``src`` broadcast to ``shape`` in its own contiguous buffer (made once, then shared
+        by every kernel that needs it)."""
+        key = (src.id, tuple(shape))
+        if key in self.copies:
+            return self.copies[key]
         v = self.temp_value(shape, src.dtype, src)
+        self.copies[key] = v
         kb = _KernelBuilder(self, shape)
         kb.instrs.append(ir.Instr("{0}", (kb.read(src),), src.dtype))
         self.emit(ir.PointwiseKernel(kb.shape, tuple(kb.inputs), tuple(kb.instrs), (0,),
@@ -720,6 +726,13 @@ def reshape_strided(s: ir.Strided, shape) -> ir.Strided | None:
             strides[new[k][0]] = st
             st *= new[k][1]
         oi, ni = oj, nj
+    # size-1 dims: any stride walks them; give the row-major one so contiguous stays contiguous
+    nxt = 1
+    for i in range(len(shape) - 1, -1, -1):
+        if shape[i] == 1:
+            strides[i] = nxt
+        else:
+            nxt = strides[i] * shape[i]
     return ir.Strided(s.dtype, shape, tuple(strides), s.offset, s.extent)
 
 
