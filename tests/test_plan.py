@@ -267,3 +267,27 @@ def test_reshape_of_strided_views_matches_numpy():
         np.testing.assert_array_equal(got.reshape(new), a.reshape(new))
         done += 1
     assert done > 400
+
+
+def test_reduce_epilogue_fusion(gpu):
+    """A pointwise consumer of a reduction at the reduced shape runs in the reduce kernel
+    (RMSNorm statistics; a long split reduction with an extra input in its final pass)."""
+    from meganeura import ops, reference
+
+    g = mn.Graph()
+    x = g.param("x", (6, 10))
+    b = g.param("b", (6, 1))
+    r = ops.rsqrt(ops.mean(x * x, -1, keepdims=True) + 1e-5) * b  # reduce + epilogue with extra
+    y = x * r
+    z = g.param("z", (5000, 2))
+    t = ops.sum(z * z, 0) * ops.sum(z, 0) + 1.0  # split reduction; epilogue reads another sum
+    env = {k: np.random.default_rng(i).normal(size=v.shape).astype(np.float32)
+           for i, (k, v) in enumerate(g.params.items())}
+    sess = mn.compile(g, outputs={"y": y, "t": t})
+    labels = sess.kernel_labels(inference=True)
+    assert any(lbl.startswith("reduce_sum") and "+" in lbl.split(">")[-1] for lbl in labels), labels
+    sess.set_params(env)
+    got = sess.run()
+    want = reference.evaluate(g, [y, t], env, np.float64)
+    np.testing.assert_allclose(got["y"], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["t"], want[1], rtol=1e-5)

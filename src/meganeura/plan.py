@@ -184,7 +184,8 @@ class _KernelBuilder:
     def read(self, v: Value, shape=None) -> tuple[str, int]:
         base, s = self.p.views.resolve(v)
         if base.id not in self.p.materialized and (
-                isinstance(base.node.opdef.lowering, Matmul) or takes_epilogue(base.node)):
+                isinstance(base.node.opdef.lowering, (Matmul, Reduce))
+                or takes_epilogue(base.node)):
             reshaped = (base is not v and isinstance(base.node.opdef.lowering, Matmul)
                         and v.size == base.size and s.offset == 0
                         and s.strides == _contiguous(v.shape))
@@ -295,7 +296,11 @@ class _Planner:
         ops = ",".join([o for o in kb.ops if o != "full"] or ["copy"])
         ops = ops if len(ops) < 48 else ops[:45] + "..."
         if kb.epilogue_of is not None and len(outs) == 1:
-            if isinstance(kb.epilogue_of.node.opdef.lowering, Kernel):
+            low = kb.epilogue_of.node.opdef.lowering
+            if isinstance(low, Reduce):
+                if self.reduce_with_epilogue(kb, outs[0], ops):
+                    return
+            elif isinstance(low, Kernel):
                 if self.kernel_with_epilogue(kb, outs[0], ops):
                     return
             elif self.matmul_with_epilogue(kb, outs[0], ops):
@@ -317,33 +322,71 @@ class _Planner:
                     changed = True
         return changed
 
-    def reduce(self, v: Value, kind: str) -> None:
+    def reduce(self, v: Value, kind: str, epilogue=None) -> None:
+        """``v`` = reduction of its input (pointwise producers inlined as the prologue).
+        ``epilogue``: (instrs, extra views, extra bases, out value, ops) of a pointwise
+        consumer computed on the reduced values in the same kernel."""
         n = v.node
         x = n.inputs[0]
         kb = _KernelBuilder(self, x.shape)
         ref = kb.value(x)
         if kb.epilogue_of is not None:  # reduce kernels take no matmul prologue
             self.materialize(kb.epilogue_of)
-            return self.reduce(v, kind)
-        if len(kb.inputs) + 1 > MAX_BINDINGS and is_pointwise(x.node) and \
+            return self.reduce(v, kind, epilogue)
+        n_extra = len(epilogue[1]) if epilogue else 0
+        if len(kb.inputs) + n_extra + 1 > MAX_BINDINGS and is_pointwise(x.node) and \
                 x.id not in self.materialized:
             self.materialize(x)
-            return self.reduce(v, kind)
+            return self.reduce(v, kind, epilogue)
         if ref[0] == "in" or not kb.instrs:
             kb.instrs.append(ir.Instr("{0}", (ref,), x.dtype))
+        out, epi, extra, ebases, eops = v, (), (), [], ""
+        if epilogue is not None:
+            epi, extra, ebases, out, eops = epilogue
         desc = ir.ReduceKernel(x.shape, n.attrs["axes"], kind, tuple(kb.inputs), tuple(kb.instrs),
-                               out_dtype=v.dtype, name=f"reduce_{kind}")
+                               tuple(epi), tuple(extra), out_dtype=out.dtype,
+                               name=f"reduce_{kind}")
         pro = ",".join(o for o in kb.ops if o != "full")
-        label = f"reduce_{kind} {x.shape}->{v.shape}" + (f" <{pro}>" if pro else "")
+        label = f"reduce_{kind} {x.shape}->{v.shape}" + (f" <{pro}>" if pro else "") + \
+            (f" +{eops}" if eops else "")
         split = split_plan(desc) if self.fuse else None
         if split is None:
-            self.emit(desc, kb.bases, [v], label)
+            self.emit(desc, kb.bases + list(ebases), [out], label)
             return
         # few outputs, long reduced extent: partial sums over chunks, then a final pass
         partial, final, (tshape, tdtype) = split
         tmp = self.temp_value(tshape, tdtype)
         self.emit(partial, kb.bases, [tmp], label + " [partial]")
-        self.emit(final, [tmp], [v], label + " [final]")
+        self.emit(final, [tmp] + list(ebases), [out], label + " [final]")
+
+    def reduce_with_epilogue(self, kb: _KernelBuilder, out: Value, ops: str) -> bool:
+        """The pointwise kernel ``kb`` (same shape as the reduced value) as the epilogue of
+        the reduction it reads; False if its other inputs cannot be laid over the output."""
+        red = kb.epilogue_of
+        i_red = kb.bases.index(red)
+        axes = red.node.attrs["axes"]
+        x = red.node.inputs[0]
+        flat = tuple(d for i, d in enumerate(x.shape) if i not in axes)  # the output's data
+        extras, ebases, remap = [], [], {}
+        for j, (b, s) in enumerate(zip(kb.bases, kb.inputs)):
+            if j == i_red:
+                continue
+            r = reshape_strided(s, flat) if s.shape != flat else s
+            if r is None:
+                return False
+            remap[j] = ("x", len(extras))
+            extras.append(r)
+            ebases.append(b)
+
+        def arg(a):
+            if a[0] != "in":
+                return a
+            return ("acc", 0) if a[1] == i_red else remap[a[1]]
+
+        instrs = [ir.Instr(i.expr, tuple(arg(a) for a in i.args), i.dtype, i.helpers)
+                  for i in kb.instrs]
+        self.reduce(red, red.node.opdef.lowering.kind, (instrs, extras, ebases, out, ops))
+        return True
 
     def materialize(self, v: Value) -> None:
         self.materialized.add(v.id)

@@ -52,8 +52,8 @@ def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> 
                     out.add(v.id)
             elif strided_view:
                 continue
-            elif fuse and (isinstance(low, Matmul) or takes_epilogue(node)) and \
-                    _epilogue_candidate(v, consumers):
+            elif fuse and (isinstance(low, (Matmul, Reduce)) or takes_epilogue(node)) and \
+                    _epilogue_candidate(v, consumers, through_reshape=isinstance(low, Matmul)):
                 continue  # computed inside its consumer's kernel, as an epilogue
             else:
                 out.add(v.id)
