@@ -122,14 +122,15 @@ def build(records, out_dir, plan_memory=None) -> str:
                  f"{mb(o['train_sgd']['peak_bytes'])} | {mb(e.get('train_sgd_peak'))} | "
                  f"{mb(o['train_adamw']['peak_bytes'])} | {mb(e.get('train_adamw_peak'))} |")
     if plan_memory:
-        L.append("\nPlanned peak after later planner changes (parameters stored in the "
-                 "optimizer's flat vector and updated in place, optimizer states in place, "
-                 "gradients computed into their slot when that lowers the peak): our figures "
+        L.append("\nPlanned peak and dispatch counts after later planner changes (parameters "
+                 "stored in the optimizer's flat vector and updated in place, optimizer states "
+                 "in place, gradients computed into their slot when that lowers the peak; "
+                 "RoPE as one kernel, strided reshapes, reduce epilogues): our figures "
                  "recomputed without a GPU by `bench/plan_memory.py` (the plan does not depend "
                  "on the device), PyTorch's from the run above.\n")
         L.append("| workload | ours infer | ours train SGD | torch train SGD | ours train AdamW "
-                 "| torch train AdamW |")
-        L.append("|---|---|---|---|---|---|")
+                 "| torch train AdamW | dispatches infer / train (measured run → now) |")
+        L.append("|---|---|---|---|---|---|---|")
         for r in records:
             pm = plan_memory.get(r.get("workload"))
             if pm is None or "error" in r:
@@ -138,9 +139,12 @@ def build(records, out_dir, plan_memory=None) -> str:
 
             def mb2(x):
                 return "—" if x is None else f"{x / 2**20:.1f}"
+            o = next((o for o in r["ours"].values() if "error" not in o), {})
+            disp = (f"{o.get('infer', {}).get('dispatches', '?')} → {pm['infer'][1]} / "
+                    f"{o.get('train_sgd', {}).get('dispatches', '?')} → {pm['train_sgd'][1]}")
             L.append(f"| {r['key']} | {mb2(pm['infer'][0])} | {mb2(pm['train_sgd'][0])} | "
                      f"{mb2(e.get('train_sgd_peak'))} | {mb2(pm['train_adamw'][0])} | "
-                     f"{mb2(e.get('train_adamw_peak'))} |")
+                     f"{mb2(e.get('train_adamw_peak'))} | {disp} |")
     L.append("\n## Gates (strict: forward rel. L2 ≤ 1e-4, every gradient rel. L2 ≤ 1e-3)\n")
     L.append("| workload | impl | forward rel L2 | worst gradient rel L2 (param) | min cosine | "
              "result |")
