@@ -145,10 +145,6 @@ class _Views:
                                 s.extent)
 
 
-def _all_unit(s: ir.Strided) -> bool:
-    return all(d == 1 for d in s.shape)
-
-
 def broadcast_to(s: ir.Strided, shape) -> ir.Strided:
     lead = len(shape) - len(s.shape)
     strides = (0,) * lead + tuple(
