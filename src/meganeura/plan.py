@@ -527,24 +527,44 @@ class _Planner:
         nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
         return ir.MatmulKernel(nb, M, N, K, ops[0], ops[1], out_dtype=v.dtype), bases
 
-    def _alias_into(self, v: Value, x: Value, start: int) -> bool:
-        """Place ``x``'s producer output directly at its slot of the 1-D-flat concat ``v``
-        (axis 0 of a flat vector): possible when that value exists only to be concatenated,
-        is read whole and contiguously, and its slot is binding-aligned."""
+    def _alias_concat_inputs(self, v: Value, concat: Node, starts: list[int]) -> set[int]:
+        """Inputs of the 1-D concat ``v`` whose producer can write straight into the concat's
+        buffer: a value that exists only to be concatenated (possibly split into several
+        consecutive inputs, e.g. the weight gradient of a fused projection), read
+        contiguously, at a binding-aligned slot.  Returns the input indices placed."""
         if not (self.alias_ok and v.ndim == 1 and self.fuse) or v.id in self.root_ids:
-            return False
-        base, s = self.views.resolve(x)
-        if (self.graph.leaf_of(base) is not None or base.id < 0 or base.dtype != v.dtype
-                or s.offset or s.strides != _contiguous(x.shape) or base.size != x.size
-                or base.id not in self.materialized or base.id in self.root_ids
-                or (start * v.dtype.gpu_itemsize) % ALIGN):
-            return False
-        chain = [base] + ([x] if x is not base else [])
-        for a, b in zip(chain, chain[1:] + [None]):
-            users = self.consumers.get(a.id, [])
-            if len(users) != 1 or (b is not None and users[0] is not b.node):
+            return set()
+        by_base: dict[int, list] = {}
+        for i, x in enumerate(concat.inputs):
+            base, s = self.views.resolve(x)
+            by_base.setdefault(base.id, []).append((i, base, s, x))
+        placed = set()
+        for parts in by_base.values():
+            base = parts[0][1]
+            shift = {starts[i] - s.offset for i, _, s, _ in parts}
+            if (self.graph.leaf_of(base) is not None or base.id < 0 or base.dtype != v.dtype
+                    or base.id not in self.materialized or base.id in self.root_ids
+                    or len(shift) != 1 or sum(x.size for *_, x in parts) != base.size
+                    or any(s.strides != _contiguous(x.shape) for _, _, s, x in parts)):
+                continue
+            (at,) = shift
+            if at < 0 or at + base.size > v.size or (at * v.dtype.gpu_itemsize) % ALIGN:
+                continue
+            if not self._only_feeds(base, concat):
+                continue
+            self.alias[base.id] = (v, at)
+            placed.update(i for i, *_ in parts)
+        return placed
+
+    def _only_feeds(self, value: Value, concat: Node) -> bool:
+        """Every use of ``value`` is (through views) an input of ``concat``."""
+        for c in self.consumers.get(value.id, []):
+            if c is concat:
+                continue
+            if not isinstance(c.opdef.lowering, View) or c.op == "concat":
                 return False
-        self.alias[base.id] = (v, start)
+            if not all(self._only_feeds(o, concat) for o in c.outputs):
+                return False
         return True
 
     def temp_value(self, shape, dtype, src: Value | None = None) -> Value:
@@ -582,7 +602,8 @@ class _Planner:
                 starts.append(pos)
                 pos += x.shape[ax]
             # inputs produced only for this concat are computed straight into their slot
-            copy = [i for i, x in enumerate(n.inputs) if not self._alias_into(v, x, starts[i])]
+            placed = self._alias_concat_inputs(v, n, starts)
+            copy = [i for i in range(len(n.inputs)) if i not in placed]
             # the rest in runs of consecutive inputs, each within WebGPU's guaranteed 8
             # storage bindings per stage
             runs: list[list[int]] = []

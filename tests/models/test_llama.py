@@ -226,3 +226,19 @@ def test_decode_updates_the_kv_cache_in_place(gpu):
     assert not [k for k in plan.kernels if isinstance(k, PlannedCopy)]
     labels = [lbl for _, lbl in gen.decoder.train.specs if "dynamic_update_slice" in lbl]
     assert labels and all(lbl.endswith("[in place]") for lbl in labels), labels
+
+
+def test_training_plan_writes_gradients_into_the_optimizer_vector(gpu):
+    """Every weight gradient — also those of the fused q/k/v and gate/up projections, which
+    are split views of one product — is computed straight into the flat gradient vector
+    (no concat copy of gradients), and parameters are updated in place (no copies)."""
+    from meganeura.plan import PlannedCopy
+
+    # every parameter a multiple of 64 floats: 256-byte aligned slots, as in SmolLM2
+    cfg = tiny_llama(hidden_size=64, head_dim=16, intermediate_size=128)
+    m = llama_lm(cfg, 2, 8)
+    s = mn.compile(m.graph, loss=m.loss, optimizer=optim.AdamW(lr=1e-3), device=gpu)
+    n = sum(p.size for p in m.graph.params.values())
+    flat = [lbl for _, lbl in s.train.specs if lbl.startswith("concat") and f"->({n},)" in lbl]
+    assert not flat, flat
+    assert not [k for k in s.train.plan.kernels if isinstance(k, PlannedCopy)]
