@@ -162,3 +162,16 @@ def test_tensor_larger_than_the_device_allows_is_a_clear_error(gpu):
     w = g.param("huge", (limit // 4 + 64,))
     with pytest.raises(mn.LimitError, match=r"param 'huge'.*binds at most"):
         mn.compile(g, outputs={"s": w.sum()}, device=gpu)
+
+
+def test_lazy_results_survive_later_steps_and_readback_buffers_are_reused(gpu):
+    ref = _session("reference")
+    s = _session("wgpu")
+    pending = [s.step(**dict(zip("xy", _data(i)))) for i in range(3)]
+    want = [ref.step(**dict(zip("xy", _data(i)))).loss for i in range(3)]
+    got = [r.loss for r in reversed(pending)][::-1]  # read in reverse, after all steps ran
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    pool = s.train.readback_pool
+    assert len(pool) == 3
+    assert np.isfinite(s.step(**dict(zip("xy", _data(3)))).loss)
+    assert len(pool) == 3  # the next step took a pooled buffer and gave it back

@@ -19,11 +19,8 @@ def _model(name: str, batch: int):
     if name == "mlp":
         return mlp_classifier(batch)
     if name == "cnn":
-        try:
-            from .models.cnn import digits_cnn
-        except ImportError:
-            raise SystemExit("model 'cnn' is not available in this build (needs the conv "
-                             "ops)") from None
+        from .models.cnn import digits_cnn
+
         return digits_cnn(batch)
     raise SystemExit(f"unknown model {name!r}; choose mlp or cnn")
 

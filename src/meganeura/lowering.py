@@ -54,3 +54,12 @@ class Kernel:
 
     archetype: str
     params: tuple = ()
+
+
+def resolve(node):
+    """A node's lowering object: ``OpDef.lowering`` itself, or what its function returns for
+    the node's attributes and types (``cast``, ``gelu``, ``full``)."""
+    low = node.opdef.lowering
+    if callable(low):
+        low = low(node.attrs, [v.type for v in node.inputs], [o.type for o in node.outputs])
+    return low

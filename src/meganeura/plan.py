@@ -22,10 +22,11 @@ import numpy as np
 from .codegen import ir
 from .codegen.archetypes import archetype, archetype_of
 from .codegen.reduce import split_plan
-from .dtypes import DType, f32
+from .dtypes import f32
 from .errors import GraphBuildError
 from .graph import Graph, Node, TensorType, Value
 from .lowering import Kernel, Matmul, Pointwise, Reduce, View
+from .lowering import resolve as _pointwise_expr
 from .passes.fuse import materialized_values, takes_epilogue
 from .program import Program
 
@@ -79,8 +80,7 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _contiguous(shape) -> tuple[int, ...]:
-    return ir.Strided.contiguous(DType("x", "float32", True, False, 4, "f32"), shape).strides
+_contiguous = ir.contiguous_strides
 
 
 class _Views:
@@ -153,11 +153,6 @@ def broadcast_to(s: ir.Strided, shape) -> ir.Strided:
     return ir.Strided(s.dtype, tuple(shape), strides, s.offset, s.extent)
 
 
-def _pointwise_expr(node: Node):
-    low = node.opdef.lowering
-    if callable(low) and not isinstance(low, Pointwise):
-        low = low(node.attrs, [v.type for v in node.inputs], [o.type for o in node.outputs])
-    return low
 
 
 def is_pointwise(node: Node) -> bool:

@@ -30,11 +30,18 @@ class Strided:
 
     @staticmethod
     def contiguous(dtype: DType, shape: tuple[int, ...]) -> Strided:
-        strides, acc = [], 1
-        for d in reversed(shape):
-            strides.append(acc)
-            acc *= d
-        return Strided(dtype, tuple(shape), tuple(reversed(strides)), 0, acc)
+        strides = contiguous_strides(shape)
+        size = strides[0] * shape[0] if shape else 1
+        return Strided(dtype, tuple(shape), strides, 0, size)
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Row-major element strides of ``shape``."""
+    strides, acc = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True)

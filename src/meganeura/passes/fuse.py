@@ -6,14 +6,7 @@ from __future__ import annotations
 
 from ..graph import Graph, Value
 from ..lowering import Kernel, Matmul, Pointwise, Reduce, View
-
-
-def _lowering(node):
-    low = node.opdef.lowering
-    if callable(low) and not isinstance(low, (Pointwise, View, Reduce)):
-        low = low(node.attrs, [v.type for v in node.inputs], [o.type for o in node.outputs])
-    return low
-
+from ..lowering import resolve as _lowering
 
 _STRIDED = ("reshape", "permute", "broadcast", "slice", "split", "flip")
 

@@ -58,6 +58,14 @@ class _Executable:
         self.ops: list[tuple] = []
         self.specs = []
         self.checked = False  # set once an encode of this fixed stream passed validation
+        # fetched results: copied into a readback buffer at the end of each submit
+        self.fetch_layout, self.fetch_copies, self.fetch_bytes = [], [], 0
+        for name, (loc, t) in plan.fetch.items():
+            n = _round4(loc.nbytes)
+            self.fetch_layout.append((name, self.fetch_bytes, t))
+            self.fetch_copies.append((sess._buffer(self, loc), loc.offset, self.fetch_bytes, n))
+            self.fetch_bytes += n
+        self.readback_pool: list = []
         for k in plan.kernels:
             if isinstance(k, PlannedCopy):
                 self.ops.append(("copy", sess._buffer(self, k.src), k.src.offset,
@@ -254,27 +262,23 @@ class GPUSession(Session):
         import wgpu
 
         self._upload_feeds(feeds)
-        staging, layout, total = [], [], 0
-        for name, (loc, t) in ex.plan.fetch.items():
-            n = _round4(loc.nbytes)
-            layout.append((name, total, t))
-            staging.append((self._buffer(ex, loc), loc.offset, None, total, n))
-            total += n
-        dst = None
-        if total:
-            dst = self.dev.device.create_buffer(
-                size=total, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
-            staging = [(s, o, dst, d, n) for s, o, _, d, n in staging]
-        self.dev.queue.submit([ex.encode(self.dev, staging if total else None)])
+        if not ex.fetch_bytes:
+            self.dev.queue.submit([ex.encode(self.dev)])
+            return dict
+        # a readback buffer per submitted step (results are read lazily, maybe much later);
+        # buffers whose results were read go back to the pool
+        dst = ex.readback_pool.pop() if ex.readback_pool else self.dev.device.create_buffer(
+            size=ex.fetch_bytes, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        staging = [(src, off, dst, doff, n) for src, off, doff, n in ex.fetch_copies]
+        self.dev.queue.submit([ex.encode(self.dev, staging)])
 
         def fetch():
-            if dst is None:
-                return {}
             dst.map_sync(wgpu.MapMode.READ)
             raw = bytes(dst.read_mapped())
             dst.unmap()
+            ex.readback_pool.append(dst)
             return {name: _from_gpu(raw[off: off + t.size * t.dtype.gpu_itemsize], t)
-                    for name, off, t in layout}
+                    for name, off, t in ex.fetch_layout}
 
         return fetch
 
