@@ -1,5 +1,8 @@
 """Issue 3 measurements: f32 matmul throughput through our codegen, and host encode cost per
-dispatch, on one WebGPU implementation.  Usage: python bench/matmul_dispatch.py wgpu|dawn OUT.json
+dispatch, on one WebGPU implementation.
+Usage: python bench/matmul_dispatch.py wgpu|dawn OUT.json [strict|fast]
+(fast: operands rounded to f16 on tensor cores where the device has them; rel_err is then the
+rounding error against float64 of the f32 operands.)
 
 Matmul time = GPU timestamp of the kernel (median over steps); correctness is checked on a
 sample of rows against numpy float64 before timing."""
@@ -16,13 +19,13 @@ import meganeura as mn
 from meganeura.runtime.device import get_device
 
 
-def matmul_case(dev, n: int, steps: int = 10) -> dict:
+def matmul_case(dev, n: int, steps: int = 10, precision: str = "strict") -> dict:
     g = mn.Graph(f"mm{n}")
     a = g.param("a", (n, n))
     b = g.param("b", (n, n))
     y = a @ b
     t0 = time.perf_counter()
-    s = mn.compile(g, outputs={"y": y}, device=dev)
+    s = mn.compile(g, outputs={"y": y}, device=dev, precision=precision)
     compile_s = time.perf_counter() - t0
     r = np.random.default_rng(0)
     A = r.standard_normal((n, n), dtype=np.float32)
@@ -37,7 +40,8 @@ def matmul_case(dev, n: int, steps: int = 10) -> dict:
     gpu_s = sum(per_call) / 1e9
     return {"n": n, "rel_err": rel, "gpu_ms": gpu_s * 1e3, "tflops": 2 * n**3 / gpu_s / 1e12,
             "wall_ms": prof.step_wall_ms, "compile_s": compile_s,
-            "kernel": prof.rows()[0].label}
+            "kernel": prof.rows()[0].label, "precision": precision,
+            "variants": s.kernel_variants()["infer"]}
 
 
 def encode_case(dev, n_ops: int = 200, reps: int = 20) -> dict:
@@ -62,10 +66,11 @@ def encode_case(dev, n_ops: int = 200, reps: int = 20) -> dict:
 
 def main():
     backend, out = sys.argv[1], sys.argv[2]
+    precision = sys.argv[3] if len(sys.argv) > 3 else "strict"
     dev = get_device(backend)
     res = {"backend": backend, "device": dev.describe(), "matmul": [], "encode": None}
-    for n in (1024, 2048, 4096):
-        res["matmul"].append(matmul_case(dev, n))
+    for n in (1024, 2048, 4096) + ((8192,) if precision == "fast" else ()):
+        res["matmul"].append(matmul_case(dev, n, precision=precision))
         print(backend, res["matmul"][-1], flush=True)
     res["encode"] = encode_case(dev)
     print(backend, res["encode"], flush=True)

@@ -23,6 +23,12 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
     ``dtype=np.float64`` for double precision).  Options for the GPU backend: ``fuse``,
     ``plan_memory`` (both default True), ``device``.
 
+    precision: "strict" (default) computes everything in f32.  "fast" lets matmuls round their
+    operands to f16 and accumulate in f32 on tensor cores where the device has them (Dawn with
+    f16 subgroup matrices, e.g. NVIDIA through Vulkan); on other devices, and for every other
+    kernel, it is the same as strict.  ``session.kernel_variants()`` says which kernels ran
+    fast.  The reference backend always computes exactly (precision is ignored there).
+
     share: another session of the same backend; persistent tensors (parameters, states) with
     the same name in both live in one buffer, so each session sees the other's updates (e.g. a
     prefill and a decode graph over one KV cache).  Shared tensors keep their current values;

@@ -113,9 +113,12 @@ class MatmulKernel:
     epilogue: tuple[Instr, ...] = ()
     out_dtype: DType | None = None
     name: str = "matmul"
-    # Force a codegen variant ("gemv" | "tiled64" | "tiled128" | "tiled64v" | "tiled128v");
-    # empty: chosen by shape (codegen.matmul.choose_variant).
+    # Force a codegen variant ("gemv" | "tiled64" | "tiled128" | "tiled64v" | "tiled128v" |
+    # "sgmat64" | "sgmat128"); empty: chosen by shape (codegen.matmul.choose_variant).
     variant: str = ""
+    # "fast": operands rounded to f16, f32 accumulation, on tensor cores where the device has
+    # f16 subgroup matrices; elsewhere (and always for "strict") the f32 kernels.
+    precision: str = "strict"
 
 
 @dataclass(frozen=True)

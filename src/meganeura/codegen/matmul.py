@@ -22,7 +22,7 @@ gemv 1×8192×8192 2.3 TB/s (k-contiguous weights, wgpu).
 
 from __future__ import annotations
 
-from ..dtypes import DType, f32
+from ..dtypes import DType, f16, f32
 from .common import (
     CodegenError,
     bcast_strides,
@@ -56,6 +56,13 @@ TILES = {"tiled64": (64, False), "tiled128": (128, False), "tiled64v": (64, True
          "tiled128v": (128, True)}
 BIG_TILE_MIN_WORKGROUPS = 256  # use 128x128 tiles only when that still fills a big GPU
 GEMV_MAX = 4  # M or N up to this use the gemv variant
+# Tensor-core variants (precision "fast", Dawn's subgroup matrices, f16 x f16 -> f32 16x16x16,
+# subgroups of 32): variant -> (tile rows, tile cols, subgroups along rows, along cols).  Each
+# subgroup owns a (rows/sgm) x (cols/sgn) block of 16x16 accumulator fragments.
+SGMAT = {"sgmat64": (64, 64, 2, 2), "sgmat128": (128, 128, 2, 4)}
+SG_BK = 32  # K step of the tensor-core variants (two 16-deep fragments)
+SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
+SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"  # runtime.device.SUBGROUP_MATRIX_F16
 GEMV_THREADS = 256
 GEMV_UNROLL = 4
 
@@ -104,9 +111,19 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
     uses_f16 = check_dtypes(name, dts + [i.dtype for i in k.epilogue], t)
 
     ctx = _Ctx(name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in)
-    variant = choose_variant(B, M, N, K, getattr(k, "variant", ""), name)
+    fast = k.precision == "fast" and op_dt.is_float and SG_FEATURE in t.features and t.has_f16
+    if k.precision not in ("strict", "fast"):
+        raise CodegenError(f"kernel {name!r}: precision must be 'strict' or 'fast', "
+                           f"got {k.precision!r}")
+    variant = choose_variant(B, M, N, K, getattr(k, "variant", ""), name, fast)
+    if variant in SGMAT and not (op_dt.is_float and SG_FEATURE in t.features):
+        raise CodegenError(f"kernel {name!r}: variant {variant!r} needs f16 subgroup matrices "
+                           f"(Dawn, feature {SG_FEATURE!r}) and float operands")
     if variant == "gemv":
         body, shared, wg_size, grid, helpers, variant = _gemv(ctx, t)
+    elif variant in SGMAT:
+        uses_f16 = True
+        body, shared, wg_size, grid, helpers, variant = _sgmat(ctx, t, *SGMAT[variant])
     else:
         tile, vec = TILES[variant]
         body, shared, wg_size, grid, helpers, variant = _tiled(ctx, t, tile, vec)
@@ -114,6 +131,10 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
     check_workgroup_storage(name, shared[1], t)
 
     lines = module_header(uses_f16)
+    if variant in SGMAT:
+        # per-subgroup fragment offsets (lid / 32) are not uniform across the workgroup
+        lines[-1:-1] = ["enable chromium_experimental_subgroup_matrix;",
+                        "diagnostic(off, chromium.subgroup_matrix_uniformity);"]
     lines += binding_decls(dts)
     lines += shared[0]
     return KernelSpec(
@@ -132,14 +153,16 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
     )
 
 
-def choose_variant(B: int, M: int, N: int, K: int, forced: str = "", name: str = "") -> str:
-    """``gemv`` when M or N ≤ 4; ``tiled128v`` (8×8 per invocation) when there are enough
-    128×128 tiles to fill a large GPU; else ``tiled64v``.  ``forced`` overrides."""
+def choose_variant(B: int, M: int, N: int, K: int, forced: str = "", name: str = "",
+                   tensor_cores: bool = False) -> str:
+    """``gemv`` when M or N ≤ 4; ``tiled128v`` (8×8 per invocation), or ``sgmat128`` with
+    ``tensor_cores``, when there are enough 128×128 tiles to fill a large GPU; else
+    ``tiled64v`` / ``sgmat64``.  ``forced`` overrides."""
     if forced:
-        if forced != "gemv" and forced not in TILES:
+        if forced != "gemv" and forced not in TILES and forced not in SGMAT:
             raise CodegenError(
                 f"kernel {name!r}: unknown matmul variant {forced!r}; expected gemv, "
-                f"{', '.join(TILES)}"
+                f"{', '.join(TILES)}, {', '.join(SGMAT)}"
             )
         if forced == "gemv" and min(M, N) > 2 * GEMV_MAX:
             raise CodegenError(
@@ -150,9 +173,10 @@ def choose_variant(B: int, M: int, N: int, K: int, forced: str = "", name: str =
         return "gemv"
     # H200 (f32, 4096³): tiled128v 23.5 / 27.6 TFLOP/s (wgpu / Dawn), tiled128 21.5 / 26.2,
     # tiled64v 19.2 / 21.8, tiled64 13.3 / 19.0.
-    if B * -(-M // 128) * -(-N // 128) >= BIG_TILE_MIN_WORKGROUPS:
-        return "tiled128v"
-    return "tiled64v"
+    big = B * -(-M // 128) * -(-N // 128) >= BIG_TILE_MIN_WORKGROUPS
+    if tensor_cores:
+        return "sgmat128" if big else "sgmat64"
+    return "tiled128v" if big else "tiled64v"
 
 
 class _Ctx:
@@ -252,48 +276,10 @@ def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
         for j in range(PER):
             L.append(f"{ind}var c{i}{j}: {acc} = {acc}(0);")
     nthreads = THREADS * THREADS
-    loads = TILE * BK // nthreads
-    a_k_fast = not (sam == 1 and sak != 1)  # neighbouring threads walk k unless A is m-major
-    b_n_fast = not (sbk == 1 and sbn != 1)  # neighbouring threads walk n unless B is k-major
 
     def stage(out: list[str], ii: str, check_mn: bool, check_k: bool) -> None:
-        """Copy the A and B tiles of step k0 into workgroup memory."""
-        for l in range(loads):
-            e = f"(lid + {u(l * nthreads)})"
-            if a_k_fast:
-                out.append(f"{ii}let ak{l} = {e} % {u(BK)};")
-                out.append(f"{ii}let ar{l} = {e} / {u(BK)};")
-            else:
-                out.append(f"{ii}let ar{l} = {e} % {u(TILE)};")
-                out.append(f"{ii}let ak{l} = {e} / {u(TILE)};")
-            if b_n_fast:
-                out.append(f"{ii}let bn{l} = {e} % {u(TILE)};")
-                out.append(f"{ii}let bk{l} = {e} / {u(TILE)};")
-            else:
-                out.append(f"{ii}let bk{l} = {e} % {u(BK)};")
-                out.append(f"{ii}let bn{l} = {e} / {u(BK)};")
-            for arr, v, idx, conds in (
-                ("As", f"av{l}",
-                 "abase + " + index_code([f"(row0 + ar{l})", f"(k0 + ak{l})"], [sam, sak]),
-                 ([f"row0 + ar{l} < {u(M)}"] if check_mn and not full_m else [])
-                 + ([f"k0 + ak{l} < {u(K)}"] if check_k else [])),
-                ("Bs", f"bv{l}",
-                 "bbase + " + index_code([f"(k0 + bk{l})", f"(col0 + bn{l})"], [sbk, sbn]),
-                 ([f"col0 + bn{l} < {u(N)}"] if check_mn and not full_n else [])
-                 + ([f"k0 + bk{l} < {u(K)}"] if check_k else [])),
-            ):
-                kx, xx = (f"ak{l}", f"ar{l}") if arr == "As" else (f"bk{l}", f"bn{l}")
-                if check_mn and live_check:
-                    conds = conds + ["live"]
-                val = c.read("a" if arr == "As" else "b", idx)
-                if conds:
-                    out.append(f"{ii}var {v}: {acc} = {acc}(0);")
-                    out.append(f"{ii}if ({' && '.join(conds)}) {{")
-                    out.append(f"{ii}    {v} = {val};")
-                    out.append(f"{ii}}}")
-                    out.append(f"{ii}{sh(arr, kx, xx)} = {v};")
-                else:
-                    out.append(f"{ii}{sh(arr, kx, xx)} = {val};")
+        _stage(c, out, ii, check_mn, check_k, TILE, TILE, BK, nthreads, live_check,
+               lambda arr, kx, xx: sh(arr, kx, xx), lambda v: v)
 
     def step(out: list[str], ii: str, check_k: bool) -> None:
         if edges:
@@ -375,6 +361,172 @@ def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
         nbytes,
     )
     return L, shared, nthreads, grid, helpers, f"tiled{TILE}{'v' if vec else ''}"
+
+
+def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
+    """Tensor-core tile: operands rounded to f16 while staged through workgroup memory, 16x16x16
+    subgroup-matrix multiply-accumulate into f32 fragments, then each fragment goes through
+    workgroup memory so every invocation applies the epilogue to its share of elements with
+    ordinary bounds checks (any shape, stride and epilogue works)."""
+    B, M, N, K = c.B, c.M, c.N, c.K
+    nsg = SGM * SGN
+    nthreads = 32 * nsg
+    FM, FN = TM // SGM // 16, TN // SGN // 16  # fragments per subgroup
+    astr, bstr = SG_BK + SG_PAD, TN + SG_PAD  # workgroup-memory row strides (f16 elements)
+    mt, nt = -(-M // TM), -(-N // TN)
+    grid = make_grid(c.name, mt * nt * B, t)
+    ind, i2, i3 = "    ", "        ", "            "
+    L: list[str] = [
+        f"{ind}let wg = {grid.wg_expr};",
+        f"{ind}let tn = wg % {u(nt)};",
+        f"{ind}let tq = wg / {u(nt)};",
+        f"{ind}let tm = tq % {u(mt)};",
+        f"{ind}let bi = tq / {u(mt)};",
+        f"{ind}let sid = lid / 32u;",
+        f"{ind}let lane = lid % 32u;",
+        f"{ind}let fr = sid / {u(SGN)} * {u(FM * 16)};",  # subgroup's first row in the tile
+        f"{ind}let fc = sid % {u(SGN)} * {u(FN * 16)};",
+        f"{ind}let row0 = tm * {u(TM)};",
+        f"{ind}let col0 = tn * {u(TN)};",
+    ]
+    live_check = not grid.exact
+    if live_check:
+        L.append(f"{ind}let live = bi < {u(B)};")
+    full_m, full_n = M % TM == 0, N % TN == 0
+    edges = not (full_m and full_n) or live_check
+    if edges:
+        conds = ([] if full_m else [f"row0 + {u(TM)} <= {u(M)}"])
+        conds += ([] if full_n else [f"col0 + {u(TN)} <= {u(N)}"])
+        conds += (["live"] if live_check else [])
+        L.append(f"{ind}let interior = {' && '.join(conds)};")
+    sab, sbb = c.sa[0], c.sb[0]
+    L.append(f"{ind}let abase = {index_code(['bi'], [sab], c.a.offset)};")
+    L.append(f"{ind}let bbase = {index_code(['bi'], [sbb], c.b.offset)};")
+    frag = "subgroup_matrix_result<f32, 16, 16>"
+    for i in range(FM):
+        for j in range(FN):
+            L.append(f"{ind}var c{i}_{j} = {frag}();")
+
+    def sh(arr, kx, x):
+        return f"As[{x} * {u(astr)} + {kx}]" if arr == "As" else f"Bs[{kx} * {u(bstr)} + {x}]"
+
+    conv = (lambda v: f"f16({v})") if c.op_dt is not f16 else (lambda v: v)
+
+    def stage(out, ii, check_mn, check_k):
+        _stage(c, out, ii, check_mn, check_k, TM, TN, SG_BK, nthreads, live_check, sh, conv)
+
+    def step(out: list[str], ii: str, check_k: bool) -> None:
+        if edges:
+            out.append(f"{ii}if (interior) {{")
+            stage(out, ii + ind, False, check_k)
+            out.append(f"{ii}}} else {{")
+            stage(out, ii + ind, True, check_k)
+            out.append(f"{ii}}}")
+        else:
+            stage(out, ii, False, check_k)
+        out.append(f"{ii}workgroupBarrier();")
+        for kk in range(0, SG_BK, 16):
+            for i in range(FM):
+                out.append(f"{ii}let a{i}_{kk} = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, "
+                           f"16>>(&As, (fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, "
+                           f"{u(astr)});")
+            for j in range(FN):
+                out.append(f"{ii}let b{j}_{kk} = subgroupMatrixLoad<subgroup_matrix_right<f16, "
+                           f"16, 16>>(&Bs, {u(kk * bstr)} + fc + {u(16 * j)}, false, "
+                           f"{u(bstr)});")
+            for i in range(FM):
+                for j in range(FN):
+                    out.append(f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, "
+                               f"b{j}_{kk}, c{i}_{j});")
+        out.append(f"{ii}workgroupBarrier();")
+
+    kf = K - K % SG_BK
+    if kf:
+        L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(SG_BK)}) {{")
+        step(L, i2, False)
+        L.append(f"{ind}}}")
+    if kf != K:
+        L.append(f"{ind}{{")
+        L.append(f"{i2}let k0 = {u(kf)};")
+        step(L, i2, True)
+        L.append(f"{ind}}}")
+
+    # epilogue: fragment -> this subgroup's 16x16 f32 scratch -> 8 elements per invocation
+    helpers: set[str] = set()
+    guard = []
+    if not full_m:
+        guard.append(f"r < {u(M)}")
+    if not full_n:
+        guard.append(f"n < {u(N)}")
+    if live_check:
+        guard.append("live")
+    for i in range(FM):
+        for j in range(FN):
+            L.append(f"{ind}subgroupMatrixStore(&Cs, sid * 256u, c{i}_{j}, false, 16u);")
+            L.append(f"{ind}workgroupBarrier();")
+            L.append(f"{ind}for (var q: u32 = 0u; q < 8u; q = q + 1u) {{")
+            L.append(f"{i2}let e = lane + q * 32u;")
+            L.append(f"{i2}let r = row0 + fr + {u(16 * i)} + e / 16u;")
+            L.append(f"{i2}let n = col0 + fc + {u(16 * j)} + e % 16u;")
+            L.append(f"{i2}let v = Cs[sid * 256u + e];")
+            if guard:
+                L.append(f"{i2}if ({' && '.join(guard)}) {{")
+                c.store(L, i3, "bi", "r", "n", "v", helpers)
+                L.append(f"{i2}}}")
+            else:
+                c.store(L, i2, "bi", "r", "n", "v", helpers)
+            L.append(f"{ind}}}")
+            L.append(f"{ind}workgroupBarrier();")
+    nbytes = 2 * (TM * astr + SG_BK * bstr) + 4 * 256 * nsg
+    shared = ([f"var<workgroup> As: array<f16, {TM * astr}>;",
+               f"var<workgroup> Bs: array<f16, {SG_BK * bstr}>;",
+               f"var<workgroup> Cs: array<f32, {256 * nsg}>;"], nbytes)
+    return L, shared, nthreads, grid, helpers, f"sgmat{TM}"
+
+
+def _stage(c: _Ctx, out: list[str], ii: str, check_mn: bool, check_k: bool, TM: int, TN: int,
+           bk: int, nthreads: int, live_check: bool, sh, conv) -> None:
+    """Copy step ``k0``'s A (TM x bk) and B (bk x TN) tiles into workgroup memory, zero-filled
+    outside the matrices.  Neighbouring threads walk each operand's contiguous axis, so a
+    transposed operand is still read coalesced.  ``sh(arr, k, x)`` is the workgroup-memory
+    element, ``conv(value)`` converts the accumulator-typed value to its stored type."""
+    M, N, K = c.M, c.N, c.K
+    full_m, full_n = M % TM == 0, N % TN == 0
+    _, sam, sak = c.sa
+    _, sbk, sbn = c.sb
+    a_k_fast = not (sam == 1 and sak != 1)  # neighbouring threads walk k unless A is m-major
+    b_n_fast = not (sbk == 1 and sbn != 1)  # neighbouring threads walk n unless B is k-major
+    acc = c.acc_t.wgsl
+    for arr, tile, rows_fast in (("As", TM, not a_k_fast), ("Bs", TN, b_n_fast)):
+        for l in range(tile * bk // nthreads):
+            e = f"(lid + {u(l * nthreads)})"
+            x, kx = (f"ar{l}", f"ak{l}") if arr == "As" else (f"bn{l}", f"bk{l}")
+            if rows_fast:
+                out.append(f"{ii}let {x} = {e} % {u(tile)};")
+                out.append(f"{ii}let {kx} = {e} / {u(tile)};")
+            else:
+                out.append(f"{ii}let {kx} = {e} % {u(bk)};")
+                out.append(f"{ii}let {x} = {e} / {u(bk)};")
+            if arr == "As":
+                v, idx = f"av{l}", "abase + " + index_code([f"(row0 + {x})", f"(k0 + {kx})"],
+                                                           [sam, sak])
+                conds = [f"row0 + {x} < {u(M)}"] if check_mn and not full_m else []
+            else:
+                v, idx = f"bv{l}", "bbase + " + index_code([f"(k0 + {kx})", f"(col0 + {x})"],
+                                                           [sbk, sbn])
+                conds = [f"col0 + {x} < {u(N)}"] if check_mn and not full_n else []
+            conds += [f"k0 + {kx} < {u(K)}"] if check_k else []
+            if check_mn and live_check:
+                conds.append("live")
+            val = c.read("a" if arr == "As" else "b", idx)
+            if conds:
+                out.append(f"{ii}var {v}: {acc} = {acc}(0);")
+                out.append(f"{ii}if ({' && '.join(conds)}) {{")
+                out.append(f"{ii}    {v} = {val};")
+                out.append(f"{ii}}}")
+                out.append(f"{ii}{sh(arr, kx, x)} = {conv(v)};")
+            else:
+                out.append(f"{ii}{sh(arr, kx, x)} = {conv(val)};")
 
 
 def _gemv(c: _Ctx, t):

@@ -72,6 +72,11 @@ _WANTED_FEATURES = (
 # (subgroup matrix) and f16 on NVIDIA drivers older than 615.71.
 _DAWN_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
 
+# Pseudo-feature the compiler keys tensor-core matmuls on: the adapter multiplies 16x16 f16
+# subgroup matrices into f32 with subgroups of exactly 32 invocations (the kernel maps
+# invocations to subgroups as ``lid / 32``).  Derived from Dawn's subgroup-matrix configs.
+SUBGROUP_MATRIX_F16 = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
+
 _INSTALL_HINT = (
     "install a Vulkan driver: on Debian/Ubuntu `apt-get install mesa-vulkan-drivers libvulkan1` "
     "(Mesa lavapipe runs on the CPU) or your GPU vendor's driver; on macOS Metal is built in"
@@ -530,6 +535,8 @@ def _make_device(module, adapter, implementation: str) -> Device:
         dev_features = frozenset(device.features)
     except Exception:  # pragma: no cover
         dev_features = frozenset(features)
+    if _has_f16_subgroup_matrix(module, adapter, dev_features):
+        dev_features = dev_features | {SUBGROUP_MATRIX_F16}
     try:
         limits = {_norm_key(k): v for k, v in dict(device.limits).items()}
     except Exception:  # pragma: no cover
@@ -549,6 +556,26 @@ def _make_device(module, adapter, implementation: str) -> Device:
         features=dev_features,
         limits=limits,
         module=module,
+    )
+
+
+def _has_f16_subgroup_matrix(module, adapter, features) -> bool:
+    """Whether the adapter reports an f16 x f16 -> f32 16x16x16 subgroup-matrix config at
+    subgroup size 32 (only Dawn exposes subgroup matrices; see GPU-NOTES.md)."""
+    if "chromium-experimental-subgroup-matrix" not in features or not module.__name__.startswith(
+            "wgpudawn"):
+        return False
+    try:
+        from wgpudawn.backends.dawn import extras
+
+        configs = extras.get_adapter_properties(adapter).get("subgroup_matrix_configs", ())
+    except Exception:
+        return False
+    return any(
+        str(c.get("component_type")) == "f16" and str(c.get("result_component_type")) == "f32"
+        and (c.get("m"), c.get("n"), c.get("k")) == (16, 16, 16)
+        and c.get("min_subgroup_size") == 32 == c.get("max_subgroup_size")
+        for c in configs
     )
 
 

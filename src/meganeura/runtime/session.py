@@ -10,6 +10,7 @@ import dataclasses
 import os
 import re
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -25,7 +26,9 @@ from .device import get_device
 _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
 
 
-def _emit(desc, dev):
+def _emit(desc, dev, precision: str = "strict"):
+    if precision != "strict" and isinstance(desc, codegen.MatmulKernel):
+        desc = dataclasses.replace(desc, precision=precision)
     special = emitter_for(desc)
     if special is not None:
         return special(desc, dev.limits, dev.features)
@@ -66,12 +69,14 @@ class _Executable:
             self.fetch_copies.append((sess._buffer(self, loc), loc.offset, self.fetch_bytes, n))
             self.fetch_bytes += n
         self.readback_pool: list = []
+        self.variants: Counter = Counter()  # kernel variants of this stream (which ran fast)
         for k in plan.kernels:
             if isinstance(k, PlannedCopy):
                 self.ops.append(("copy", sess._buffer(self, k.src), k.src.offset,
                                  sess._buffer(self, k.dst), k.dst.offset, _round4(k.src.nbytes)))
                 continue
-            spec = _emit(k.desc, dev)
+            spec = _emit(k.desc, dev, sess.precision)
+            self.variants[spec.meta.get("variant") or spec.meta.get("archetype", "?")] += 1
             binds = list(k.binds)
             spec, binds = _share_bindings(spec, binds)
             if "wgsl" in _DEBUG:
@@ -188,9 +193,9 @@ class GPUSession(Session):
                  check_finite: bool = True, fuse: bool = True, plan_memory: bool = True,
                  device=None, share: GPUSession | None = None, group_params: bool = True):
         super().__init__(program, check_finite)
-        if precision != "strict":
-            raise GraphBuildError(f"precision={precision!r} is not available on the GPU backend "
-                                  "yet; use precision='strict'")
+        if precision not in ("strict", "fast"):
+            raise GraphBuildError(f"precision must be 'strict' or 'fast', got {precision!r}")
+        self.precision = precision
         t0 = time.perf_counter()
         shared = self._shared_names(share)
         if share is not None and device is not None and device is not share.dev:
@@ -313,6 +318,12 @@ class GPUSession(Session):
             self.dev.queue.write_buffer(buf, off, _to_gpu(v, leaves[n].value.dtype))
 
     # reports -----------------------------------------------------------------------------------
+    def kernel_variants(self) -> dict[str, dict[str, int]]:
+        """Kernel variants per stream (``train`` / ``infer``), e.g. how many matmuls run on
+        tensor cores (``sgmat*``) under ``precision="fast"``."""
+        return {tag: dict(ex.variants) for tag, ex in (("train", self.train),
+                                                       ("infer", self.infer)) if ex is not None}
+
     def memory_report(self) -> dict:
         """Naive size (one buffer per value) vs the planned peak of intermediates, in bytes."""
         rep = {}

@@ -1,0 +1,140 @@
+"""Tensor-core matmul variants (``precision="fast"``: operands rounded to f16, f32 accumulation
+on Dawn's f16 subgroup matrices).  The emitted-code checks run everywhere; the device checks
+need an adapter with f16 subgroup matrices (Dawn on NVIDIA: ``bash bench/gpu_check.sh`` runs
+them on the H200) and compare with numpy float64 on the f16-rounded operands."""
+
+import numpy as np
+import pytest
+
+from meganeura import codegen
+from meganeura.codegen import CodegenError, Instr, MatmulKernel, Strided
+from meganeura.codegen.matmul import SG_FEATURE, SGMAT, choose_variant
+from meganeura.dtypes import f16, f32
+
+from ._util import assert_close, view_of
+from .test_matmul import BIAS_RELU, _operand
+
+TC_LIMITS = {"max_compute_workgroup_storage_size": 49152,
+             "max_compute_invocations_per_workgroup": 1024,
+             "max_storage_buffers_per_shader_stage": 16}
+TC_FEATURES = {"shader-f16", SG_FEATURE}
+
+
+def _desc(b, m, n, k, **kw):
+    sa = Strided.contiguous(f32, (b, m, k))
+    sb = Strided.contiguous(f32, (b, k, n))
+    return MatmulKernel(b, m, n, k, sa, sb, precision="fast", **kw)
+
+
+def test_fast_picks_tensor_cores_only_where_the_device_has_them():
+    spec = codegen.emit(_desc(1, 256, 256, 64), TC_LIMITS, TC_FEATURES)
+    assert spec.meta["variant"] == "sgmat64"
+    assert "subgroupMatrixMultiplyAccumulate" in spec.wgsl
+    assert spec.wgsl.index("enable chromium_experimental_subgroup_matrix;") < spec.wgsl.index(
+        "@group")
+    assert spec.meta["workgroup_storage"] <= TC_LIMITS["max_compute_workgroup_storage_size"]
+    # no subgroup matrices (wgpu-native, lavapipe): the strict f32 kernel, identical code
+    plain = codegen.emit(_desc(1, 256, 256, 64), TC_LIMITS, {"shader-f16"})
+    strict = codegen.emit(MatmulKernel(1, 256, 256, 64, Strided.contiguous(f32, (1, 256, 64)),
+                                       Strided.contiguous(f32, (1, 64, 256))),
+                          TC_LIMITS, {"shader-f16"})
+    assert plain.wgsl == strict.wgsl and plain.meta["variant"] == "tiled64v"
+    # strict never uses them, even where they exist
+    s = codegen.emit(MatmulKernel(1, 256, 256, 64, Strided.contiguous(f32, (1, 256, 64)),
+                                  Strided.contiguous(f32, (1, 64, 256))), TC_LIMITS, TC_FEATURES)
+    assert s.meta["variant"] == "tiled64v"
+    # gemv shapes stay gemv (memory-bound; tensor cores do not help)
+    assert codegen.emit(_desc(1, 1, 512, 64), TC_LIMITS, TC_FEATURES).meta["variant"] == "gemv"
+
+
+def test_variant_choice_and_errors():
+    assert choose_variant(1, 4096, 4096, 4096, tensor_cores=True) == "sgmat128"
+    assert choose_variant(1, 512, 512, 4096, tensor_cores=True) == "sgmat64"
+    assert choose_variant(1, 3, 512, 64, tensor_cores=True) == "gemv"
+    with pytest.raises(CodegenError, match="needs f16 subgroup matrices"):
+        codegen.emit(_desc(1, 64, 64, 64, variant="sgmat64"), TC_LIMITS, {"shader-f16"})
+    with pytest.raises(CodegenError, match="precision must be"):
+        codegen.emit(_desc(1, 64, 64, 64).__class__(
+            1, 64, 64, 64, Strided.contiguous(f32, (1, 64, 64)),
+            Strided.contiguous(f32, (1, 64, 64)), precision="bf16"), TC_LIMITS, TC_FEATURES)
+
+
+@pytest.mark.parametrize("variant", list(SGMAT))
+def test_workgroup_storage_fits_every_variant(variant):
+    spec = codegen.emit(_desc(2, 300, 260, 200, variant=variant), TC_LIMITS, TC_FEATURES)
+    assert spec.meta["workgroup_storage"] <= 48 * 1024
+    assert spec.meta["workgroup_size"] == 32 * SGMAT[variant][2] * SGMAT[variant][3]
+
+
+# --------------------------------------------------------------------------- on the device
+
+
+@pytest.fixture
+def tc_run(run, dev):
+    if SG_FEATURE not in dev.features:
+        pytest.skip(f"{dev.adapter_name} ({dev.implementation}) has no f16 subgroup matrices; "
+                    "these run on the GPU machine (Dawn on the H200)")
+    return run
+
+
+def _r16(x):
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float64)
+
+
+TC_CASES = [
+    # batch, m, n, k, trans_a, trans_b, variant
+    (1, 70, 65, 33, False, False, ""),
+    (2, 64, 64, 16, True, False, ""),
+    (3, 17, 130, 50, False, True, ""),
+    (1, 100, 90, 41, True, True, ""),
+    (1, 128, 256, 64, False, False, "sgmat64"),  # whole tiles: no bounds checks
+    (1, 256, 384, 96, False, True, "sgmat128"),
+    (2, 300, 260, 200, True, False, "sgmat128"),  # edges of big tiles, K tail
+    (1, 33, 47, 5, False, False, ""),  # K smaller than one fragment
+]
+
+
+@pytest.mark.parametrize("b,m,n,k,ta,tb,variant", TC_CASES)
+def test_tensor_core_matmul(tc_run, rng, b, m, n, k, ta, tb, variant):
+    am, a, sa = _operand(rng, b, m, k, ta)
+    bm, bb, sb = _operand(rng, b, k, n, tb)
+    desc = MatmulKernel(b, m, n, k, sa, sb, variant=variant, precision="fast")
+    (y,) = tc_run(desc, [am, bm], [((b, m, n), f32)])
+    assert tc_run.last_spec.meta["variant"].startswith("sgmat")
+    ref = _r16(a) @ _r16(bb)
+    assert_close(y, ref, 1e-4, 1e-5 * np.sqrt(k), what=tc_run.last_spec.meta["variant"])
+    # and it really rounded: f32 operands give a different product
+    exact = a.astype(np.float64) @ bb.astype(np.float64)
+    assert np.abs(y - exact).max() > 1e-6 * np.abs(exact).max()
+
+
+def test_tensor_core_epilogue_broadcast_and_offsets(tc_run, rng):
+    B, m, n, k = 3, 50, 70, 24
+    am, a, sa = _operand(rng, B, m, k, False)
+    wm, w, sw = _operand(rng, B, k, n, True, bcast=True)
+    bias = rng.standard_normal(n).astype(np.float32)
+    desc = MatmulKernel(B, m, n, k, sa, sw, (Strided(f32, (1, 1, n), (0, 0, 1), 0, n),),
+                        BIAS_RELU, precision="fast")
+    (y,) = tc_run(desc, [am, wm, bias], [((B, m, n), f32)])
+    assert_close(y, np.maximum(_r16(a) @ _r16(w) + bias, 0), 1e-4, 1e-5, what="bias+relu")
+    abuf = rng.standard_normal(1500).astype(np.float32)
+    a2 = abuf[7: 7 + 2 * 33 * 19].reshape(2, 33, 19)
+    bbuf = rng.standard_normal(3000).astype(np.float32)
+    b2 = bbuf[100: 100 + 2 * 40 * 19].reshape(2, 40, 19).transpose(0, 2, 1)
+    res = rng.standard_normal((2, 33, 40)).astype(np.float32)
+    epi = (Instr("({0} * f32(0.5))", (("acc", 0),), f32),
+           Instr("({0} + {1})", (("t", 0), ("x", 0)), f32))
+    desc = MatmulKernel(2, 33, 40, 19, view_of(abuf, a2), view_of(bbuf, b2),
+                        (Strided.contiguous(f32, (2, 33, 40)),), epi, precision="fast")
+    (y,) = tc_run(desc, [abuf, bbuf, res], [((2, 33, 40), f32)])
+    assert_close(y, 0.5 * (_r16(a2) @ _r16(b2)) + res, 1e-4, 1e-5, what="residual")
+
+
+def test_tensor_core_f16_operands(tc_run, rng):
+    a = rng.standard_normal((1, 80, 48)).astype(np.float16)
+    b = rng.standard_normal((1, 48, 72)).astype(np.float16)
+    desc = MatmulKernel(1, 80, 72, 48, Strided.contiguous(f16, (1, 80, 48)),
+                        Strided.contiguous(f16, (1, 48, 72)), out_dtype=f32, precision="fast")
+    (y,) = tc_run(desc, [a, b], [((1, 80, 72), f32)])
+    assert tc_run.last_spec.meta["variant"].startswith("sgmat")
+    assert_close(y, a.astype(np.float64) @ b.astype(np.float64), 1e-4, 1e-4, what="f16 in")
