@@ -80,23 +80,57 @@ def ours_peak_bytes(sess, inference: bool) -> int:
     return int(rep["persistent_bytes"] + rep["input_bytes"] + part["planned_peak_bytes"])
 
 
+def gate_outputs(w, dev, precision: str = "strict") -> dict:
+    """Forward outputs, loss and every parameter gradient, from one compiled graph."""
+    g2, grads = mn.grad(w.graph, w.loss)
+    outs = {f"out:{k}": g2[v] for k, v in w.outputs.items()}
+    outs["loss"] = g2[w.loss]
+    outs.update({f"grad:{k}": v for k, v in grads.items()})
+    gs = mn.compile(g2, outputs=outs, device=dev, precision=precision)
+    gs.set_params(w.params)
+    got = gs.run(**{k: v for k, v in w.feeds.items() if k in gs.program.inference_feeds()})
+    res = {k: got[k] for k in outs}
+    del gs
+    gc.collect()
+    return res
+
+
+def run_ours_fast(w, dev, args) -> dict:
+    """precision="fast" (tensor-core matmuls): gates, inference and SGD training step."""
+    from meganeura.codegen.matmul import SG_FEATURE
+
+    if SG_FEATURE not in dev.features:
+        return {"skipped": f"{dev.implementation} on {dev.adapter_name}: no f16 subgroup "
+                           "matrices, so fast compiles to the strict program"}
+    res = {"outputs": gate_outputs(w, dev, "fast")}
+    t0 = time.perf_counter()
+    inf = mn.compile(w.graph, outputs=w.outputs, device=dev, precision="fast")
+    res["compile_infer_s"] = time.perf_counter() - t0
+    inf.set_params(w.params)
+    res["infer"] = time_ours(inf, True, w.feeds, args.warmup, args.steps)
+    res["infer"]["tensor_core_kernels"] = sum(
+        n for k, n in inf.kernel_variants()["infer"].items() if k.startswith("sgmat"))
+    del inf
+    t0 = time.perf_counter()
+    tr = mn.compile(w.graph, loss=w.loss, outputs={}, optimizer=optim.SGD(lr=1e-4), device=dev,
+                    precision="fast")
+    res["compile_train_sgd_s"] = time.perf_counter() - t0
+    tr.set_params(w.params)
+    res["train_sgd"] = time_ours(tr, False, w.feeds, args.warmup, args.steps)
+    res["train_sgd"]["tensor_core_kernels"] = sum(
+        n for k, n in tr.kernel_variants()["train"].items() if k.startswith("sgmat"))
+    del tr
+    gc.collect()
+    return res
+
+
 def run_ours(w, impl: str, args) -> dict:
     from meganeura.runtime.device import get_device
 
     dev = get_device(impl)
     res = {"impl": impl, "device": dev.adapter_name}
     params = w.params
-    # gates: forward outputs and every parameter gradient, from one graph
-    g2, grads = mn.grad(w.graph, w.loss)
-    outs = {f"out:{k}": g2[v] for k, v in w.outputs.items()}
-    outs["loss"] = g2[w.loss]
-    outs.update({f"grad:{k}": v for k, v in grads.items()})
-    gs = mn.compile(g2, outputs=outs, device=dev)
-    gs.set_params(params)
-    got = gs.run(**{k: v for k, v in w.feeds.items() if k in gs.program.inference_feeds()})
-    res["outputs"] = {k: got[k] for k in outs}
-    del gs
-    gc.collect()
+    res["outputs"] = gate_outputs(w, dev)
     # compile time "cold": our per-process pipeline cache emptied first (the driver's own
     # shader cache, as in a new process, may still help); "warm": built again right after
     dev._pipelines.clear()
@@ -133,10 +167,43 @@ def run_ours(w, impl: str, args) -> dict:
                 res["trace"] = path
         del tr
         gc.collect()
+    if args.fast:
+        res["fast"] = run_ours_fast(w, dev, args)
     return res
 
 
 # ------------------------------------------------------------------------------ PyTorch
+
+
+def torch_reference(w, args):
+    """The PyTorch twin on the benchmark device with the workload's weights, and the gate
+    reference (f32, TF32 off): forward outputs, loss, every parameter gradient."""
+    import torch
+
+    dev = torch.device(args.torch_device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    torch.set_default_device(dev)  # twins make position tables/masks inside forward()
+    m = w.torch_model().to(dev).float()
+    w.load_torch(m, w.params)
+    feeds = w.torch_feeds(dev)
+    m.zero_grad(set_to_none=True)
+    loss, outs = w.torch_loss(m, feeds)
+    loss.backward()
+    ref = {"loss": loss.detach().double().cpu().numpy(),
+           **{f"out:{k}": v.detach().double().cpu().numpy() for k, v in outs.items()},
+           **{f"grad:{k}": v for k, v in w.torch_grads(m).items()}}
+    return m, feeds, ref
+
+
+def torch_release():
+    import torch
+
+    torch.set_default_device("cpu")
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_torch(w, args) -> dict:
@@ -168,20 +235,7 @@ def run_torch(w, args) -> dict:
         sync()
         return int(torch.cuda.max_memory_allocated())
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.deterministic = True
-    torch.set_default_device(dev)  # twins make position tables/masks inside forward()
-    m = w.torch_model().to(dev).float()
-    w.load_torch(m, w.params)
-    feeds = w.torch_feeds(dev)
-    # reference values for the gates: f32, TF32 off
-    m.zero_grad(set_to_none=True)
-    loss, outs = w.torch_loss(m, feeds)
-    loss.backward()
-    res["ref"] = {"loss": loss.detach().double().cpu().numpy(),
-                  **{f"out:{k}": v.detach().double().cpu().numpy() for k, v in outs.items()},
-                  **{f"grad:{k}": v for k, v in w.torch_grads(m).items()}}
+    m, feeds, res["ref"] = torch_reference(w, args)
 
     def fwd():
         with torch.no_grad():
@@ -247,11 +301,8 @@ def run_torch(w, args) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     res["cells"] = cells
-    torch.set_default_device("cpu")
     m = None  # free the model before the next workload
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    torch_release()
     return res
 
 
@@ -263,7 +314,24 @@ def gates(ours_out: dict, ref: dict, tol=STRICT) -> dict:
     cos = min((cosine(ours_out[k], ref[k]) for k in gk), default=1.0)
     worst = max(gk, key=lambda k: rel_l2(ours_out[k], ref[k])) if gk else None
     return {"fwd_rel_l2": fwd, "bwd_rel_l2": bwd, "bwd_min_cos": cos, "worst_param": worst,
-            "fwd_pass": fwd <= tol["fwd"], "bwd_pass": bwd <= tol["bwd"]}
+            "fwd_pass": fwd <= tol["fwd"],
+            "bwd_pass": bwd <= tol["bwd"] and cos >= tol.get("cos", -1.0)}
+
+
+def run_all_ours(w, args, ref) -> dict:
+    """Ours on every implementation, with gates (strict, and fast where measured)."""
+    res = {}
+    for impl in args.impls.split(","):
+        try:
+            o = run_ours(w, impl, args)
+            o["gates"] = gates(o.pop("outputs"), ref)
+            if "outputs" in o.get("fast", {}):
+                o["fast"]["gates"] = gates(o["fast"].pop("outputs"), ref, FAST)
+            res[impl] = o
+        except Exception as e:  # noqa: BLE001
+            res[impl] = {"error": f"{type(e).__name__}: {e}"[:600],
+                         "tb": traceback.format_exc()[-1500:]}
+    return res
 
 
 def main(argv=None) -> int:
@@ -280,6 +348,10 @@ def main(argv=None) -> int:
     p.add_argument("--torch-compile", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--fast", action="store_true", help="also our precision='fast' cells")
+    p.add_argument("--refresh-ours", default=None, metavar="TAG",
+                   help="re-measure our cells of records already in --out (PyTorch's timings "
+                        "kept; its gate reference recomputed); records marked TAG are done")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.torch_device is None:
@@ -297,7 +369,21 @@ def main(argv=None) -> int:
             continue
         for variant in variants:
             key = f"{name}/{variant}"
-            if any(r["key"] == key for r in results):
+            old = next((r for r in results if r["key"] == key), None)
+            if old is not None and args.refresh_ours and "error" not in old \
+                    and old.get("refresh") != args.refresh_ours:
+                t0 = time.perf_counter()
+                w = WORKLOADS[name](quick=args.quick, variant=variant)
+                ref = torch_reference(w, args)[2]  # the twin itself is dropped right away
+                torch_release()
+                old["ours"] = run_all_ours(w, args, ref)
+                old.update(refresh=args.refresh_ours, ours_date=time.strftime("%Y-%m-%d"),
+                           ours_seconds=time.perf_counter() - t0)
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1, default=float)
+                print(summary_line(old), flush=True)
+                continue
+            if old is not None:
                 continue
             rec = {"key": key, "workload": name, "variant": variant,
                    "date": time.strftime("%Y-%m-%d"), "quick": args.quick}
@@ -307,15 +393,7 @@ def main(argv=None) -> int:
                 rec["params"] = int(sum(v.size for v in w.params.values()))
                 rec["torch"] = run_torch(w, args)
                 ref = rec["torch"].pop("ref")
-                rec["ours"] = {}
-                for impl in args.impls.split(","):
-                    try:
-                        o = run_ours(w, impl, args)
-                        o["gates"] = gates(o.pop("outputs"), ref)
-                        rec["ours"][impl] = o
-                    except Exception as e:  # noqa: BLE001
-                        rec["ours"][impl] = {"error": f"{type(e).__name__}: {e}"[:600],
-                                             "tb": traceback.format_exc()[-1500:]}
+                rec["ours"] = run_all_ours(w, args, ref)
             except Exception as e:  # noqa: BLE001
                 rec["error"] = f"{type(e).__name__}: {e}"[:600]
                 rec["tb"] = traceback.format_exc()[-1500:]
@@ -343,6 +421,13 @@ def summary_line(rec) -> str:
                      f"{eager['train_sgd']['median_ms']:.2f}) gates fwd {g['fwd_rel_l2']:.1e} "
                      f"bwd {g['bwd_rel_l2']:.1e} "
                      f"{'PASS' if g['fwd_pass'] and g['bwd_pass'] else 'FAIL'}")
+        f = o.get("fast", {})
+        if "gates" in f:
+            fg = f["gates"]
+            parts.append(f"{impl} fast: fwd {f['infer']['median_ms']:.2f} train-sgd "
+                         f"{f['train_sgd']['median_ms']:.2f} gates {fg['fwd_rel_l2']:.1e}/"
+                         f"{fg['bwd_rel_l2']:.1e} "
+                         f"{'PASS' if fg['fwd_pass'] and fg['bwd_pass'] else 'FAIL'}")
     return " | ".join(parts)
 
 

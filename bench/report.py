@@ -36,6 +36,68 @@ def _best(rec, key):
     return best
 
 
+def _fast_cell(rec):
+    """Our fast cells (implementation, record) with passing fast gates, best inference first."""
+    cells = [(impl, o["fast"]) for impl, o in rec.get("ours", {}).items()
+             if "gates" in o.get("fast", {})]
+    return sorted(cells, key=lambda c: c[1]["infer"]["median_ms"])
+
+
+def fast_ratios(rec):
+    """(our fast time / PyTorch's best fast time) for inference and SGD training, over passing
+    cells; None where there is nothing to compare."""
+    c = rec["torch"]["cells"]
+    out = {}
+    for key in ("infer", "train_sgd"):
+        theirs = [t for t in (_ms(c.get("eager_tf32"), key), _ms(c.get("eager_bf16"), key)) if t]
+        ours = [f[key]["median_ms"] for _, f in _fast_cell(rec)
+                if f["gates"]["fwd_pass"] and f["gates"]["bwd_pass"]]
+        out[key] = min(ours) / min(theirs) if ours and theirs else None
+    return out
+
+
+def fast_section(records) -> list[str]:
+    L = ["\n## Fast path: our `precision=\"fast\"` vs PyTorch TF32 / bf16 autocast (eager; ms)\n",
+         "Ours: matmuls with operands rounded to f16 and f32 accumulation on the tensor cores "
+         "(Dawn's f16 subgroup matrices); convolutions, attention and everything else stay f32. "
+         "wgpu-native has no tensor-core access, so there fast is the strict program. Fast "
+         "gates: forward rel. L2 ≤ 1e-2, every gradient ≤ 5e-2 and cosine ≥ 0.99 against "
+         "PyTorch f32. Ratio: our fast time ÷ the faster of PyTorch's TF32 and bf16.\n",
+         "| workload | ours fast infer | ours fast train SGD | TF32 infer | TF32 train SGD | "
+         "bf16 infer | bf16 train SGD | ratio infer | ratio train | fast gate fwd / bwd / "
+         "cos | tensor-core matmuls infer / train |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if "error" in r:
+            continue
+        c = r["torch"]["cells"]
+        fc = _fast_cell(r)
+        if fc:
+            impl, f = fc[0]
+            g = f["gates"]
+            ok = g["fwd_pass"] and g["bwd_pass"]
+            mine = ((_fmt(f["infer"]["median_ms"]), _fmt(f["train_sgd"]["median_ms"])) if ok
+                    else ("fail", "fail"))
+            gate = (f"{g['fwd_rel_l2']:.1e} / {g['bwd_rel_l2']:.1e} / {g['bwd_min_cos']:.4f} "
+                    f"{'pass' if ok else '**fail**'} ({impl})")
+            tc = (f"{f['infer'].get('tensor_core_kernels', '?')} / "
+                  f"{f['train_sgd'].get('tensor_core_kernels', '?')}")
+        else:
+            mine, gate, tc = ("—", "—"), "not measured", "—"
+        ra = fast_ratios(r)
+        L.append(f"| {r['key']} | {mine[0]} | {mine[1]} | "
+                 f"{_fmt(_ms(c.get('eager_tf32'), 'infer'))} | "
+                 f"{_fmt(_ms(c.get('eager_tf32'), 'train_sgd'))} | "
+                 f"{_fmt(_ms(c.get('eager_bf16'), 'infer'))} | "
+                 f"{_fmt(_ms(c.get('eager_bf16'), 'train_sgd'))} | {_fmt(ra['infer'])} | "
+                 f"{_fmt(ra['train_sgd'])} | {gate} | {tc} |")
+    worst = [fast_ratios(r)["train_sgd"] for r in records if "error" not in r]
+    worst = [x for x in worst if x is not None]
+    if worst:
+        L.append(f"\nWorst fast-path training ratio: {max(worst):.2f} (target ≤ 2.5).\n")
+    return L
+
+
 def build(records, out_dir, plan_memory=None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     L = []
@@ -51,6 +113,13 @@ def build(records, out_dir, plan_memory=None) -> str:
              f"our implementations: {', '.join(f'{k} ({v})' for k, v in impl_dev.items())}. "
              "Median of timed steps after warm-ups, GPU synchronized each step; IQR in the JSON. "
              "Strict f32 (TF32 off on both sides). A cell whose gate failed shows `fail`.\n")
+    refreshed = sorted({(r.get("refresh"), r.get("ours_date")) for r in records
+                        if r.get("refresh")})
+    if refreshed:
+        L.append("Our cells were re-measured later in the same setup ("
+                 + ", ".join(f"run `{t}` on {d}" for t, d in refreshed)
+                 + "; `bench/harness.py --refresh-ours`), against the PyTorch timings of the "
+                 "first run; the gate references were recomputed by PyTorch in that run.\n")
     L.append("Software: wgpu 0.32.0 (wgpu-native) and wgpudawn 0.32.0.4 (Dawn) as pinned in "
              "pyproject.toml; NVIDIA driver 580.159.04, Vulkan (docs/gpu-runtime.md).\n")
     L.append("Reproduce on the GPU machine (after `source .gpu/env.sh`): `bash bench/gpu_run.sh "
@@ -173,19 +242,7 @@ def build(records, out_dir, plan_memory=None) -> str:
             L.append(f"| {key} | {impl} | {g['worst']} | {w['ours_vs_f64']:.2e} | "
                      f"{w['torch32_vs_f64']:.2e} | {w['ours_vs_torch32']:.2e} | "
                      f"{'pass' if g['pass'] else '**fail**'} |")
-    L.append("\n## Fast path (PyTorch TF32 / bf16 autocast, eager; ms)\n")
-    L.append("Our `fast` precision (f16 storage / tensor-core matmuls) is not implemented yet, so "
-             "these rows only give PyTorch's numbers for reference.\n")
-    L.append("| workload | TF32 infer | TF32 train SGD | bf16 infer | bf16 train SGD |")
-    L.append("|---|---|---|---|---|")
-    for r in records:
-        if "error" in r:
-            continue
-        c = r["torch"]["cells"]
-        L.append(f"| {r['key']} | {_fmt(_ms(c.get('eager_tf32'), 'infer'))} | "
-                 f"{_fmt(_ms(c.get('eager_tf32'), 'train_sgd'))} | "
-                 f"{_fmt(_ms(c.get('eager_bf16'), 'infer'))} | "
-                 f"{_fmt(_ms(c.get('eager_bf16'), 'train_sgd'))} |")
+    L += fast_section(records)
     L.append("\n## Dispatch profiles (our training step, SGD)\n")
     for r in records:
         for impl, o in r.get("ours", {}).items():

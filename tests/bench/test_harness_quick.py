@@ -30,6 +30,40 @@ def test_quick_harness_and_report(gpu, bench_path, tmp_path):
         assert o[k]["median_ms"] > 0 and o[k]["peak_bytes"] > 0
     text = report.build(json.load(open(out)), str(tmp_path))
     assert "| mlp/main |" in text and (tmp_path / "bench-ratios.png").exists()
+    # re-measure our cells only, with the fast precision: PyTorch's timings are kept
+    torch_before = rec["torch"]
+    assert harness.main(["--quick", "--workloads", "mlp", "--impls", "wgpu", "--warmup", "1",
+                         "--steps", "2", "--torch-device", "cpu", "--out", str(out),
+                         "--refresh-ours", "t1", "--fast"]) == 0
+    rec2 = json.load(open(out))[0]
+    assert rec2["refresh"] == "t1" and rec2["torch"] == torch_before
+    o2 = rec2["ours"]["wgpu"]
+    assert o2["gates"]["fwd_pass"] and o2["gates"]["bwd_pass"]
+    # lavapipe has no tensor cores: recorded as such, never timed as if it were fast
+    assert "no f16 subgroup matrices" in o2["fast"]["skipped"]
+    text = report.build(json.load(open(out)), str(tmp_path))
+    assert "run `t1`" in text and "Fast path: our" in text
+
+
+def test_fast_report_rows(bench_path):
+    """The fast table and its worst-ratio headline from a synthetic record."""
+    import report
+
+    def ms(x):
+        return {"median_ms": x}
+
+    gate = {"fwd_rel_l2": 1e-3, "bwd_rel_l2": 2e-2, "bwd_min_cos": 0.999, "fwd_pass": True,
+            "bwd_pass": True, "worst_param": "grad:w"}
+    rec = {"key": "w/main", "torch": {"cells": {
+        "eager_tf32": {"infer": ms(2.0), "train_sgd": ms(8.0)},
+        "eager_bf16": {"infer": ms(4.0), "train_sgd": ms(5.0)}}},
+        "ours": {"dawn": {"fast": {"gates": gate, "infer": ms(3.0), "train_sgd": ms(10.0)}}}}
+    assert report.fast_ratios(rec) == {"infer": 1.5, "train_sgd": 2.0}
+    text = "\n".join(report.fast_section([rec]))
+    assert "| w/main | 3.00 | 10.00 |" in text and "Worst fast-path training ratio: 2.00" in text
+    rec["ours"]["dawn"]["fast"]["gates"] = dict(gate, bwd_pass=False)
+    assert report.fast_ratios(rec)["train_sgd"] is None
+    assert "| w/main | fail | fail |" in "\n".join(report.fast_section([rec]))
 
 
 def test_gates_detect_a_wrong_gradient(bench_path):
@@ -40,6 +74,12 @@ def test_gates_detect_a_wrong_gradient(bench_path):
     ok = gates({"loss": np.array(1.0), "grad:w": np.ones(10) * (1 + 1e-5)}, ref)
     bad = gates({"loss": np.array(1.0), "grad:w": np.ones(10) * 1.01}, ref)
     assert ok["bwd_pass"] and not bad["bwd_pass"] and bad["worst_param"] == "grad:w"
+    # fast tolerances: 3% off passes, a flipped gradient fails (cosine -1 recorded)
+    from harness import FAST
+
+    assert gates({"loss": np.array(1.0), "grad:w": ref["grad:w"] * 1.03}, ref, FAST)["bwd_pass"]
+    g = gates({"loss": np.array(1.0), "grad:w": -ref["grad:w"]}, ref, FAST)
+    assert not g["bwd_pass"] and g["bwd_min_cos"] == -1.0
 
 
 def test_f64_aware_gate(bench_path):

@@ -22,7 +22,7 @@ gemv 1×8192×8192 2.3 TB/s (k-contiguous weights, wgpu).
 
 from __future__ import annotations
 
-from ..dtypes import DType, f16, f32
+from ..dtypes import DType, f32
 from .common import (
     CodegenError,
     bcast_strides,
@@ -410,7 +410,8 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
     def sh(arr, kx, x):
         return f"As[{x} * {u(astr)} + {kx}]" if arr == "As" else f"Bs[{kx} * {u(bstr)} + {x}]"
 
-    conv = (lambda v: f"f16({v})") if c.op_dt is not f16 else (lambda v: v)
+    def conv(v):  # staged values come in the accumulator type (f32), also for f16 operands
+        return f"f16({v})"
 
     def stage(out, ii, check_mn, check_k):
         _stage(c, out, ii, check_mn, check_k, TM, TN, SG_BK, nthreads, live_check, sh, conv)
