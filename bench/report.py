@@ -128,6 +128,10 @@ def build(records, out_dir, plan_memory=None) -> str:
              "with `python bench/report.py bench/results/h200.json --gate64 "
              "bench/results/gate64-*.json --plan-memory bench/results/plan-memory.json "
              "--out docs`.\n")
+    if any(r.get("variant") == "minlat" for r in records):
+        L.append("Rows `/minlat` are the minimal-latency variants: batch 1 (ResNet-50, U-Net), "
+                 "sequence 2 (SmolLM2: the shortest next-token step), action chunk 1 (SmolVLA). "
+                 "Whisper's main row already is batch 1, so it has no separate row.\n")
     keys = [("infer", "inference"), ("train_sgd", "train step (SGD)"),
             ("train_adamw", "train step (AdamW)")]
     for key, title in keys:

@@ -272,6 +272,9 @@ def unet(quick: bool, variant: str) -> Workload:
                             {"out": m.out})
 
 
+# Workloads whose main configuration already is the minimal-latency one (not run twice).
+MINLAT_IS_MAIN = {"whisper": "the encoder benchmark already runs batch 1 (80x3000 mel)"}
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "mlp": mlp, "smollm2": llama, "smolvla": vla, "whisper": whisper, "resnet50": resnet50,
     "unet": unet,
