@@ -69,11 +69,12 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--impl", default="wgpu")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--variant", default="main", choices=["main", "minlat"])
     p.add_argument("--torch-device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    w = WORKLOADS[a.workload](quick=a.quick, variant="main")
+    w = WORKLOADS[a.workload](quick=a.quick, variant=a.variant)
     f64 = torch_values(w, torch.float64, a.torch_device)
     f32 = torch_values(w, torch.float32, a.torch_device)
     g2, grads = mn.grad(w.graph, w.loss)
@@ -82,13 +83,14 @@ def main(argv=None) -> int:
     s = mn.compile(g2, outputs=outs, backend=a.impl)
     s.set_params(w.params)
     ours = s.run(**{k: v for k, v in w.feeds.items() if k in s.program.inference_feeds()})
-    res = {"workload": a.workload, "impl": a.impl, "torch_device": a.torch_device,
+    res = {"workload": a.workload, "variant": a.variant, "impl": a.impl,
+           "torch_device": a.torch_device,
            **f64_gates(ours, f32, f64)}
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1, default=float)
     r = res["worst_row"]
     verdict = "PASS" if res["pass"] else "FAIL"
-    print(f"{a.workload}: f64-aware gate {verdict}; worst {res['worst']}: "
+    print(f"{a.workload}/{a.variant}: f64-aware gate {verdict}; worst {res['worst']}: "
           f"ours-vs-f64 {r['ours_vs_f64']:.2e}, torch-f32-vs-f64 {r['torch32_vs_f64']:.2e}, "
           f"ours-vs-torch-f32 {r['ours_vs_torch32']:.2e}; fails: {res['fails'][:5]}")
     return 0

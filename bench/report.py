@@ -315,7 +315,8 @@ def main(argv=None):
     for path in args.gate64 or []:  # float64-aware gates, attached to their workload/impl
         g = json.load(open(path))
         for r in records:
-            if r.get("workload") == g["workload"] and g["impl"] in r.get("ours", {}):
+            if (r.get("workload") == g["workload"] and g["impl"] in r.get("ours", {})
+                    and r.get("variant", "main") == g.get("variant", "main")):
                 r["ours"][g["impl"]]["gate64"] = {k: v for k, v in g.items() if k != "rows"}
     pm = json.load(open(args.plan_memory)) if args.plan_memory else None
     text = build(records, args.out, pm)
