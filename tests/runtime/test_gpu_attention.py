@@ -60,7 +60,12 @@ def _run_case(gpu, dims, attrs, mask=None, mask_grad=False, seed=0, also_unfused
         plain.set_params(params)
         got2 = plain.run(**feeds)
         for n in outs:
-            np.testing.assert_array_equal(got2[n], got[n])
+            if gpu.implementation == "wgpu":
+                np.testing.assert_array_equal(got2[n], got[n])
+            else:
+                # Dawn's shader compiler contracts a*b+c into fma differently in the fused and
+                # the unfused kernels: measured ≤ 1 ulp apart on the H200 (exact on wgpu-native)
+                np.testing.assert_allclose(got2[n], got[n], rtol=4e-7, atol=1.2e-7)
     return sess
 
 
