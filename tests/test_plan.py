@@ -291,3 +291,75 @@ def test_reduce_epilogue_fusion(gpu):
     want = reference.evaluate(g, [y, t], env, np.float64)
     np.testing.assert_allclose(got["y"], want[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["t"], want[1], rtol=1e-5)
+
+
+def test_identical_layers_share_pipelines_through_parameter_ranges(gpu):
+    """Parameters at 256-byte-aligned offsets of their group are bound as their own range of
+    the group buffer, so identical layers compile to identical kernels (one pipeline each);
+    training still matches the ungrouped session."""
+    from meganeura.runtime.session import _emit
+
+    g = mn.Graph("deep")
+    x = g.input("x", (16, 64))
+    h = x
+    for i in range(4):
+        w = g.param(f"w{i}", (64, 64))
+        h = (h @ w).tanh()
+    loss = (h * h).mean()
+
+    def sess(**kw):
+        s = mn.compile(g, loss=loss, outputs={"h": h}, optimizer=optim.SGD(lr=0.1), **kw)
+        s.init_params(seed=2)
+        return s
+
+    s = sess()
+    plan = s.train.plan
+    ranges = {b.offset for k in plan.kernels for b in getattr(k, "binds", ())
+              if b.pool == "group"}
+    assert {64 * 64 * 4 * i for i in range(1, 4)} <= ranges  # w1..w3 bound at their ranges
+    fwd = [k for k in plan.kernels if getattr(k, "label", "").startswith("matmul 1x16x64x64")]
+    assert len(fwd) >= 4
+    assert len({_emit(k.desc, s.dev).wgsl for k in fwd[1:4]}) == 1  # w1..w3: one kernel text
+    plain = sess(group_params=False)
+    r = np.random.default_rng(0)
+    for _ in range(3):
+        xb = r.normal(size=(16, 64)).astype(np.float32)
+        np.testing.assert_allclose(s.step(x=xb).loss, plain.step(x=xb).loss, rtol=1e-6)
+    for k, v in plain.get_params().items():
+        np.testing.assert_allclose(s.get_params()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_parameter_range_overlapping_its_group_falls_back_to_views(gpu):
+    """A kernel reading a parameter and the whole flat vector of its group would bind
+    overlapping writable ranges (invalid in WebGPU): the plan then reads the parameter through
+    the group instead.  Training results match the reference interpreter."""
+    from meganeura.plan import _make_plan, _OverlappingBindings
+
+    g = mn.Graph("overlap")
+    a = g.param("a", (64,))
+    b = g.param("b", (64,))
+    flat = mn.ops.concat([a, b], axis=0)  # a flat vector of parameters: stored as one group
+    y = flat[:64] * a + flat[64:]
+    loss = (y * y).mean()
+
+    def sess(backend=None):
+        s = mn.compile(g, loss=loss, outputs={"y": y}, optimizer=optim.SGD(lr=0.1),
+                       backend=backend)
+        s.set_params({"a": np.linspace(-1, 1, 64, dtype=np.float32),
+                      "b": np.linspace(0, 2, 64, dtype=np.float32)})
+        return s
+
+    s = sess()
+    assert set(s.groups.home) == {"a", "b"}
+    with pytest.raises(_OverlappingBindings):  # what the first attempt ran into
+        _make_plan(s.lowered, False, True, True, s.groups, alias=True, own_ranges=True)
+    for k in s.train.plan.kernels:
+        locs = sorted((b.offset, b.nbytes) for b in getattr(k, "binds", ())
+                      if b.pool == "group")
+        for (o1, n1), (o2, n2) in zip(locs, locs[1:]):
+            assert o2 >= o1 + n1 or (o1, n1) == (o2, n2), k.label
+    ref = sess("reference")
+    for _ in range(3):
+        np.testing.assert_allclose(s.step().loss, ref.step().loss, rtol=1e-6)
+    for k, v in ref.get_params().items():
+        np.testing.assert_allclose(s.get_params()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)

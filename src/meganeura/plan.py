@@ -817,7 +817,8 @@ def _in_place_groups(kernels, updates, fetch_bases, groups: LeafGroups, group_va
         desc, ins, outs, _ = kernels[k]
         if not isinstance(desc, ir.PointwiseKernel) or len(outs) != 1 or outs[0] is not b:
             continue
-        if any(r > k for r in readers.get(gv.id, [])):
+        member_ids = [graph.leaves[n].value.id for n in members]
+        if any(r > k for x in [gv.id, *member_ids] for r in readers.get(x, [])):
             continue
         ident = ir.Strided.contiguous(gv.dtype, gv.shape)
         if all(s.strides == ident.strides and s.offset == 0 and s.shape == gv.shape
@@ -851,17 +852,47 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
 
     Computing values straight into their concat slot saves the copy but keeps the whole
     concat buffer alive from the first such value on; when that raises the peak (gradients
-    produced while activations are still live), the plan without it is kept."""
-    plan = _make_plan(program, inference, fuse, plan_memory, groups, alias=True)
-    if plan.aliased:
-        other = _make_plan(program, inference, fuse, plan_memory, groups, alias=False)
-        if other.arena_bytes < plan.arena_bytes:
-            return other
-    return plan
+    produced while activations are still live), the plan without it is kept.
+
+    Parameters of a group are bound as their own range of the group's buffer where their
+    offset allows (``ALIGN``), so kernels reading them carry no parameter offset and identical
+    layers share one pipeline (SmolLM2's training step: 64 distinct pipelines instead of 298).
+    A kernel that would bind a parameter and its whole group at once (overlapping writable
+    ranges, which WebGPU forbids) makes the plan fall back to views into the group."""
+    for own_ranges in (True, False):
+        try:
+            plan = _make_plan(program, inference, fuse, plan_memory, groups, alias=True,
+                              own_ranges=own_ranges)
+            if plan.aliased:
+                other = _make_plan(program, inference, fuse, plan_memory, groups, alias=False,
+                                   own_ranges=own_ranges)
+                if other.arena_bytes < plan.arena_bytes:
+                    plan = other
+            return plan
+        except _OverlappingBindings:
+            continue
+    raise AssertionError("unreachable: views into groups never overlap")  # pragma: no cover
+
+
+class _OverlappingBindings(Exception):
+    pass
+
+
+def _check_no_overlap(plan: Plan) -> None:
+    """Distinct bindings of one kernel must not share bytes of a buffer (identical ranges are
+    merged by the runtime)."""
+    for k in plan.kernels:
+        if not isinstance(k, PlannedKernel):
+            continue
+        locs = sorted({(b.pool, b.name, b.offset, b.nbytes) for b in k.binds
+                       if b.pool == "group"})
+        for (p1, n1, o1, s1), (p2, n2, o2, _) in zip(locs, locs[1:], strict=False):
+            if (p1, n1) == (p2, n2) and o2 < o1 + s1:
+                raise _OverlappingBindings(k.label)
 
 
 def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
-               groups: LeafGroups, alias: bool) -> Plan:
+               groups: LeafGroups, alias: bool, own_ranges: bool = False) -> Plan:
     graph = program.graph
     roots = program.roots(inference)
     updates = {} if inference else dict(graph.updates)
@@ -880,6 +911,8 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
         pl.materialized.discard(concat_id)
         pl.done.add(concat_id)  # the concat is the buffer itself: no kernel
     for name, (gname, off) in groups.home.items():
+        if own_ranges and (off * groups.groups[gname][0].gpu_itemsize) % ALIGN == 0:
+            continue  # the parameter is its own base, bound at its range of the group buffer
         pl.views.homes[graph.leaves[name].value.id] = (group_values[gname], off)
     needed = graph.ancestors(roots)
     # 1) kernels in graph order for every materialized non-leaf value
@@ -997,6 +1030,8 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
 
     for desc, ins, outs, label in kernels:
         plan.kernels.append(PlannedKernel(desc, [loc_of(v) for v in ins + outs], label))
+    if own_ranges:
+        _check_no_overlap(plan)
     for name, v in fetch_values.items():
         base, s = fetch_bases[name]
         bl = loc_of(base)
