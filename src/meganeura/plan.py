@@ -30,6 +30,7 @@ from .lowering import resolve as _pointwise_expr
 from .passes.fuse import materialized_values, takes_epilogue
 from .program import Program
 
+_PROBE_LIMITS = {"max_storage_buffer_binding_size": 1 << 62, "max_buffer_size": 1 << 62}
 ALIGN = 256  # bytes; >= minStorageBufferOffsetAlignment on every adapter we know
 MAX_BINDINGS = 8  # storage buffers per stage that every WebGPU device supports
 
@@ -340,7 +341,9 @@ class _Planner:
         pro = ",".join(o for o in kb.ops if o != "full")
         label = f"reduce_{kind} {x.shape}->{v.shape}" + (f" <{pro}>" if pro else "") + \
             (f" +{eops}" if eops else "")
-        split = split_plan(desc) if self.fuse else None
+        # (the planner only asks for the grid here: binding sizes are checked against the real
+        # device when the runtime emits the kernel)
+        split = split_plan(desc, limits=_PROBE_LIMITS) if self.fuse else None
         if split is None:
             self.emit(desc, kb.bases + list(ebases), [out], label)
             return

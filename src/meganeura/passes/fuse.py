@@ -15,10 +15,13 @@ def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> 
     needed = graph.ancestors(roots)
     root_ids = {v.id for v in roots}
     consumers: dict[int, list] = {}
-    for node in graph.nodes:
+    position: dict[int, int] = {}  # node id -> index (kernels are scheduled in graph order)
+    for i, node in enumerate(graph.nodes):
+        position[node.id] = i
         if node.id in needed:
             for v in node.inputs:
                 consumers.setdefault(v.id, []).append(node)
+    last_use = {vid: max(position[c.id] for c in cs) for vid, cs in consumers.items()}
     out: set[int] = set()
     for node in graph.nodes:
         if node.id not in needed or node.opdef.leaf:
@@ -36,6 +39,9 @@ def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> 
                         for c in consumers.get(v.id, [])):
                     continue
                 cons = {c.id: c for c in consumers.get(v.id, [])}
+                if fuse and len(cons) > 1 and _recompute(node, cons.values(), out, graph,
+                                                         position, last_use):
+                    continue  # cheap: each consumer recomputes it (no kernel, no buffer)
                 if not fuse or len(cons) != 1:
                     out.add(v.id)
                     continue
@@ -51,6 +57,36 @@ def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> 
             else:
                 out.add(v.id)
     return out
+
+
+RECOMPUTE_MAX_INPUTS = 2
+
+
+def _recompute(node, consumers, materialized: set[int], graph: Graph, position,
+               last_use) -> bool:
+    """A one-op elementwise value read by several fused kernels (pointwise chains, reduce
+    prologues) is recomputed in each instead of stored: one dispatch and a write + reads of
+    the value saved, at the price of one instruction per consumer.  Only when its inputs are
+    themselves stored (or leaves, literals, views), so recomputation never cascades, and the
+    inputs it keeps alive past their own last use are together no larger than the value
+    itself (whose buffer would have lived until then): memory never grows at any point."""
+    if node.op == "full" or len(node.outputs) != 1 or len(node.inputs) > RECOMPUTE_MAX_INPUTS:
+        return False
+    if not all(isinstance(_lowering(c), (Pointwise, Reduce)) for c in consumers):
+        return False
+    until = max(position[c.id] for c in consumers)
+    extended = 0  # elements kept alive longer than they would be
+    for x in node.inputs:
+        while x.id not in materialized and graph.leaf_of(x) is None and \
+                isinstance(_lowering(x.node), View) and x.node.inputs:
+            x = x.node.inputs[0]  # a view reads its base through strides
+        if graph.leaf_of(x) is not None or x.node.op == "full":
+            continue  # persistent or a literal: nothing to keep alive
+        if x.id not in materialized:
+            return False
+        if last_use.get(x.id, -1) < until:
+            extended += x.size
+    return extended <= node.outputs[0].size
 
 
 def _epilogue_candidate(v: Value, consumers, through_reshape: bool = True) -> bool:

@@ -1,0 +1,64 @@
+"""Fusion decisions (passes/fuse.py): which values get a buffer of their own."""
+
+import numpy as np
+
+import meganeura as mn
+from meganeura import optim
+from meganeura.passes.fuse import materialized_values
+
+
+def _norm_graph():
+    """RMSNorm-like: xhat = x * rstd is read by two later kernels (xhat * w for the next
+    layer, and a reduction); rstd is stored (the backward reads it too)."""
+    g = mn.Graph("norm")
+    x = g.input("x", (32, 64))
+    w = g.param("w", (64,))
+    rstd = ((x * x).mean(axis=-1, keepdims=True) + 1e-6).rsqrt()
+    xhat = x * rstd
+    y = xhat * w
+    s = (xhat * y).sum(axis=0) + rstd.sum()
+    return g, x, xhat, y, s
+
+
+def test_cheap_shared_value_is_recomputed_not_stored():
+    g, x, xhat, y, s = _norm_graph()
+    out = materialized_values(g, [y, s])
+    assert xhat.id not in out  # each consumer recomputes x * rstd
+    assert y.id in out and s.id in out
+
+
+def test_recompute_never_extends_a_larger_input():
+    """``v = big[:, :4] * 3`` is read by two late kernels.  Recomputing it there would keep the
+    (64, 256) matmul result alive past its last reader for a (64, 4) value: stored instead.
+    ``u = col * 3`` from a (64, 1) column costs no more than itself: recomputed."""
+    g = mn.Graph("extend")
+    a = g.input("a", (64, 32))
+    w = g.param("w", (32, 256))
+    big = a @ w  # a stored matmul result
+    col = big.sum(axis=1, keepdims=True)  # stored (64, 1)
+    v = big[:, :4] * 3.0
+    u = col * 3.0
+    t = (col.exp() * 5.0).sum(axis=0, keepdims=True)  # later kernels
+    r1 = (v * t + u).sum()
+    r2 = (v + t * u).sum()
+    out = materialized_values(g, [r1, r2])
+    assert big.id in out and col.id in out
+    assert v.id in out and u.id not in out
+
+
+def test_recompute_gives_the_reference_results_with_fewer_dispatches(gpu):
+    g, x, xhat, y, s = _norm_graph()
+    loss = (y * y).mean() + s.sum()
+    xs = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
+    sess = mn.compile(g, loss=loss, outputs={"y": y, "s": s}, optimizer=optim.SGD(lr=0.1))
+    ref = mn.compile(g, loss=loss, outputs={"y": y, "s": s}, optimizer=optim.SGD(lr=0.1),
+                     backend="reference", dtype=np.float64)
+    for ss in (sess, ref):
+        ss.set_params({"w": np.linspace(0.5, 1.5, 64, dtype=np.float32)})
+    for _ in range(2):
+        got, want = sess.step(x=xs), ref.step(x=xs)
+        np.testing.assert_allclose(got.loss, want.loss, rtol=1e-5)
+    np.testing.assert_allclose(sess.get_params()["w"], ref.get_params()["w"], rtol=1e-5)
+    labels = sess.kernel_labels()
+    assert not any(lbl.startswith("pointwise[1]") and lbl.endswith(" mul") for lbl in labels), \
+        labels
