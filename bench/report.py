@@ -183,7 +183,8 @@ def build(records, out_dir, plan_memory=None) -> str:
              "$OUT [workloads]` (resumable: results accumulate in bench/results/h200.json), "
              "`python3 bench/gate_f64.py resnet50 $OUT/gate64.json --impl wgpu|dawn [--variant "
              "minlat]`; render with `python bench/report.py bench/results/h200.json --gate64 "
-             "bench/results/gate64-*.json --out docs`.  This run: `bash bench/gpu_run.sh $OUT "
+             "bench/results/gate64-*.json --plan-memory bench/results/plan-memory.json "
+             "--out docs`.  This run: `bash bench/gpu_run.sh $OUT "
              "smollm2,smolvla --minlat --fast --refresh-ours r2` (then unet, whisper, resnet50 "
              "in two more calls).\n")
     if any(r.get("variant") == "minlat" for r in records):
@@ -265,18 +266,17 @@ def build(records, out_dir, plan_memory=None) -> str:
                  f"{mb(o['train_sgd']['peak_bytes'])} | {mb(e.get('train_sgd_peak'))} | "
                  f"{mb(o['train_adamw']['peak_bytes'])} | {mb(e.get('train_adamw_peak'))} |")
     if plan_memory:
-        L.append("\nPlanned peak and dispatch counts after later planner changes (parameters "
-                 "stored in the optimizer's flat vector and updated in place, optimizer states "
-                 "in place, gradients computed into their slot when that lowers the peak; "
-                 "RoPE as one kernel, strided reshapes, reduce epilogues): our figures "
+        L.append("\nPlanned peak and dispatch counts after planner changes made since the run "
+                 "above (one-op elementwise values read by several kernels recomputed in each "
+                 "instead of stored, when that keeps nothing larger alive): our figures "
                  "recomputed without a GPU by `bench/plan_memory.py` (the plan does not depend "
-                 "on the device), PyTorch's from the run above.\n")
+                 "on the device), PyTorch's from the run above. Latencies not yet re-measured.\n")
         L.append("| workload | ours infer | ours train SGD | torch train SGD | ours train AdamW "
                  "| torch train AdamW | dispatches infer / train (measured run → now) |")
         L.append("|---|---|---|---|---|---|---|")
         for r in records:
             pm = plan_memory.get(r.get("workload"))
-            if pm is None or "error" in r:
+            if pm is None or "error" in r or r.get("variant", "main") != "main":
                 continue
             e = r["torch"]["cells"]["eager_f32"]
 
