@@ -21,7 +21,14 @@ def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> 
         if node.id in needed:
             for v in node.inputs:
                 consumers.setdefault(v.id, []).append(node)
+    # last read of each value's buffer: a view is read through its base, so the readers of a
+    # view count as readers of the base (propagated backwards through chains of views)
     last_use = {vid: max(position[c.id] for c in cs) for vid, cs in consumers.items()}
+    for node in reversed(graph.nodes):
+        if node.id in needed and node.inputs and isinstance(_lowering(node), View):
+            mine = max((last_use.get(v.id, -1) for v in node.outputs), default=-1)
+            base = node.inputs[0]
+            last_use[base.id] = max(last_use.get(base.id, -1), mine)
     out: set[int] = set()
     for node in graph.nodes:
         if node.id not in needed or node.opdef.leaf:
