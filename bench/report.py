@@ -268,7 +268,10 @@ def build(records, out_dir, plan_memory=None) -> str:
     if plan_memory:
         L.append("\nPlanned peak and dispatch counts after planner changes made since the run "
                  "above (one-op elementwise values read by several kernels recomputed in each "
-                 "instead of stored, when that keeps nothing larger alive): our figures "
+                 "instead of stored, when that keeps nothing larger alive; fused-projection "
+                 "weights read as their range of the parameter buffer instead of concatenated "
+                 "every step; the arena placed first-fit or best-fit, whichever is smaller): "
+                 "our figures "
                  "recomputed without a GPU by `bench/plan_memory.py` (the plan does not depend "
                  "on the device), PyTorch's from the run above. Latencies not yet re-measured.\n")
         L.append("| workload | ours infer | ours train SGD | torch train SGD | ours train AdamW "

@@ -363,3 +363,54 @@ def test_parameter_range_overlapping_its_group_falls_back_to_views(gpu):
         np.testing.assert_allclose(s.step().loss, ref.step().loss, rtol=1e-6)
     for k, v in ref.get_params().items():
         np.testing.assert_allclose(s.get_params()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_placement_policies():
+    from meganeura.plan import _best_fit, _first_fit, _place
+
+    live = [(0, 256), (512, 1024), (2048, 256)]  # holes: [256, 512) and [1536, 2048)
+    assert _first_fit(live, 256) == 256 and _best_fit(live, 256) == 256
+    assert _first_fit(live, 512) == 1536 and _best_fit(live, 512) == 1536
+    assert _first_fit(live, 1024) == 2304 and _best_fit(live, 1024) == 2304
+    live = [(0, 256), (1280, 256), (1792, 256)]  # holes of 1024 and 256 bytes
+    assert _first_fit(live, 256) == 256 and _best_fit(live, 256) == 1536
+    # a short-lived block placed into the big hole first-fit leaves no room for a later big one
+    todo = [(1, 256, 0, 9), (2, 1024, 0, 1), (3, 256, 0, 9), (4, 256, 0, 9),
+            (5, 256, 2, 3), (6, 1024, 4, 9)]
+    offsets, size = _place(todo, _best_fit)
+    spans = {v: (offsets[v], offsets[v] + n) for v, n, _, _ in todo}
+    for v, _n, a, b in todo:  # blocks live at the same time never overlap
+        for w, _m, c, d in todo:
+            if v < w and not (b < c or d < a):
+                assert spans[v][1] <= spans[w][0] or spans[w][1] <= spans[v][0], (v, w)
+    assert size == max(e for _, e in spans.values())
+
+
+def test_fused_projection_weights_are_a_range_of_the_group(gpu):
+    """Weights concatenated for a fused projection that lie back to back in the optimizer's
+    group (q, k, v of a layer) are that range of the group buffer: no concat kernel."""
+    from meganeura.models.llama import llama_lm, tiny_llama
+
+    cfg = tiny_llama(hidden_size=64, head_dim=16, intermediate_size=128)
+    m = llama_lm(cfg, 1, 8)
+
+    def sess(**kw):
+        s = mn.compile(m.graph, loss=m.loss, outputs={}, optimizer=optim.SGD(lr=0.05), **kw)
+        s.init_params(seed=4)
+        return s
+
+    def weight_concats(sess_):
+        import re
+
+        return [lbl for lbl in sess_.kernel_labels()  # 2-D (rows, hidden) weight concats
+                if re.fullmatch(r"concat \(\d+, \d+\)->\(\d+, \d+\)", lbl)]
+
+    s = sess()
+    plain = sess(group_params=False)
+    assert not weight_concats(s) and len(weight_concats(plain)) == 2 * cfg.num_hidden_layers
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8)).astype(np.int32)
+    feeds = {n: ids for n in s.program.feeds}
+    for _ in range(2):
+        np.testing.assert_allclose(s.step(**feeds).loss, plain.step(**feeds).loss, rtol=1e-5)
+    for k, v in plain.get_params().items():
+        np.testing.assert_allclose(s.get_params()[k], v, rtol=1e-5, atol=1e-6, err_msg=k)

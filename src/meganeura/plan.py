@@ -881,6 +881,70 @@ class _OverlappingBindings(Exception):
     pass
 
 
+def _place(todo, fit) -> tuple[dict[int, int], int]:
+    """Arena offsets for values ``(id, bytes, first use, last use)`` (by first use) with the
+    gap policy ``fit``, and the arena size."""
+    arena: list[tuple[int, int, int]] = []  # (offset, size, last use)
+    offsets, cursor = {}, 0
+    for vid, nbytes, start, end in todo:
+        size = _align(nbytes)
+        live = sorted((o, s) for o, s, lst in arena if lst >= start)
+        off = fit(live, size)
+        arena.append((off, size, end))
+        offsets[vid] = off
+        cursor = max(cursor, off + size)
+    return offsets, cursor
+
+
+def _first_fit(live: list[tuple[int, int]], size: int) -> int:
+    """The lowest offset where ``size`` bytes fit between the live blocks (sorted)."""
+    off = 0
+    for o, s in live:
+        if off + size <= o:
+            break
+        off = max(off, o + s)
+    return off
+
+
+def _best_fit(live: list[tuple[int, int]], size: int) -> int:
+    """Offset for a block of ``size`` bytes among the live blocks ``(offset, size)`` (sorted):
+    the smallest gap it fits in, else the end.  Less sensitive to placement order than first
+    fit (fewer small holes left in front of big blocks)."""
+    best, best_gap, end = None, None, 0
+    for o, s in live:
+        gap = o - end
+        if gap >= size and (best_gap is None or gap < best_gap):
+            best, best_gap = end, gap
+        end = max(end, o + s)
+    return end if best is None else best
+
+
+def _concat_ranges(graph: Graph, groups: LeafGroups) -> dict:
+    """Concats along axis 0 of parameters stored consecutively, in order, in one group, starting
+    at an aligned offset: value id -> (group, element offset, value)."""
+    out = {}
+    concat_ids = {cid for _, _, cid in groups.groups.values()}
+    for node in graph.nodes:
+        if node.op != "concat" or node.attrs["axis"] != 0 or node.outputs[0].id in concat_ids:
+            continue
+        span = []
+        for x in node.inputs:
+            lf = graph.leaf_of(x)
+            if lf is None or lf.name not in groups.home or lf.value is not x:
+                break
+            span.append((*groups.home[lf.name], x.size))
+        else:
+            (g0, start, _), v = span[0], node.outputs[0]
+            pos, ok = start, True
+            for g, off, n in span:
+                ok = ok and g == g0 and off == pos
+                pos = off + n
+            if ok and v.dtype == groups.groups[g0][0] and \
+                    (start * v.dtype.gpu_itemsize) % ALIGN == 0:
+                out[v.id] = (g0, start, v)
+    return out
+
+
 def _check_no_overlap(plan: Plan) -> None:
     """Distinct bindings of one kernel must not share bytes of a buffer (identical ranges are
     merged by the runtime)."""
@@ -917,6 +981,10 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
         if own_ranges and (off * groups.groups[gname][0].gpu_itemsize) % ALIGN == 0:
             continue  # the parameter is its own base, bound at its range of the group buffer
         pl.views.homes[graph.leaves[name].value.id] = (group_values[gname], off)
+    # concats of parameters that lie back to back in a group (fused q/k/v or gate/up weights):
+    # the concat is that range of the group buffer; no kernel
+    concat_ranges = _concat_ranges(graph, groups) if own_ranges else {}
+    pl.done.update(concat_ranges)
     needed = graph.ancestors(roots)
     # 1) kernels in graph order for every materialized non-leaf value
     done = pl.done
@@ -980,10 +1048,11 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
 
     # 4) placement: fetched results get pinned "out" buffers; the rest share the arena
     out_values = {fetch_bases[n][0].id for n in fetch_values}
-    arena: list[tuple[int, int, int]] = []  # (offset, size, last use)
     placed: dict[int, Loc] = {}
     for gname, gv in group_values.items():
         placed[gv.id] = Loc("group", gname, 0, _nbytes(gv.type))
+    for cid, (gname, off, v) in concat_ranges.items():
+        placed[cid] = Loc("group", gname, off * v.dtype.gpu_itemsize, _nbytes(v.type))
     if plan_memory:
         for gname, b in _in_place_groups(kernels, updates, fetch_bases, groups, group_values,
                                          graph).items():
@@ -996,30 +1065,25 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
                 continue
             v = updates[name]
             placed[v.id] = Loc(graph.leaves[name].kind, name, 0, _nbytes(v.type))
-    cursor = 0
-    order = sorted(first, key=lambda vid: first[vid])
-    for vid in order:
+    todo = []  # arena values in order of first use: (id, bytes, first, last)
+    for vid in sorted(first, key=lambda vid: first[vid]):
         v = values[vid]
         if graph.leaf_of(v) is not None or vid in placed or vid in pl.alias:
             continue
-        size = _align(_nbytes(v.type))
         if vid in out_values:
             placed[vid] = Loc("out", f"%{vid}", 0, _nbytes(v.type))
             continue
-        if not plan_memory:
-            placed[vid] = Loc("temp", "", cursor, _nbytes(v.type))
-            cursor += size
-            continue
-        start = first[vid]
-        live = sorted((o, s) for o, s, lst in arena if lst >= start)
-        off = 0
-        for o, s in live:  # first fit among blocks still live
-            if off + size <= o:
-                break
-            off = max(off, o + s)
-        arena.append((off, size, last[vid]))
-        placed[vid] = Loc("temp", "", off, _nbytes(v.type))
-        cursor = max(cursor, off + size)
+        todo.append((vid, _nbytes(v.type), first[vid], last[vid]))
+    if plan_memory:  # both placements are cheap; keep the smaller arena
+        offsets, cursor = min((_place(todo, fit) for fit in (_first_fit, _best_fit)),
+                              key=lambda r: r[1])
+    else:
+        offsets, cursor = {}, 0
+        for vid, nbytes, _, _ in todo:
+            offsets[vid] = cursor
+            cursor += _align(nbytes)
+    for vid, nbytes, _, _ in todo:
+        placed[vid] = Loc("temp", "", offsets[vid], nbytes)
     plan.arena_bytes = cursor
     plan.aliased = len(pl.alias)
     for vid, (cv, off) in pl.alias.items():
