@@ -326,7 +326,8 @@ def build(records, out_dir, plan_memory=None) -> str:
             if "profile" in o:
                 L.append(f"\n### {r['key']} — {impl}\n\n```\n{o['profile']['table']}\n```")
                 if o.get("trace"):
-                    L.append(f"Trace: `{os.path.basename(o['trace'])}`")
+                    name = os.path.basename(o["trace"])
+                    L.append(f"Trace: `docs/traces/{name}.gz` (Chrome / Perfetto)")
     _plots(records, out_dir)
     L.append("\n![ratios](bench-ratios.png)\n\n![compile](bench-compile.png)\n")
     return "\n".join(L) + "\n"
