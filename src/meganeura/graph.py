@@ -10,6 +10,7 @@ of the original onto the copy).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -37,7 +38,7 @@ class TensorType:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(int(d) for d in self.shape)  # exact, and no numpy call per query
 
     def __str__(self) -> str:
         return f"{self.dtype.name}[{','.join(map(str, self.shape))}]"

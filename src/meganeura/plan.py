@@ -15,6 +15,7 @@ epilogue); views (reshape, permute, broadcast, slice, split) become strides of t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -343,7 +344,7 @@ class _Planner:
             (f" +{eops}" if eops else "")
         # (the planner only asks for the grid here: binding sizes are checked against the real
         # device when the runtime emits the kernel)
-        split = split_plan(desc, limits=_PROBE_LIMITS) if self.fuse else None
+        split = _split_plan(desc) if self.fuse else None
         if split is None:
             self.emit(desc, kb.bases + list(ebases), [out], label)
             return
@@ -884,13 +885,20 @@ class _OverlappingBindings(Exception):
 def _place(todo, fit) -> tuple[dict[int, int], int]:
     """Arena offsets for values ``(id, bytes, first use, last use)`` (by first use) with the
     gap policy ``fit``, and the arena size."""
-    arena: list[tuple[int, int, int]] = []  # (offset, size, last use)
+    import bisect
+    import heapq
+
+    live: list[tuple[int, int]] = []  # (offset, size) of blocks still live, by offset
+    expiry: list[tuple[int, int, int]] = []  # heap of (last use, offset, size)
     offsets, cursor = {}, 0
     for vid, nbytes, start, end in todo:
+        while expiry and expiry[0][0] < start:  # uses are in order: gone for good
+            _, o, sz = heapq.heappop(expiry)
+            live.pop(bisect.bisect_left(live, (o, sz)))
         size = _align(nbytes)
-        live = sorted((o, s) for o, s, lst in arena if lst >= start)
         off = fit(live, size)
-        arena.append((off, size, end))
+        bisect.insort(live, (off, size))
+        heapq.heappush(expiry, (end, off, size))
         offsets[vid] = off
         cursor = max(cursor, off + size)
     return offsets, cursor
@@ -904,6 +912,12 @@ def _first_fit(live: list[tuple[int, int]], size: int) -> int:
             break
         off = max(off, o + s)
     return off
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_plan(desc):
+    """``split_plan`` for the planner, cached: identical layers ask about identical kernels."""
+    return split_plan(desc, limits=_PROBE_LIMITS)
 
 
 def _best_fit(live: list[tuple[int, int]], size: int) -> int:
