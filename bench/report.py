@@ -270,7 +270,9 @@ def build(records, out_dir, plan_memory=None) -> str:
                  "above (one-op elementwise values read by several kernels recomputed in each "
                  "instead of stored, when that keeps nothing larger alive; fused-projection "
                  "weights read as their range of the parameter buffer instead of concatenated "
-                 "every step; the arena placed first-fit or best-fit, whichever is smaller): "
+                 "every step; the arena placed first-fit or best-fit, whichever is smaller; "
+                 "neighbouring elementwise kernels of a training step merged into one "
+                 "dispatch): "
                  "our figures "
                  "recomputed without a GPU by `bench/plan_memory.py` (the plan does not depend "
                  "on the device), PyTorch's from the run above. Latencies not yet re-measured.\n")

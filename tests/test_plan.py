@@ -414,3 +414,35 @@ def test_fused_projection_weights_are_a_range_of_the_group(gpu):
         np.testing.assert_allclose(s.step(**feeds).loss, plain.step(**feeds).loss, rtol=1e-5)
     for k, v in plain.get_params().items():
         np.testing.assert_allclose(s.get_params()[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_neighbouring_elementwise_kernels_merge(gpu):
+    """Two stored elementwise results over one shape come from one dispatch; a kernel that
+    reads its neighbour's output at other elements (a flip) stays separate.  Training matches
+    the reference interpreter."""
+    g = mn.Graph("merge")
+    x = g.input("x", (16, 32))
+    w = g.param("w", (32, 32))
+    h = x @ w
+    a = h.tanh()  # both stored (matmul operands), same shape, independent
+    b = h.sigmoid()
+    c = mn.ops.flip(a, (1,)) * 3.0  # reads a at mirrored columns
+    loss = ((a @ w).sum() + (b @ w).sum() + (c @ w).sum()) / 100.0
+
+    def sess(backend=None, **kw):
+        s = mn.compile(g, loss=loss, outputs={}, optimizer=optim.SGD(lr=0.01),
+                       backend=backend, **kw)
+        s.set_params({"w": np.linspace(-0.2, 0.2, 32 * 32, dtype=np.float32).reshape(32, 32)})
+        return s
+
+    s = sess()
+    labels = s.kernel_labels()
+    merged = [lbl for lbl in labels if "+pointwise" in lbl]
+    assert any("tanh" in lbl and "sigmoid" in lbl for lbl in merged), labels
+    assert not any("flip" in lbl or ("tanh" in lbl and "mul" in lbl.split("|")[-1])
+                   for lbl in merged), labels
+    ref = sess("reference", dtype=np.float64)
+    xs = np.random.default_rng(0).normal(size=(16, 32)).astype(np.float32)
+    for _ in range(2):
+        np.testing.assert_allclose(s.step(x=xs).loss, ref.step(x=xs).loss, rtol=1e-5)
+    np.testing.assert_allclose(s.get_params()["w"], ref.get_params()["w"], rtol=1e-5, atol=1e-7)

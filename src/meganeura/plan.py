@@ -933,6 +933,61 @@ def _best_fit(live: list[tuple[int, int]], size: int) -> int:
     return end if best is None else best
 
 
+def _merge_neighbours(kernels: list, keep: set[int]) -> list:
+    """Merge each elementwise kernel into the one right before it when both iterate the same
+    shape: one dispatch writing both kernels' outputs.  Where the second reads an output of the
+    first at its own element, it takes the value from the register instead of memory (the
+    output is still stored for its other readers).  Kernels producing fetched results or
+    persistent updates stay alone (the in-place update rules look at them one by one)."""
+    out: list = []
+    for k in kernels:
+        merged = _merged(out[-1], k, keep) if out else None
+        if merged is None:
+            out.append(k)
+        else:
+            out[-1] = merged
+    return out
+
+
+def _merged(a, b, keep: set[int]):
+    da, ins_a, outs_a, la = a
+    db, ins_b, outs_b, lb = b
+    if not (isinstance(da, ir.PointwiseKernel) and isinstance(db, ir.PointwiseKernel)) or \
+            da.shape != db.shape or any(v.id in keep for v in outs_a + outs_b):
+        return None
+    produced = {v.id: da.outputs[i] for i, v in enumerate(outs_a)}  # value -> instr of a
+    ident = _contiguous(da.shape)
+    inputs, bases = list(da.inputs), list(ins_a)
+    remap = {}
+    for i, (base, st) in enumerate(zip(ins_b, db.inputs, strict=True)):
+        if base.id in produced:
+            if st.strides != ident or st.offset or st.shape != da.shape:
+                return None  # reads other elements of a's output: needs a's kernel to finish
+            remap[i] = ("t", produced[base.id])
+            continue
+        for j, (b2, s2) in enumerate(zip(bases, inputs, strict=True)):
+            if b2 is base and s2 == st:
+                remap[i] = ("in", j)
+                break
+        else:
+            bases.append(base)
+            inputs.append(st)
+            remap[i] = ("in", len(inputs) - 1)
+    if len(inputs) + len(outs_a) + len(outs_b) > MAX_BINDINGS:
+        return None
+    n = len(da.instrs)
+    instrs = list(da.instrs)
+    for ins in db.instrs:
+        args = tuple(remap[i] if kind == "in" else ("t", i + n) for kind, i in ins.args)
+        instrs.append(ir.Instr(ins.expr, args, ins.dtype, ins.helpers))
+    desc = ir.PointwiseKernel(da.shape, tuple(inputs), tuple(instrs),
+                              da.outputs + tuple(o + n for o in db.outputs),
+                              name=f"pw_{len(instrs)}")
+    ops = f"{la.split(' ', 1)[0]}+{lb.split(' ', 1)[0]}"
+    label = f"{ops} {da.shape} {la.rsplit(' ', 1)[-1]}|{lb.rsplit(' ', 1)[-1]}"
+    return desc, bases, outs_a + outs_b, label
+
+
 def _concat_ranges(graph: Graph, groups: LeafGroups) -> dict:
     """Concats along axis 0 of parameters stored consecutively, in order, in one group, starting
     at an aligned offset: value id -> (group, element offset, value)."""
@@ -1033,6 +1088,12 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
             return None
         return groups.loc(lf.name, _nbytes(v.type)) or Loc(lf.kind, lf.name, 0, _nbytes(v.type))
 
+    # neighbouring elementwise kernels over one shape: one dispatch.  (Training steps only:
+    # in ResNet-50's inference plan the earlier-produced outputs raised the peak by 15%.)
+    if fuse and not inference:
+        keep = {pl.views.resolve(v)[0].id
+                for v in list(fetch_values.values()) + list(updates.values())}
+        pl.kernels[:] = _merge_neighbours(pl.kernels, keep)
     # 3) liveness over kernel indices for temp values
     kernels = pl.kernels
     first: dict[int, int] = {}
