@@ -1,7 +1,10 @@
 """Our planned peak GPU memory per workload without a GPU (the plan is device-independent):
 persistent tensors + inputs + the intermediate arena + fetched results, as the harness reports.
 
-  python bench/plan_memory.py [workloads] [--json out.json]"""
+  python bench/plan_memory.py [workloads] [--json out.json] [--align BYTES]
+
+``--align``: the device's storage-buffer offset alignment (the H200 reports 16 to Dawn;
+lavapipe 32); default 256, WebGPU's largest, which every adapter accepts."""
 
 from __future__ import annotations
 
@@ -19,12 +22,12 @@ from meganeura.plan import NO_GROUPS, find_leaf_groups, make_plan  # noqa: E402
 from meganeura.program import build_program  # noqa: E402
 
 
-def peak_bytes(w, opt) -> tuple[int, int]:
+def peak_bytes(w, opt, align: int = 256) -> tuple[int, int]:
     prog = build_program(w.graph, w.loss, w.outputs if opt is None else {}, opt)
     low = run_pipeline(prog)
     inference = opt is None
     groups = NO_GROUPS if inference else find_leaf_groups(low.graph)
-    plan = make_plan(low, inference, groups=groups)
+    plan = make_plan(low, inference, groups=groups, align=align)
     leaves = low.graph.leaves.values()
     persistent = sum(lf.value.size * 4 for lf in leaves if lf.kind in ("param", "state"))
     inputs = sum(lf.value.size * 4 for lf in leaves if lf.kind == "input")
@@ -38,11 +41,12 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("workloads", nargs="?", default="smollm2,smolvla,whisper,resnet50,unet")
     p.add_argument("--json")
+    p.add_argument("--align", type=int, default=256)
     a = p.parse_args(argv)
     rows = {}
     for name in a.workloads.split(","):
         w = WORKLOADS[name](quick=False, variant="main")
-        rows[name] = {k: peak_bytes(w, o) for k, o in
+        rows[name] = {k: peak_bytes(w, o, a.align) for k, o in
                       (("infer", None), ("train_sgd", optim.SGD(lr=1e-4)),
                        ("train_adamw", optim.AdamW(lr=1e-4)))}
         print(name, {k: (round(v[0] / 2**20, 1), v[1]) for k, v in rows[name].items()},

@@ -272,10 +272,11 @@ def build(records, out_dir, plan_memory=None) -> str:
                  "weights read as their range of the parameter buffer instead of concatenated "
                  "every step; the arena placed first-fit or best-fit, whichever is smaller; "
                  "neighbouring elementwise kernels of a training step merged into one "
-                 "dispatch): "
-                 "our figures "
-                 "recomputed without a GPU by `bench/plan_memory.py` (the plan does not depend "
-                 "on the device), PyTorch's from the run above. Latencies not yet re-measured.\n")
+                 "dispatch; bindings aligned to the device's own storage-offset alignment "
+                 "instead of 256 bytes, so SmolVLA's 720-wide parameters get their own "
+                 "ranges too): our figures recomputed without a GPU by `bench/plan_memory.py "
+                 "--align 32` (the H200's alignment on wgpu-native; Dawn's is 16 and gives the "
+                 "same plans), PyTorch's from the run above. Latencies not yet re-measured.\n")
         L.append("| workload | ours infer | ours train SGD | torch train SGD | ours train AdamW "
                  "| torch train AdamW | dispatches infer / train (measured run → now) |")
         L.append("|---|---|---|---|---|---|---|")

@@ -446,3 +446,26 @@ def test_neighbouring_elementwise_kernels_merge(gpu):
     for _ in range(2):
         np.testing.assert_allclose(s.step(x=xs).loss, ref.step(x=xs).loss, rtol=1e-5)
     np.testing.assert_allclose(s.get_params()["w"], ref.get_params()["w"], rtol=1e-5, atol=1e-7)
+
+
+def test_plans_use_the_device_binding_alignment(gpu):
+    """Bindings start at multiples of the device's storage-buffer offset alignment (lavapipe:
+    32 bytes; the H200: 32 on wgpu-native, 16 on Dawn), not WebGPU's worst case of 256, so
+    parameters of 24 floats still get their own ranges; training is unchanged."""
+    from meganeura.runtime.session import _binding_alignment
+
+    align = _binding_alignment(gpu)
+    assert align == int(gpu.limits["min_storage_buffer_offset_alignment"]) <= 256
+    s = _sess((24, 24))
+    offsets = {b.offset for k in s.train.plan.kernels for b in getattr(k, "binds", ())}
+    assert all(o % align == 0 for o in offsets)
+    if align < 256:
+        group_ranges = {b.offset for k in s.train.plan.kernels for b in getattr(k, "binds", ())
+                        if b.pool == "group" and b.offset % 256}
+        assert group_ranges, "no parameter bound at a 32-byte (not 256-byte) aligned range"
+    plain = _sess((24, 24), group_params=False)
+    r = np.random.default_rng(0)
+    for _ in range(3):
+        x = r.normal(size=(32, 64)).astype(np.float32)
+        y = r.integers(0, 10, 32).astype(np.int32)
+        np.testing.assert_allclose(s.step(x=x, y=y).loss, plain.step(x=x, y=y).loss, rtol=1e-6)

@@ -78,8 +78,8 @@ def _nbytes(t: TensorType) -> int:
     return max(t.size, 1) * t.dtype.gpu_itemsize
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
 
 
 _contiguous = ir.contiguous_strides
@@ -232,6 +232,7 @@ class _Planner:
         self.alias: dict[int, tuple[Value, int]] = {}  # value id -> (concat value, elem offset)
         self.copies: dict[tuple, Value] = {}  # (value id, shape) -> its contiguous copy
         self.alias_ok = True
+        self.align = ALIGN  # binding offset alignment (bytes); _make_plan sets the device's
         self.root_ids = {r.id for r in roots}
         self.consumers: dict[int, list[Node]] = {}
         for node in self.graph.nodes:
@@ -547,7 +548,7 @@ class _Planner:
                     or any(s.strides != _contiguous(x.shape) for _, _, s, x in parts)):
                 continue
             (at,) = shift
-            if at < 0 or at + base.size > v.size or (at * v.dtype.gpu_itemsize) % ALIGN:
+            if at < 0 or at + base.size > v.size or (at * v.dtype.gpu_itemsize) % self.align:
                 continue
             if not self._only_feeds(base, concat):
                 continue
@@ -849,27 +850,29 @@ def _merge_batch(batch, strides) -> int:
 
 
 def make_plan(program: Program, inference: bool, fuse: bool = True,
-              plan_memory: bool = True, groups: LeafGroups = NO_GROUPS) -> Plan:
+              plan_memory: bool = True, groups: LeafGroups = NO_GROUPS,
+              align: int = ALIGN) -> Plan:
     """Schedule, fuse and place every tensor of ``program`` (training step or inference run).
     ``groups``: persistent tensors stored together (``find_leaf_groups``), shared by every plan
-    of a session.
+    of a session.  ``align``: the device's storage-buffer offset alignment in bytes (every
+    binding starts at a multiple of it; the default suits every adapter).
 
     Computing values straight into their concat slot saves the copy but keeps the whole
     concat buffer alive from the first such value on; when that raises the peak (gradients
     produced while activations are still live), the plan without it is kept.
 
     Parameters of a group are bound as their own range of the group's buffer where their
-    offset allows (``ALIGN``), so kernels reading them carry no parameter offset and identical
+    offset allows (``align``), so kernels reading them carry no parameter offset and identical
     layers share one pipeline (SmolLM2's training step: 64 distinct pipelines instead of 298).
     A kernel that would bind a parameter and its whole group at once (overlapping writable
     ranges, which WebGPU forbids) makes the plan fall back to views into the group."""
     for own_ranges in (True, False):
         try:
             plan = _make_plan(program, inference, fuse, plan_memory, groups, alias=True,
-                              own_ranges=own_ranges)
+                              own_ranges=own_ranges, align=align)
             if plan.aliased:
                 other = _make_plan(program, inference, fuse, plan_memory, groups, alias=False,
-                                   own_ranges=own_ranges)
+                                   own_ranges=own_ranges, align=align)
                 if other.arena_bytes < plan.arena_bytes:
                     plan = other
             return plan
@@ -882,7 +885,7 @@ class _OverlappingBindings(Exception):
     pass
 
 
-def _place(todo, fit) -> tuple[dict[int, int], int]:
+def _place(todo, fit, align: int = ALIGN) -> tuple[dict[int, int], int]:
     """Arena offsets for values ``(id, bytes, first use, last use)`` (by first use) with the
     gap policy ``fit``, and the arena size."""
     import bisect
@@ -895,7 +898,7 @@ def _place(todo, fit) -> tuple[dict[int, int], int]:
         while expiry and expiry[0][0] < start:  # uses are in order: gone for good
             _, o, sz = heapq.heappop(expiry)
             live.pop(bisect.bisect_left(live, (o, sz)))
-        size = _align(nbytes)
+        size = _align(nbytes, align)
         off = fit(live, size)
         bisect.insort(live, (off, size))
         heapq.heappush(expiry, (end, off, size))
@@ -988,7 +991,7 @@ def _merged(a, b, keep: set[int]):
     return desc, bases, outs_a + outs_b, label
 
 
-def _concat_ranges(graph: Graph, groups: LeafGroups) -> dict:
+def _concat_ranges(graph: Graph, groups: LeafGroups, align: int = ALIGN) -> dict:
     """Concats along axis 0 of parameters stored consecutively, in order, in one group, starting
     at an aligned offset: value id -> (group, element offset, value)."""
     out = {}
@@ -1009,7 +1012,7 @@ def _concat_ranges(graph: Graph, groups: LeafGroups) -> dict:
                 ok = ok and g == g0 and off == pos
                 pos = off + n
             if ok and v.dtype == groups.groups[g0][0] and \
-                    (start * v.dtype.gpu_itemsize) % ALIGN == 0:
+                    (start * v.dtype.gpu_itemsize) % align == 0:
                 out[v.id] = (g0, start, v)
     return out
 
@@ -1028,7 +1031,8 @@ def _check_no_overlap(plan: Plan) -> None:
 
 
 def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
-               groups: LeafGroups, alias: bool, own_ranges: bool = False) -> Plan:
+               groups: LeafGroups, alias: bool, own_ranges: bool = False,
+               align: int = ALIGN) -> Plan:
     graph = program.graph
     roots = program.roots(inference)
     updates = {} if inference else dict(graph.updates)
@@ -1037,6 +1041,7 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
         fetch_values["__loss__"] = program.loss
 
     pl = _Planner(program, roots, fuse)
+    pl.align = align
     pl.alias_ok = plan_memory and alias
     group_values = {}
     for gname, (dtype, n, concat_id) in groups.groups.items():
@@ -1047,12 +1052,12 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
         pl.materialized.discard(concat_id)
         pl.done.add(concat_id)  # the concat is the buffer itself: no kernel
     for name, (gname, off) in groups.home.items():
-        if own_ranges and (off * groups.groups[gname][0].gpu_itemsize) % ALIGN == 0:
+        if own_ranges and (off * groups.groups[gname][0].gpu_itemsize) % align == 0:
             continue  # the parameter is its own base, bound at its range of the group buffer
         pl.views.homes[graph.leaves[name].value.id] = (group_values[gname], off)
     # concats of parameters that lie back to back in a group (fused q/k/v or gate/up weights):
     # the concat is that range of the group buffer; no kernel
-    concat_ranges = _concat_ranges(graph, groups) if own_ranges else {}
+    concat_ranges = _concat_ranges(graph, groups, align) if own_ranges else {}
     pl.done.update(concat_ranges)
     needed = graph.ancestors(roots)
     # 1) kernels in graph order for every materialized non-leaf value
@@ -1150,13 +1155,13 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
             continue
         todo.append((vid, _nbytes(v.type), first[vid], last[vid]))
     if plan_memory:  # both placements are cheap; keep the smaller arena
-        offsets, cursor = min((_place(todo, fit) for fit in (_first_fit, _best_fit)),
+        offsets, cursor = min((_place(todo, fit, align) for fit in (_first_fit, _best_fit)),
                               key=lambda r: r[1])
     else:
         offsets, cursor = {}, 0
         for vid, nbytes, _, _ in todo:
             offsets[vid] = cursor
-            cursor += _align(nbytes)
+            cursor += _align(nbytes, align)
     for vid, nbytes, _, _ in todo:
         placed[vid] = Loc("temp", "", offsets[vid], nbytes)
     plan.arena_bytes = cursor

@@ -182,6 +182,13 @@ def _check_buffer(dev, nbytes: int, what: str, binding: bool = False) -> None:
                          "storage buffer")
 
 
+def _binding_alignment(dev) -> int:
+    """The device's storage-buffer offset alignment (bytes), a power of two ≥ 4; WebGPU's
+    largest allowed value (256) when the adapter does not say."""
+    a = int(dev.limits.get("min_storage_buffer_offset_alignment", 256) or 256)
+    return a if a >= 4 and a & (a - 1) == 0 and a <= 256 else 256
+
+
 def _round4(n: int) -> int:
     return (n + 3) // 4 * 4
 
@@ -217,9 +224,12 @@ class GPUSession(Session):
         self.pinned: dict[str, object] = {n: share.pinned[n] for n in shared}
         self._make_pinned(lowered)
         g = self.groups
-        self.train = (_Executable(self, make_plan(lowered, False, fuse, plan_memory, g), "train")
+        align = _binding_alignment(self.dev)
+        self.train = (_Executable(self, make_plan(lowered, False, fuse, plan_memory, g, align),
+                                  "train")
                       if program.training or program.loss is not None else None)
-        self.infer = (_Executable(self, make_plan(lowered, True, fuse, plan_memory, g), "infer")
+        self.infer = (_Executable(self, make_plan(lowered, True, fuse, plan_memory, g, align),
+                                  "infer")
                       if program.outputs else None)
         if "plan" in _DEBUG:
             for ex in (self.train, self.infer):
