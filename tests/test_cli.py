@@ -28,3 +28,17 @@ def test_profile_prints_a_kernel_table(gpu, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "matmul" in out and "dispatches/step" in out
     assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_train_fast_precision_says_what_ran_fast(gpu, tmp_path, capsys):
+    from meganeura.codegen.matmul import SG_FEATURE
+
+    rc = main(["train", "--out", str(tmp_path), "--quiet", "--epochs", "2",
+               "--precision", "fast"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    if SG_FEATURE in gpu.features:
+        assert "on tensor cores" in out
+    else:
+        assert "no f16 subgroup matrices" in out
+    assert "test accuracy" in out

@@ -75,6 +75,12 @@ def cmd_train(args) -> int:
     where = dev.describe().get("adapter", "?") if dev else "numpy reference"
     print(f"model {args.model}: {sum(p.size for p in m.graph.params.values())} parameters; "
           f"device: {where}; compile {compile_s:.2f} s")
+    if args.precision == "fast" and hasattr(sess, "kernel_variants"):
+        kinds = sess.kernel_variants()["train"]
+        n_tc = sum(n for k, n in kinds.items() if k.startswith("sgmat"))
+        print(f"precision fast: {n_tc} matmuls of the training step on tensor cores"
+              if n_tc else "precision fast: this device has no f16 subgroup matrices, so the "
+              "program is the strict one (try --backend dawn on an NVIDIA GPU)")
     losses = []
     bar = tqdm(total=total, desc="train", unit="step", disable=args.quiet)
     step = 0
