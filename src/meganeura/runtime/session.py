@@ -61,6 +61,7 @@ class _Executable:
         self.ops: list[tuple] = []
         self.specs = []
         self.checked = False  # set once an encode of this fixed stream passed validation
+        self._raw_runs = None  # the stream with native handles, built at the first raw encode
         # fetched results: copied into a readback buffer at the end of each submit
         self.fetch_layout, self.fetch_copies, self.fetch_bytes = [], [], 0
         for name, (loc, t) in plan.fetch.items():
@@ -94,31 +95,26 @@ class _Executable:
     def encode(self, dev, staging=None):
         enc = dev.device.create_command_encoder()
         raw = _raw_calls(dev) if self.checked else None
-        cp = h = last = None
-        for op in self.ops:
-            if op[0] == "dispatch":
-                if cp is None:
-                    cp = enc.begin_compute_pass()
-                    h, last = cp._internal, None
-                if raw is not None:  # the same stream as the checked first encode
-                    lib, null = raw
-                    if op[1] is not last:
-                        lib.wgpuComputePassEncoderSetPipeline(h, op[1]._internal)
-                    lib.wgpuComputePassEncoderSetBindGroup(h, 0, op[2]._internal, 0, null)
-                    lib.wgpuComputePassEncoderDispatchWorkgroups(h, *op[3])
-                else:
+        if raw is not None:
+            self._encode_raw(enc, raw)
+        else:
+            cp = last = None
+            for op in self.ops:
+                if op[0] == "dispatch":
+                    if cp is None:
+                        cp, last = enc.begin_compute_pass(), None
                     if op[1] is not last:
                         cp.set_pipeline(op[1])
                     cp.set_bind_group(0, op[2])
                     cp.dispatch_workgroups(*op[3])
-                last = op[1]
-            else:
-                if cp is not None:
-                    cp.end()
-                    cp = None
-                enc.copy_buffer_to_buffer(op[1], op[2], op[3], op[4], op[5])
-        if cp is not None:
-            cp.end()
+                    last = op[1]
+                else:
+                    if cp is not None:
+                        cp.end()
+                        cp = None
+                    enc.copy_buffer_to_buffer(op[1], op[2], op[3], op[4], op[5])
+            if cp is not None:
+                cp.end()
         if staging is not None:
             for src, off, dst, doff, n in staging:
                 enc.copy_buffer_to_buffer(src, off, dst, doff, n)
@@ -126,6 +122,39 @@ class _Executable:
         self.checked = True
         return cb
 
+    def _encode_raw(self, enc, raw) -> None:
+        """The checked stream again through wgpu-native's C calls, with every handle looked
+        up once (runs of dispatches between copies; a pipeline set only when it changes)."""
+        lib, null = raw
+        if self._raw_runs is None:
+            runs, run, last = [], None, None
+            for op in self.ops:
+                if op[0] == "dispatch":
+                    if run is None:
+                        run, last = [], None
+                        runs.append(("pass", run))
+                    pipe = op[1]._internal if op[1] is not last else None
+                    run.append((pipe, op[2]._internal, *op[3]))
+                    last = op[1]
+                else:
+                    run = None
+                    runs.append(("copy", op[1:]))
+            self._raw_runs = runs
+        set_pipeline = lib.wgpuComputePassEncoderSetPipeline
+        set_bind_group = lib.wgpuComputePassEncoderSetBindGroup
+        dispatch = lib.wgpuComputePassEncoderDispatchWorkgroups
+        for kind, item in self._raw_runs:
+            if kind == "copy":
+                enc.copy_buffer_to_buffer(*item)
+                continue
+            cp = enc.begin_compute_pass()
+            h = cp._internal
+            for pipe, bg, x, y, z in item:
+                if pipe is not None:
+                    set_pipeline(h, pipe)
+                set_bind_group(h, 0, bg, 0, null)
+                dispatch(h, x, y, z)
+            cp.end()
 
 def _raw_calls(dev):
     """wgpu-native's C entry points without wgpu-py's per-call error capture (~3 µs a call).
