@@ -82,9 +82,11 @@ reciprocal = _unary(
     "reciprocal", "float", lambda x: 1.0 / x, lambda n, c: [-c[0] * n.out * n.out], "(1.0 / {0})"
 )
 square = _unary("square", "signed", np.square, lambda n, c: [c[0] * 2 * n.inputs[0]], "({0} * {0})")
+# relu's VJP reads its output (relu(x) > 0 exactly where x > 0): the output is usually stored
+# anyway (the next layer's input), so the input need not stay alive for the backward.
 relu = _unary(
     "relu", "float", lambda x: np.maximum(x, 0),
-    lambda n, c: [where(n.inputs[0] > 0, c[0], 0.0)], "max({0}, 0.0)",
+    lambda n, c: [where(n.out > 0, c[0], 0.0)], "max({0}, 0.0)",
 )
 sigmoid = _unary(
     "sigmoid", "float", _stable_sigmoid,
