@@ -276,7 +276,8 @@ def build(records, out_dir, plan_memory=None) -> str:
                  "dispatch; bindings aligned to the device's own storage-offset alignment "
                  "instead of 256 bytes, so SmolVLA's 720-wide parameters get their own "
                  "ranges too; relu's backward reading its output, so batch norm's output "
-                 "need not stay alive): our figures recomputed without a GPU by "
+                 "need not stay alive; head concats of batch-1 attention gradients written "
+                 "in place): our figures recomputed without a GPU by "
                  "`bench/plan_memory.py --align 32` (the H200's alignment on wgpu-native; "
                  "Dawn's is 16 and gives the same plans), PyTorch's from the run above. "
                  "Latencies not yet re-measured.\n")

@@ -469,3 +469,28 @@ def test_plans_use_the_device_binding_alignment(gpu):
         x = r.normal(size=(32, 64)).astype(np.float32)
         y = r.integers(0, 10, 32).astype(np.int32)
         np.testing.assert_allclose(s.step(x=x, y=y).loss, plain.step(x=x, y=y).loss, rtol=1e-6)
+
+
+def test_head_concats_are_written_in_place_even_nested(gpu):
+    """Values made only to be concatenated along an axis with unit dimensions before it (the
+    heads of a batch-1 attention gradient) are computed straight into their slots; a concat
+    that itself only feeds an outer concat lies in the outer one's slot.  No concat kernel,
+    results as the reference."""
+    from meganeura import reference
+
+    g = mn.Graph("heads")
+    p = g.param("p", (1, 3, 4, 8))
+    q = g.param("q", (1, 2, 4, 8))
+    r = g.param("r", (1, 1, 4, 8))
+    a = (p * 2.0).exp()
+    b = q.tanh()
+    c = mn.ops.concat([a, b], axis=1)  # (1, 5, 4, 8), only feeds the outer concat
+    d = mn.ops.concat([c, r.sigmoid()], axis=1)  # (1, 6, 4, 8)
+    out = (d * d).sum(axis=(2, 3))
+    s = mn.compile(g, outputs={"out": out})
+    r_ = np.random.default_rng(0)
+    params = {n: r_.normal(size=v.shape).astype(np.float32) * 0.5 for n, v in g.params.items()}
+    s.set_params(params)
+    assert not [lbl for lbl in s.kernel_labels() if lbl.startswith("concat")], s.kernel_labels()
+    want = reference.evaluate(g, [out], params, np.float64)[0]
+    np.testing.assert_allclose(s.run()["out"], want, rtol=1e-5)

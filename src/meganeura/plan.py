@@ -16,6 +16,7 @@ epilogue); views (reshape, permute, broadcast, slice, split) become strides of t
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -528,12 +529,18 @@ class _Planner:
         return ir.MatmulKernel(nb, M, N, K, ops[0], ops[1], out_dtype=v.dtype), bases
 
     def _alias_concat_inputs(self, v: Value, concat: Node, starts: list[int]) -> set[int]:
-        """Inputs of the 1-D concat ``v`` whose producer can write straight into the concat's
+        """Inputs of the concat ``v`` whose producer can write straight into the concat's
         buffer: a value that exists only to be concatenated (possibly split into several
         consecutive inputs, e.g. the weight gradient of a fused projection), read
-        contiguously, at a binding-aligned slot.  Returns the input indices placed."""
-        if not (self.alias_ok and v.ndim == 1 and self.fuse) or v.id in self.root_ids:
+        contiguously, at a binding-aligned slot.  Each input's slot must be one contiguous
+        block: a 1-D concat, or one along an axis with only unit dimensions before it (the
+        heads of a batch-1 attention gradient).  Returns the input indices placed."""
+        ax = concat.attrs["axis"] % max(v.ndim, 1)
+        if not (self.alias_ok and self.fuse) or v.id in self.root_ids or \
+                math.prod(v.shape[:ax]) != 1:
             return set()
+        inner = math.prod(v.shape[ax + 1:])
+        starts = [st * inner for st in starts]  # element offsets of the slots
         by_base: dict[int, list] = {}
         for i, x in enumerate(concat.inputs):
             base, s = self.views.resolve(x)
@@ -1114,7 +1121,17 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
             values[v.id] = v
     end = len(kernels)
     # a value computed into its slot of a concat makes the concat's buffer live from then on
-    for vid, (cv, _off) in pl.alias.items():
+    # a slot may itself lie in an outer concat's slot: follow to the outermost buffer
+    def outermost(vid: int) -> tuple[Value, int]:
+        cv, off = pl.alias[vid]
+        while cv.id in pl.alias:
+            cv, more = pl.alias[cv.id][0], off + pl.alias[cv.id][1]
+            off = more
+        return cv, off
+
+    slots = {vid: outermost(vid) for vid in pl.alias}
+    for vid in pl.alias:
+        cv = slots[vid][0]
         if vid in first:
             first[cv.id] = min(first.get(cv.id, first[vid]), first[vid])
             last[cv.id] = max(last.get(cv.id, first[vid]), last.get(vid, first[vid]))
@@ -1166,7 +1183,7 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
         placed[vid] = Loc("temp", "", offsets[vid], nbytes)
     plan.arena_bytes = cursor
     plan.aliased = len(pl.alias)
-    for vid, (cv, off) in pl.alias.items():
+    for vid, (cv, off) in slots.items():
         if vid in values:
             c = placed[cv.id]
             placed[vid] = Loc(c.pool, c.name, c.offset + off * cv.dtype.gpu_itemsize,
