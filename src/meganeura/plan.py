@@ -15,6 +15,7 @@ epilogue); views (reshape, permute, broadcast, slice, split) become strides of t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -268,8 +269,25 @@ class _Planner:
         bases, views = self._archetype_inputs(n, arch)
         desc = arch.make(n.attrs, views, [o.type for o in n.outputs])
         shapes = ",".join(str(o.shape) for o in n.outputs)
-        self.emit(desc, bases, list(n.outputs), f"{low.archetype} {shapes}")
+        outs = list(n.outputs)
+        if low.archetype == "attention_fwd" and self._heads_last_reader(n.outputs[0]):
+            # stored as (B, S, H, D): the output projection's (B, S, H·D) view needs no copy
+            o = n.outputs[0]
+            B, H, S, D = o.shape
+            outs[0] = self.temp_value((B, S, H, D), o.dtype)
+            self.views.cache[o.id] = (outs[0], ir.Strided(o.dtype, o.shape,
+                                                          (S * H * D, D, H * D, 1), 0, o.size))
+            desc = dataclasses.replace(desc, out_bshd=True)
+            shapes += " [bshd]"
+        self.emit(desc, bases, outs, f"{low.archetype} {shapes}")
         self.done.update(o.id for o in n.outputs)
+
+    def _heads_last_reader(self, v: Value) -> bool:
+        """Some reader swaps heads and positions of ``v`` (B, H, S, D) and nothing fetches
+        ``v`` itself."""
+        return v.id not in self.root_ids and any(
+            c.op == "permute" and tuple(c.attrs["perm"]) == (0, 2, 1, 3)
+            for c in self.consumers.get(v.id, []))
 
     def pointwise(self, outs: list[Value]) -> None:
         kb = _KernelBuilder(self, outs[0].shape)

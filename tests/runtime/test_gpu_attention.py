@@ -311,3 +311,30 @@ def test_kv_cache_decode_step_gpu(gpu):
     want = dict(zip(outs, reference.evaluate(g, list(outs.values()), env, np.float64)))
     for n in outs:
         assert _rel(got[n], want[n]) <= TOL, n
+
+
+def test_forward_output_stored_heads_last_for_the_projection(gpu):
+    """attention → (B, S, H·D) → output projection: the kernel stores its output as
+    (B, S, H, D), so the projection reads it in place (no transposing copy); the gradients
+    (which read the output too, for delta) match the reference."""
+    R = np.random.default_rng(3)
+    B, H, S, D = 1, 3, 9, 8
+    g = mn.Graph()
+    q = g.param("q", (B, H, S, D))
+    k = g.param("k", (B, H, S, D))
+    v = g.param("v", (B, H, S, D))
+    w = g.param("w", (H * D, 5))
+    o = ops.attention(q, k, v, causal=True)
+    y = ops.reshape(ops.permute(o, (0, 2, 1, 3)), (B, S, H * D)) @ w
+    g2, grads = mn.grad(g, (y * y).sum())
+    outs = {"y": g2[y], **{f"d{n}": x for n, x in grads.items()}}
+    env = {n: R.normal(size=x.shape).astype(np.float32) for n, x in g.params.items()}
+    sess = mn.compile(g2, outputs=outs, device=gpu)
+    sess.set_params(env)
+    labels = sess.kernel_labels(inference=True)
+    assert any("[bshd]" in lbl for lbl in labels) and not any(
+        lbl.startswith("copy") for lbl in labels), labels
+    got = sess.run()
+    want = dict(zip(outs, reference.evaluate(g2, list(outs.values()), env, np.float64)))
+    for n in outs:
+        assert _rel(got[n], want[n]) <= TOL, n

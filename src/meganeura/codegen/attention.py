@@ -80,6 +80,9 @@ class AttentionKernel:
     split_heads: bool = False
     # force a tile configuration (tests): (rows per block, keys per tile / chunk)
     tiles: tuple[int, int] = (0, 0)
+    # fwd only: store the output as (B, Sq, Hq, Dv) instead of (B, Hq, Sq, Dv), the layout the
+    # output projection reads (the planner then needs no transposing copy)
+    out_bshd: bool = False
 
 
 def _f(x: float) -> str:
@@ -433,9 +436,12 @@ def _rows_kernel(g: _Gen, t) -> tuple[list[str], int, object, dict]:
     # store
     L.append(f"{ind}if (!row_ok) {{ return; }}")
     obase = f"((b * {u(g.Hq)} + qh) * {u(g.Sq)} + qi)"
+    rbase = obase  # row of the stored output
     if kind == "fwd":
         L.append(f"{ind}let inv = select(1.0 / l, 0.0, l == 0.0);")
         dim, target, w, scale = g.Dv, "out", wv, "inv"
+        if k.out_bshd:
+            rbase = f"((b * {u(g.Sq)} + qi) * {u(g.Hq)} + qh)"
     else:
         dim, target, w, scale = g.D, "dq", wd, _f(k.scale)
     for j in range(n_acc):
@@ -449,8 +455,8 @@ def _rows_kernel(g: _Gen, t) -> tuple[list[str], int, object, dict]:
         L.append(f"{ii}let val = acc{j} * {scale};")
         for comp in range(w):
             e = f"val[{comp}]" if w == 4 else "val"
-            dst = f"{obase} * {u(dim)} + cu * {u(w)} + {u(comp)}" if w == 4 else \
-                f"{obase} * {u(dim)} + cu"
+            dst = f"{rbase} * {u(dim)} + cu * {u(w)} + {u(comp)}" if w == 4 else \
+                f"{rbase} * {u(dim)} + cu"
             L.append(f"{ii}{g.bind[target]}[{dst}] = {_store(e, g.dt)};")
         if guard:
             L.append(f"{i2}}}")
