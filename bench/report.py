@@ -278,7 +278,8 @@ def build(records, out_dir, plan_memory=None) -> str:
                  "ranges too; relu's backward reading its output, so batch norm's output "
                  "need not stay alive; head concats of batch-1 attention gradients written "
                  "in place; the attention output stored as (B, S, H, D) for the output "
-                 "projection): our figures recomputed without a GPU by "
+                 "projection; split-K matmuls taking their epilogue in the ordered sum): our "
+                 "figures recomputed without a GPU by "
                  "`bench/plan_memory.py --align 32` (the H200's alignment on wgpu-native; "
                  "Dawn's is 16 and gives the same plans), PyTorch's from the run above. "
                  "Latencies not yet re-measured.\n")

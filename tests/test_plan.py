@@ -131,14 +131,20 @@ def test_split_k_matmul_for_few_tiles_and_long_k(gpu):
     a = g.param("a", (6, 3000))
     b = g.param("b", (5, 3000))
     y = ops.matmul(a, b, transpose_b=True)  # M=6, N=5, K=3000
-    z = (ops.matmul(a, b, transpose_b=True) + 1.0).relu()  # epilogue falls back after split
+    c = g.param("c", (5, 3000))
+    r = g.input("r", (6, 5))
+    z = (ops.matmul(a, c, transpose_b=True) + r).relu()  # epilogue runs in the ordered sum
     env = {"a": np.random.default_rng(0).normal(size=(6, 3000)).astype(np.float32),
-           "b": np.random.default_rng(1).normal(size=(5, 3000)).astype(np.float32)}
+           "b": np.random.default_rng(1).normal(size=(5, 3000)).astype(np.float32),
+           "c": np.random.default_rng(3).normal(size=(5, 3000)).astype(np.float32),
+           "r": np.random.default_rng(2).normal(size=(6, 5)).astype(np.float32) * 50}
     sess = mn.compile(g, outputs={"y": y, "z": z})
     labels = sess.kernel_labels(inference=True)
     assert any("split-K" in lbl for lbl in labels), labels
-    sess.set_params(env)
-    got = sess.run()
+    assert any(lbl.endswith("[split-K sum] +add,relu") for lbl in labels), labels
+    assert not any(lbl.startswith("pointwise") for lbl in labels), labels
+    sess.set_params({k: env[k] for k in ("a", "b", "c")})
+    got = sess.run(r=env["r"])
     want = reference.evaluate(g, [y, z], env, np.float64)
     np.testing.assert_allclose(got["y"], want[0], rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(got["z"], want[1], rtol=1e-4, atol=1e-3)

@@ -490,7 +490,18 @@ class _Planner:
                        for i in kb.instrs)
         desc, mm_bases = self._matmul_desc(mm)
         if _split_k(desc) > 1:
-            return False  # split-K: the epilogue runs after the partial sums are reduced
+            # split-K: the epilogue runs in the kernel that sums the partial products
+            if desc.batch != 1:
+                return False
+            tmp, label = self._split_k_partials(desc, mm_bases, mm)
+            extra = tuple(ir.Strided(x.dtype, x.shape[1:], x.strides[1:], x.offset, x.extent)
+                          for x in extras)
+            red = ir.ReduceKernel(tmp.shape, (0,), "sum",
+                                  (ir.Strided.contiguous(tmp.dtype, tmp.shape),),
+                                  (ir.Instr("{0}", (("in", 0),), tmp.dtype),), instrs, extra,
+                                  out_dtype=out.dtype, name="splitk_sum_ep")
+            self.emit(red, [tmp] + bases, [out], f"{label} [split-K sum] +{ops}")
+            return True
         desc = ir.MatmulKernel(desc.batch, desc.m, desc.n, desc.k, desc.a, desc.b, tuple(extras),
                                instrs, out.dtype, name="matmul_ep")
         self.emit(desc, mm_bases + bases, [out],
@@ -504,8 +515,19 @@ class _Planner:
         if split <= 1:
             self.emit(desc, bases, [v], label)
             return
-        # Few output tiles and a long K (weight gradients, small-M GEMMs): K split into
-        # `split` chunks computed as a batch of matmuls (strides only), then summed in order.
+        tmp, label = self._split_k_partials(desc, bases, v)
+        acc = tmp.dtype
+        red = ir.ReduceKernel(tmp.shape, (0,), "sum", (ir.Strided.contiguous(acc, tmp.shape),),
+                              (ir.Instr("{0}", (("in", 0),), acc),), out_dtype=v.dtype,
+                              name="splitk_sum")
+        self.emit(red, [tmp], [v], f"{label} [split-K sum]")
+
+    def _split_k_partials(self, desc, bases, v: Value):
+        """Few output tiles and a long K (weight gradients, small-M GEMMs): K split into
+        ``split`` chunks computed as a batch of matmuls (strides only) into a temp of partial
+        products, which the caller sums in order.  Returns (temp, label)."""
+        split = _split_k(desc)
+        label = f"matmul {desc.batch}x{desc.m}x{desc.n}x{desc.k}"
         a, b, kc = desc.a, desc.b, desc.k // split
         a_s = ir.Strided(a.dtype, (split, desc.m, kc), (a.strides[2] * kc,) + a.strides[1:],
                          a.offset, a.extent)
@@ -516,10 +538,7 @@ class _Planner:
         self.emit(ir.MatmulKernel(split, desc.m, desc.n, kc, a_s, b_s, out_dtype=acc,
                                   name="matmul_splitk"), bases, [tmp],
                   f"{label} [split-K {split}]")
-        red = ir.ReduceKernel(tmp.shape, (0,), "sum", (ir.Strided.contiguous(acc, tmp.shape),),
-                              (ir.Instr("{0}", (("in", 0),), acc),), out_dtype=v.dtype,
-                              name="splitk_sum")
-        self.emit(red, [tmp], [v], f"{label} [split-K sum]")
+        return tmp, label
 
     def _matmul_desc(self, v: Value):
         n = v.node
