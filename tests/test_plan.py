@@ -500,3 +500,29 @@ def test_head_concats_are_written_in_place_even_nested(gpu):
     assert not [lbl for lbl in s.kernel_labels() if lbl.startswith("concat")], s.kernel_labels()
     want = reference.evaluate(g, [out], params, np.float64)[0]
     np.testing.assert_allclose(s.run()["out"], want, rtol=1e-5)
+
+
+def test_norm_runs_its_elementwise_pass_in_the_reduction(gpu):
+    """RMS-norm: the reduction stores rstd and, in the same dispatch, writes x * rstd * w over
+    the rows; a reduction over more than POST_MAX_REDUCED elements keeps a separate
+    elementwise kernel.  Both equal the reference."""
+    from meganeura import reference
+    from meganeura.plan import POST_MAX_REDUCED
+
+    for width in (96, POST_MAX_REDUCED + 4):
+        g = mn.Graph("norm")
+        x = g.input("x", (6, width))
+        w = g.param("w", (width,))
+        rstd = ((x * x).mean(axis=-1, keepdims=True) + 1e-6).rsqrt()
+        y = x * rstd * w
+        s = mn.compile(g, outputs={"y": y, "rstd": rstd})
+        xs = np.random.default_rng(0).normal(size=(6, width)).astype(np.float32)
+        ws = np.linspace(0.5, 1.5, width, dtype=np.float32)
+        s.set_params({"w": ws})
+        labels = s.kernel_labels(inference=True)
+        merged = any("=>" in lbl for lbl in labels)
+        assert merged == (width <= POST_MAX_REDUCED), labels
+        got = s.run(x=xs)
+        want = reference.evaluate(g, [y, rstd], {"x": xs, "w": ws}, np.float64)
+        np.testing.assert_allclose(got["y"], want[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["rstd"], want[1], rtol=1e-5)

@@ -980,6 +980,72 @@ def _best_fit(live: list[tuple[int, int]], size: int) -> int:
     return end if best is None else best
 
 
+# Longest reduced extent whose elementwise pass runs in the reduction's workgroups: the pass
+# has only the reduction's parallelism (one workgroup per row for a norm over the hidden
+# size), fine for rows of a few thousand elements; batch norm's statistics over N·H·W are
+# longer and keep their own full-width elementwise kernel.
+POST_MAX_REDUCED = 4096
+
+
+def _merge_post_passes(kernels: list, keep: set[int]) -> list:
+    """A reduction followed by an elementwise kernel over the reduction's input shape that
+    reads the result broadcast back over the reduced axes (x * rstd * w after an RMS): the
+    elementwise pass runs in the reduction's workgroups, right after the reduction (one
+    dispatch; ``ReduceKernel.post``)."""
+    out: list = []
+    for k in kernels:
+        merged = _with_post_pass(out[-1], k, keep) if out else None
+        if merged is None:
+            out.append(k)
+        else:
+            out[-1] = merged
+    return out
+
+
+def _with_post_pass(a, b, keep: set[int]):
+    da, ins_a, outs_a, la = a
+    db, ins_b, outs_b, lb = b
+    if not (isinstance(da, ir.ReduceKernel) and isinstance(db, ir.PointwiseKernel)) or \
+            da.split > 1 or da.post or tuple(db.shape) != tuple(da.shape) or \
+            any(v.id in keep for v in outs_b) or len(outs_a) != 1 or outs_a[0].dtype != f32:
+        return None
+    r = outs_a[0]
+    shape = tuple(da.shape)
+    axes = {x % len(shape) for x in da.axes}
+    if math.prod(shape[d] for d in axes) > POST_MAX_REDUCED:
+        return None
+    kept_strides = iter(_contiguous(tuple(n for d, n in enumerate(shape) if d not in axes)))
+    want = [0 if d in axes else next(kept_strides) for d in range(len(shape))]
+    post_inputs, bases, remap = [], [], {}
+    for i, (base, st) in enumerate(zip(ins_b, db.inputs, strict=True)):
+        if base is r:
+            if st.offset or any(n > 1 and st.strides[d] != want[d]
+                                for d, n in enumerate(shape)):
+                return None  # reads the result at other positions
+            remap[i] = ("r", 0)
+            continue
+        for j, (b2, s2) in enumerate(zip(bases, post_inputs, strict=True)):
+            if b2 is base and s2 == st:
+                remap[i] = ("in", j)
+                break
+        else:
+            bases.append(base)
+            post_inputs.append(st)
+            remap[i] = ("in", len(post_inputs) - 1)
+    if not any(v == ("r", 0) for v in remap.values()):
+        return None
+    n_bind = len(da.inputs) + len(da.extra) + len(post_inputs) + 1 + len(outs_b)
+    if n_bind > MAX_BINDINGS:
+        return None
+    post = tuple(ir.Instr(ins.expr, tuple(remap[i] if kind == "in" else (kind, i)
+                                          for kind, i in ins.args), ins.dtype, ins.helpers)
+                 for ins in db.instrs)
+    desc = dataclasses.replace(da, post_inputs=tuple(post_inputs), post=post,
+                               post_outputs=tuple(db.outputs), name=f"{da.name}_post")
+    label = f"{la} => {lb.split(' ', 1)[0]} {lb.rsplit(' ', 1)[-1]}"
+    return desc, list(ins_a) + bases, list(outs_a) + list(outs_b), label
+
+
 def _merge_neighbours(kernels: list, keep: set[int]) -> list:
     """Merge each elementwise kernel into the one right before it when both iterate the same
     shape: one dispatch writing both kernels' outputs.  Where the second reads an output of the
@@ -1137,11 +1203,14 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
             return None
         return groups.loc(lf.name, _nbytes(v.type)) or Loc(lf.kind, lf.name, 0, _nbytes(v.type))
 
+    keep = {pl.views.resolve(v)[0].id
+            for v in list(fetch_values.values()) + list(updates.values())}
+    if fuse:  # an elementwise pass reading a reduction broadcast back: in its workgroups
+        updated = {pl.views.resolve(v)[0].id for v in updates.values()}  # in-place rules
+        pl.kernels[:] = _merge_post_passes(pl.kernels, updated)
     # neighbouring elementwise kernels over one shape: one dispatch.  (Training steps only:
     # in ResNet-50's inference plan the earlier-produced outputs raised the peak by 15%.)
     if fuse and not inference:
-        keep = {pl.views.resolve(v)[0].id
-                for v in list(fetch_values.values()) + list(updates.values())}
         pl.kernels[:] = _merge_neighbours(pl.kernels, keep)
     # 3) liveness over kernel indices for temp values
     kernels = pl.kernels

@@ -204,3 +204,46 @@ def test_limits_and_errors():
         codegen.emit(ReduceKernel((4,), (0,), "prod", (Strided.contiguous(f32, (4,)),), ()))
     with pytest.raises(CodegenError, match="out of range"):
         codegen.emit(ReduceKernel((4,), (3,), "sum", (Strided.contiguous(f32, (4,)),), ()))
+
+
+@pytest.mark.parametrize(
+    "shape,axes",
+    [
+        ((6, 300), (1,)),  # rows: a normalization over the last axis (one workgroup per row)
+        ((300, 8), (0,)),  # columns: outputs side by side
+        ((5, 37, 6), (2,)),  # tiny reduced extent: serial
+        ((3, 4, 5, 6), (1, 3)),  # several axes
+    ],
+)
+def test_post_pass_normalizes_with_the_result(run, rng, shape, axes):
+    """An RMS-norm in one kernel: rstd = rsqrt(mean(x²) + eps) stored, then x * rstd * w over
+    the input shape (w broadcast along the kept axes) from the same workgroup."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    wshape = tuple(n if d in axes else 1 for d, n in enumerate(shape))
+    w = rng.standard_normal(wshape).astype(np.float32)
+    n_red = int(np.prod([shape[a] for a in axes]))
+    wst = tuple(0 if d not in axes else st // 4 for d, st in enumerate(
+        np.broadcast_to(w, shape).strides))
+    desc = ReduceKernel(
+        shape, axes, "sum", (Strided.contiguous(f32, shape),),
+        (Instr("({0} * {0})", (("in", 0),), f32),),
+        (Instr(f"inverseSqrt({{0}} / {float(n_red)} + 1e-6)", (("acc", 0),), f32),),
+        post_inputs=(Strided.contiguous(f32, shape), Strided(f32, shape, wst, 0, w.size)),
+        post=(Instr("({0} * {1})", (("in", 0), ("r", 0)), f32),
+              Instr("({0} * {1})", (("t", 0), ("in", 1)), f32)),
+        post_outputs=(1, 0),
+    )
+    out_shape = _out(shape, axes)
+    r, y, xhat = run(desc, [x, x, w], [(out_shape, f32), (shape, f32), (shape, f32)])
+    ms = np.mean(x.astype(np.float64) ** 2, axis=axes, keepdims=True)
+    rstd = 1.0 / np.sqrt(ms + 1e-6)
+    assert_close(r, rstd.reshape(out_shape), 1e-5, what="rstd")
+    assert_close(xhat, x * rstd, 1e-5, 1e-6, what="xhat")
+    assert_close(y, x * rstd * w, 1e-5, 1e-6, what="y")
+
+
+def test_post_pass_refuses_a_split():
+    desc = ReduceKernel((4, 64), (1,), "sum", (Strided.contiguous(f32, (4, 64)),), (),
+                        split=2, post=(Instr("{0}", (("r", 0),), f32),), post_outputs=(0,))
+    with pytest.raises(CodegenError, match="post pass"):
+        codegen.emit(desc)

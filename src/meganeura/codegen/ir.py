@@ -92,6 +92,15 @@ class ReduceKernel:
     # contiguous chunks, each reduced separately (prologue, no epilogue) and written to output
     # element ``chunk * n_out + o`` in the accumulator dtype (f32 for floats).
     split: int = 1
+    # An elementwise pass over the *input* shape that reads the result broadcast back over the
+    # reduced axes (a normalization: x * rstd * w), run by the same workgroup right after the
+    # reduction.  ``post`` instrs read ``("in", i)`` from ``post_inputs`` (Strided over
+    # ``shape``), ``("r", 0)`` the stored result and ``("t", j)``; ``post_outputs[k]`` (instr
+    # indices) are written contiguous over ``shape``.  Bindings: inputs, extra, post_inputs,
+    # out, post outputs.
+    post_inputs: tuple[Strided, ...] = ()
+    post: tuple[Instr, ...] = ()
+    post_outputs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

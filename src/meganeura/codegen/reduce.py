@@ -62,6 +62,46 @@ def _extra_strides(s, shape, axes, out_shape, what):
     return bcast_strides(s, out_shape, what)
 
 
+def _post_pass(k: ReduceKernel, L: list[str], ind: str, kshape, kpost, rshape, rpost,
+               used_p, result, start: str, step: int, red_total: int, out_b: int,
+               helpers: set) -> None:
+    """Each invocation of an output walks its share of the reduced elements again, computing
+    the post instrs (inputs at the full shape, ``("r", 0)`` the result) and storing them."""
+    i2 = ind + "    "
+    kc = coords_code("o", kshape, "kq", L, ind)
+    pk = dict(zip(used_p, kpost, strict=False))
+    ok_strides = kpost[len(used_p)]
+    for i in used_p:
+        L.append(f"{ind}let pbase{i} = {index_code(kc, pk[i], k.post_inputs[i].offset)};")
+    L.append(f"{ind}let obase = {index_code(kc, ok_strides, 0)};")
+    L.append(f"{ind}for (var rp: u32 = {start}; rp < {u(red_total)}; rp = rp + {u(step)}) {{")
+    rc = coords_code("rp", rshape, "rq", L, i2)
+    pr = dict(zip(used_p, rpost, strict=False))
+    names = {}
+    for i in used_p:
+        rel = index_code(rc, pr[i], 0)
+        idx = f"pbase{i}" if rel == "0u" else f"pbase{i} + {rel}"
+        binding = f"b{len(k.inputs) + len(k.extra) + i}"
+        L.append(f"{i2}let w{i} = {load(binding, idx, k.post_inputs[i].dtype)};")
+        names[i] = (f"w{i}", k.post_inputs[i].dtype)
+
+    def arg(a):
+        kind, i = a
+        if kind == "in":
+            return names[i]
+        if kind == "r":
+            return result
+        raise CodegenError(f"kernel {k.name!r}: post operand {a!r}")
+
+    res = emit_instrs(k.post, arg, "s", L, i2, helpers)
+    rel = index_code(rc, rpost[len(used_p)], 0)
+    oidx = "obase" if rel == "0u" else f"obase + {rel}"
+    for j, ins in enumerate(k.post_outputs):
+        v, vdt = res[ins]
+        L.append(f"{i2}b{out_b + 1 + j}[{oidx}] = {store_value(v, vdt, k.post[ins].dtype)};")
+    L.append(f"{ind}}}")
+
+
 def choose_layout(rshape, kept_contig: bool, red_total: int, out_total: int, max_threads: int):
     """(TX, TY): outputs per workgroup and invocations per output."""
     if red_total <= SERIAL_MAX:
@@ -111,11 +151,18 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
         out_dtype = acc_t  # partial results stay in the accumulator type
 
     n_in, n_x = len(k.inputs), len(k.extra)
-    n_bind = n_in + n_x + 1
+    n_p, n_po = len(k.post_inputs), len(k.post_outputs)
+    if n_po and (split > 1 or not k.post):
+        raise CodegenError(f"kernel {name!r}: a post pass needs instrs and no split")
+    post_dts = [k.post[i].dtype for i in k.post_outputs]
+    n_bind = n_in + n_x + n_p + 1 + n_po
     check_bindings(name, n_bind, t)
-    all_dtypes = [s.dtype for s in k.inputs] + [s.dtype for s in k.extra] + [out_dtype]
-    all_dtypes += [i.dtype for i in k.prologue] + [i.dtype for i in k.epilogue]
+    bind_dtypes = ([s.dtype for s in k.inputs] + [s.dtype for s in k.extra]
+                   + [s.dtype for s in k.post_inputs] + [out_dtype] + post_dts)
+    all_dtypes = bind_dtypes + [i.dtype for i in k.prologue] + [i.dtype for i in k.epilogue]
+    all_dtypes += [i.dtype for i in k.post]
     uses_f16 = check_dtypes(name, all_dtypes, t)
+    out_b = n_in + n_x + n_p  # binding of the reduced output
 
     used = sorted({i for ins in k.prologue for kind, i in ins.args if kind == "in"})
     if not k.prologue:
@@ -135,6 +182,22 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
     for i in used_x:
         check_extent(name, f"extra input {i}", k.extra[i], out_shape, xst[i], t)
     check_binding_size(name, "output", out_total * split, out_dtype, t)
+    used_p = sorted({i for ins in k.post for kind, i in ins.args if kind == "in"})
+    for i in used_p:
+        if i >= n_p:
+            raise CodegenError(f"kernel {name!r}: post pass reads input {i} of {n_p}")
+    pfull = {i: bcast_strides(k.post_inputs[i], shape, f"{name} post input {i}")
+             for i in used_p}
+    for i in used_p:
+        check_extent(name, f"post input {i}", k.post_inputs[i], shape, pfull[i], t)
+    for dt in post_dts:
+        check_binding_size(name, "post output", prod(shape), dt, t)
+    full_out = []  # contiguous strides of the post outputs over ``shape``
+    acc_s = 1
+    for n in reversed(shape):
+        full_out.append(acc_s)
+        acc_s *= n
+    full_out = tuple(reversed(full_out))
 
     # kept dims: merged over inputs (kept part), extras and the contiguous output
     contig, acc = [], 1
@@ -142,16 +205,26 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
         contig.append(acc)
         acc *= n
     contig = tuple(reversed(contig))
+    post_lists = ([tuple(pfull[i][d] for d in kept) for i in used_p]
+                  + ([tuple(full_out[d] for d in kept)] if n_po else []))
     kshape, kstr = merge_dims(
         out_shape,
         [contig]
         + [tuple(full[i][d] for d in kept) for i in used]
-        + [xst[i] for i in used_x],
+        + [xst[i] for i in used_x]
+        + post_lists,
     )
     kin = dict(zip(used, kstr[1 : 1 + len(used)], strict=False))
-    kx = dict(zip(used_x, kstr[1 + len(used) :], strict=False))
-    rshape, rstr = merge_dims(rshape_full, [tuple(full[i][d] for d in axes) for i in used])
+    kx = dict(zip(used_x, kstr[1 + len(used) : 1 + len(used) + len(used_x)], strict=False))
+    kpost = kstr[1 + len(used) + len(used_x):]
+    rshape, rstr = merge_dims(
+        rshape_full,
+        [tuple(full[i][d] for d in axes) for i in used]
+        + [tuple(pfull[i][d] for d in axes) for i in used_p]
+        + ([tuple(full_out[d] for d in axes)] if n_po else []),
+    )
     rin = dict(zip(used, rstr, strict=False))
+    rpost = rstr[len(used):]
 
     # layout: are the kept (output) dims the fast-moving ones in memory?
     main = used[0] if used else None
@@ -268,7 +341,9 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
             body.append(f"{ind}}}")
             body.append(f"{ind}workgroupBarrier();")
             s //= 2
-        body.append(f"{ind}if (y == 0u && valid) {{")
+        # every lane of an output reads the total when a post pass follows (after the last
+        # barrier nothing writes ``red``); otherwise only lane 0, which stores it
+        body.append(f"{ind}if ({'valid' if n_po else 'y == 0u && valid'}) {{")
         store_lines.append(f"{i2}let total = red[x];")
     else:
         body.append(f"{ind}if (valid) {{")
@@ -304,12 +379,19 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
     else:
         out_v, out_vdt = "accv", val_dtype
     oidx = f"cb * {u(out_total)} + o" if split > 1 else "o"
-    store_lines.append(f"{i2}b{n_in + n_x}[{oidx}] = {store_value(out_v, out_vdt, out_dtype)};")
+    store = f"b{out_b}[{oidx}] = {store_value(out_v, out_vdt, out_dtype)};"
+    if n_po and ty > 1:
+        store_lines.append(f"{i2}if (y == 0u) {{ {store} }}")
+    else:
+        store_lines.append(f"{i2}{store}")
+    if n_po:
+        _post_pass(k, store_lines, i2, kshape, kpost, rshape, rpost, used_p, (out_v, out_vdt),
+                   "y" if ty > 1 else "0u", ty, red_total, out_b, helpers)
     body += store_lines
     body.append(f"{ind}}}")
 
     lines = module_header(uses_f16)
-    lines += binding_decls([s.dtype for s in k.inputs] + [s.dtype for s in k.extra] + [out_dtype])
+    lines += binding_decls(bind_dtypes)
     if ty > 1:
         lines.append(f"var<workgroup> red: array<{acc_t.wgsl}, {wg}>;")
     return KernelSpec(
@@ -322,7 +404,7 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
             "layout": (tx, ty),
             "workgroup_size": wg,
             "workgroup_storage": shared_bytes,
-            "binding_dtypes": tuple(all_dtypes[: n_bind]),
+            "binding_dtypes": tuple(bind_dtypes),
             "reduced": red_total,
             "outputs": out_total,
             "split": split,
