@@ -1024,6 +1024,11 @@ def _with_post_pass(a, b, keep: set[int]):
                 return None  # reads the result at other positions
             remap[i] = ("r", 0)
             continue
+        own = [j for j, (b2, s2) in enumerate(zip(ins_a, da.inputs)) if b2 is base and s2 == st
+               and any(kind == "in" and x == j for ins in da.prologue for kind, x in ins.args)]
+        if own:  # the reduction reads it already: same binding, same element
+            remap[i] = ("ri", own[0])
+            continue
         for j, (b2, s2) in enumerate(zip(bases, post_inputs, strict=True)):
             if b2 is base and s2 == st:
                 remap[i] = ("in", j)

@@ -247,3 +247,24 @@ def test_post_pass_refuses_a_split():
                         split=2, post=(Instr("{0}", (("r", 0),), f32),), post_outputs=(0,))
     with pytest.raises(CodegenError, match="post pass"):
         codegen.emit(desc)
+
+
+def test_post_pass_reads_the_reductions_own_input(run, rng):
+    """``("ri", i)``: the post pass reads the reduction's input ``i`` through its own binding
+    (RMS-norm backward: dx = w·dy·rstd − x·rstd³·mean(dy·w·x))."""
+    shape = (7, 50)
+    x = rng.standard_normal(shape).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    full = Strided.contiguous(f32, shape)
+    desc = ReduceKernel(
+        shape, (1,), "sum", (full, full),
+        (Instr("({0} * {1})", (("in", 0), ("in", 1)), f32),),
+        (Instr("({0} / 50.0)", (("acc", 0),), f32),),
+        post=(Instr("({0} - {1} * {2})", (("ri", 1), ("ri", 0), ("r", 0)), f32),),
+        post_outputs=(0,),
+    )
+    m, out = run(desc, [x, dy], [((7,), f32), (shape, f32)])
+    mean = np.mean(x.astype(np.float64) * dy, axis=1, keepdims=True)
+    assert_close(m, mean[:, 0], 1e-5, 1e-6, what="mean")
+    assert_close(out, dy - x * mean, 1e-5, 1e-6, what="post")
+    assert run.last_spec.n_bindings == 4  # x, dy, mean, out: no extra binding for x, dy

@@ -95,7 +95,8 @@ class ReduceKernel:
     # An elementwise pass over the *input* shape that reads the result broadcast back over the
     # reduced axes (a normalization: x * rstd * w), run by the same workgroup right after the
     # reduction.  ``post`` instrs read ``("in", i)`` from ``post_inputs`` (Strided over
-    # ``shape``), ``("r", 0)`` the stored result and ``("t", j)``; ``post_outputs[k]`` (instr
+    # ``shape``), ``("ri", i)`` the reduction's own input ``i`` (one the prologue reads),
+    # ``("r", 0)`` the stored result and ``("t", j)``; ``post_outputs[k]`` (instr
     # indices) are written contiguous over ``shape``.  Bindings: inputs, extra, post_inputs,
     # out, post outputs.
     post_inputs: tuple[Strided, ...] = ()

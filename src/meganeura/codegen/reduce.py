@@ -64,13 +64,20 @@ def _extra_strides(s, shape, axes, out_shape, what):
 
 def _post_pass(k: ReduceKernel, L: list[str], ind: str, kshape, kpost, rshape, rpost,
                used_p, result, start: str, step: int, red_total: int, out_b: int,
-               helpers: set) -> None:
+               helpers: set, kin, rin) -> None:
     """Each invocation of an output walks its share of the reduced elements again, computing
-    the post instrs (inputs at the full shape, ``("r", 0)`` the result) and storing them."""
+    the post instrs (inputs at the full shape, ``("ri", i)`` the reduction's own input ``i``,
+    ``("r", 0)`` the result) and storing them."""
     i2 = ind + "    "
     kc = coords_code("o", kshape, "kq", L, ind)
     pk = dict(zip(used_p, kpost, strict=False))
     ok_strides = kpost[len(used_p)]
+    used_ri = sorted({i for ins in k.post for kind, i in ins.args if kind == "ri"})
+    for i in used_ri:
+        if i not in kin:
+            raise CodegenError(f"kernel {k.name!r}: post pass reads reduction input {i}, "
+                               "which the prologue does not read")
+        L.append(f"{ind}let qbase{i} = {index_code(kc, kin[i], k.inputs[i].offset)};")
     for i in used_p:
         L.append(f"{ind}let pbase{i} = {index_code(kc, pk[i], k.post_inputs[i].offset)};")
     L.append(f"{ind}let obase = {index_code(kc, ok_strides, 0)};")
@@ -85,10 +92,18 @@ def _post_pass(k: ReduceKernel, L: list[str], ind: str, kshape, kpost, rshape, r
         L.append(f"{i2}let w{i} = {load(binding, idx, k.post_inputs[i].dtype)};")
         names[i] = (f"w{i}", k.post_inputs[i].dtype)
 
+    for i in used_ri:
+        rel = index_code(rc, rin[i], 0)
+        idx = f"qbase{i}" if rel == "0u" else f"qbase{i} + {rel}"
+        L.append(f"{i2}let z{i} = {load(f'b{i}', idx, k.inputs[i].dtype)};")
+        names[("ri", i)] = (f"z{i}", k.inputs[i].dtype)
+
     def arg(a):
         kind, i = a
         if kind == "in":
             return names[i]
+        if kind == "ri":
+            return names[("ri", i)]
         if kind == "r":
             return result
         raise CodegenError(f"kernel {k.name!r}: post operand {a!r}")
@@ -386,7 +401,7 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
         store_lines.append(f"{i2}{store}")
     if n_po:
         _post_pass(k, store_lines, i2, kshape, kpost, rshape, rpost, used_p, (out_v, out_vdt),
-                   "y" if ty > 1 else "0u", ty, red_total, out_b, helpers)
+                   "y" if ty > 1 else "0u", ty, red_total, out_b, helpers, kin, rin)
     body += store_lines
     body.append(f"{ind}}}")
 
