@@ -840,7 +840,8 @@ def reshape_strided(s: ir.Strided, shape) -> ir.Strided | None:
     return ir.Strided(s.dtype, shape, tuple(strides), s.offset, s.extent)
 
 
-def _in_place_groups(kernels, updates, fetch_bases, groups: LeafGroups, group_values, graph):
+def _in_place_groups(kernels, updates, fetch_bases, groups: LeafGroups, group_values, graph,
+                     ranges=None):
     """A group whose members are all updated from one new flat vector, laid out like the group
     and computed by a pointwise kernel that reads the group only element-wise and is its last
     reader: that vector is computed straight into the group's buffer."""
@@ -866,7 +867,7 @@ def _in_place_groups(kernels, updates, fetch_bases, groups: LeafGroups, group_va
         desc, ins, outs, _ = kernels[k]
         if not isinstance(desc, ir.PointwiseKernel) or len(outs) != 1 or outs[0] is not b:
             continue
-        member_ids = [graph.leaves[n].value.id for n in members]
+        member_ids = [graph.leaves[n].value.id for n in members] + (ranges or {}).get(gname, [])
         if any(r > k for x in [gv.id, *member_ids] for r in readers.get(x, [])):
             continue
         ident = ir.Strided.contiguous(gv.dtype, gv.shape)
@@ -1262,8 +1263,11 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
     for cid, (gname, off, v) in concat_ranges.items():
         placed[cid] = Loc("group", gname, off * v.dtype.gpu_itemsize, _nbytes(v.type))
     if plan_memory:
+        ranges = {}  # concats that are a range of a group read that group too
+        for cid, (gname, _, _) in concat_ranges.items():
+            ranges.setdefault(gname, []).append(cid)
         for gname, b in _in_place_groups(kernels, updates, fetch_bases, groups, group_values,
-                                         graph).items():
+                                         graph, ranges).items():
             placed[b.id] = Loc("group", gname, 0, _nbytes(b.type))
     if plan_memory:  # updates computed straight into their tensor's buffer (no temp, no copy)
         fetched_leaves = {lf.name for n in fetch_values
