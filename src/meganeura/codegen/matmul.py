@@ -229,38 +229,71 @@ def _fma(acc_t, x, y, c):
     return f"fma({x}, {y}, {c})" if acc_t is f32 else f"{c} + {x} * {y}"
 
 
-def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
-    PER = TILE // THREADS
-    T4 = TILE // 4
-    B, M, N, K = c.B, c.M, c.N, c.K
-    mt, nt = -(-M // TILE), -(-N // TILE)
+def _tile_start(c: _Ctx, t, TM: int, TN: int, L: list[str], ind: str):
+    """Lines mapping the workgroup to (batch ``bi``, tile origin ``row0``/``col0``) of a TM x TN
+    tile grid, the uniform ``interior`` test (whole tile inside C, so loads and stores need no
+    bounds checks) and the operands' batch bases.  Returns (grid, live_check, full_m, full_n)."""
+    B, M, N = c.B, c.M, c.N
+    mt, nt = -(-M // TM), -(-N // TN)
     grid = make_grid(c.name, mt * nt * B, t)
-    acc = c.acc_t.wgsl
-    ind, i2, i3, i4 = "    ", "        ", "            ", "                "
-    L: list[str] = []
-    L.append(f"{ind}let wg = {grid.wg_expr};")
-    L.append(f"{ind}let tn = wg % {u(nt)};")
-    L.append(f"{ind}let tq = wg / {u(nt)};")
-    L.append(f"{ind}let tm = tq % {u(mt)};")
-    L.append(f"{ind}let bi = tq / {u(mt)};")
-    L.append(f"{ind}let tx = lid % {u(THREADS)};")
-    L.append(f"{ind}let ty = lid / {u(THREADS)};")
-    L.append(f"{ind}let row0 = tm * {u(TILE)};")
-    L.append(f"{ind}let col0 = tn * {u(TILE)};")
-    # Specialization: bounds checks only where a tile can stick out.  Whether this workgroup's
-    # tile is interior is uniform, so interior tiles run unguarded code; the K tail (K not a
-    # multiple of BK) is one extra guarded step after the main loop.
+    L += [f"{ind}let wg = {grid.wg_expr};", f"{ind}let tn = wg % {u(nt)};",
+          f"{ind}let tq = wg / {u(nt)};", f"{ind}let tm = tq % {u(mt)};",
+          f"{ind}let bi = tq / {u(mt)};", f"{ind}let row0 = tm * {u(TM)};",
+          f"{ind}let col0 = tn * {u(TN)};"]
     live_check = not grid.exact
     if live_check:
         L.append(f"{ind}let live = bi < {u(B)};")
-    full_m, full_n = M % TILE == 0, N % TILE == 0
-    kf = K - K % BK  # K covered by whole BK steps
-    edges = not (full_m and full_n) or live_check
-    if edges:
-        conds = ([] if full_m else [f"row0 + {u(TILE)} <= {u(M)}"])
-        conds += ([] if full_n else [f"col0 + {u(TILE)} <= {u(N)}"])
-        conds += (["live"] if live_check else [])
+    full_m, full_n = M % TM == 0, N % TN == 0
+    conds = ([] if full_m else [f"row0 + {u(TM)} <= {u(M)}"])
+    conds += ([] if full_n else [f"col0 + {u(TN)} <= {u(N)}"])
+    conds += (["live"] if live_check else [])
+    if conds:
         L.append(f"{ind}let interior = {' && '.join(conds)};")
+    L.append(f"{ind}let abase = {index_code(['bi'], [c.sa[0]], c.a.offset)};")
+    L.append(f"{ind}let bbase = {index_code(['bi'], [c.sb[0]], c.b.offset)};")
+    return grid, live_check, full_m, full_n
+
+
+def _k_steps(c: _Ctx, L: list[str], ind: str, bk: int, edges: bool, stage, compute) -> None:
+    """The K loop: whole ``bk`` steps, then one guarded tail step when K is not a multiple.
+    Each step stages the A and B tiles (``stage(out, ii, check_mn, check_k)``; interior tiles
+    unguarded), waits, runs ``compute(out, ii)`` on them and waits again."""
+    i2 = ind + "    "
+
+    def step(ii: str, check_k: bool) -> None:
+        if edges:
+            L.append(f"{ii}if (interior) {{")
+            stage(L, ii + "    ", False, check_k)
+            L.append(f"{ii}}} else {{")
+            stage(L, ii + "    ", True, check_k)
+            L.append(f"{ii}}}")
+        else:
+            stage(L, ii, False, check_k)
+        L.append(f"{ii}workgroupBarrier();")
+        compute(L, ii)
+        L.append(f"{ii}workgroupBarrier();")
+
+    kf = c.K - c.K % bk  # K covered by whole steps
+    if kf:
+        L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(bk)}) {{")
+        step(i2, False)
+        L.append(f"{ind}}}")
+    if kf != c.K:
+        L.append(f"{ind}{{")
+        L.append(f"{i2}let k0 = {u(kf)};")
+        step(i2, True)
+        L.append(f"{ind}}}")
+
+
+def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
+    PER = TILE // THREADS
+    T4 = TILE // 4
+    M, N = c.M, c.N
+    acc = c.acc_t.wgsl
+    ind, i2 = "    ", "        "
+    L: list[str] = [f"{ind}let tx = lid % {u(THREADS)};", f"{ind}let ty = lid / {u(THREADS)};"]
+    grid, live_check, full_m, full_n = _tile_start(c, t, TILE, TILE, L, ind)
+    edges = not (full_m and full_n) or live_check
 
     def sh(arr: str, k: str, x: str) -> str:
         """Workgroup-memory element (k, x) of a BK x TILE operand tile."""
@@ -268,29 +301,16 @@ def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
             return f"{arr}[{k} * {u(T4)} + {x} / 4u][{x} % 4u]"
         return f"{arr}[{k} * {u(TILE)} + {x}]"
 
-    sab, sam, sak = c.sa
-    sbb, sbk, sbn = c.sb
-    L.append(f"{ind}let abase = {index_code(['bi'], [sab], c.a.offset)};")
-    L.append(f"{ind}let bbase = {index_code(['bi'], [sbb], c.b.offset)};")
     for i in range(PER):
         for j in range(PER):
             L.append(f"{ind}var c{i}{j}: {acc} = {acc}(0);")
     nthreads = THREADS * THREADS
 
     def stage(out: list[str], ii: str, check_mn: bool, check_k: bool) -> None:
-        _stage(c, out, ii, check_mn, check_k, TILE, TILE, BK, nthreads, live_check,
-               lambda arr, kx, xx: sh(arr, kx, xx), lambda v: v)
+        _stage(c, out, ii, check_mn, check_k, TILE, TILE, BK, nthreads, live_check, sh,
+               lambda v: v)
 
-    def step(out: list[str], ii: str, check_k: bool) -> None:
-        if edges:
-            out.append(f"{ii}if (interior) {{")
-            stage(out, ii + ind, False, check_k)
-            out.append(f"{ii}}} else {{")
-            stage(out, ii + ind, True, check_k)
-            out.append(f"{ii}}}")
-        else:
-            stage(out, ii, False, check_k)
-        out.append(f"{ii}workgroupBarrier();")
+    def compute(out: list[str], ii: str) -> None:
         jj = ii + ind
         out.append(f"{ii}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
         if vec:
@@ -311,17 +331,8 @@ def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
             for j in range(PER):
                 out.append(f"{jj}c{i}{j} = {_fma(c.acc_t, f'a{i}', f'b{j}', f'c{i}{j}')};")
         out.append(f"{ii}}}")
-        out.append(f"{ii}workgroupBarrier();")
 
-    if kf:
-        L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(BK)}) {{")
-        step(L, i2, False)
-        L.append(f"{ind}}}")
-    if kf != K:
-        L.append(f"{ind}{{")
-        L.append(f"{i2}let k0 = {u(kf)};")
-        step(L, i2, True)
-        L.append(f"{ind}}}")
+    _k_steps(c, L, ind, BK, edges, stage, compute)
 
     helpers: set[str] = set()
     for i in range(PER):
@@ -353,7 +364,6 @@ def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
         L.append(f"{ind}}}")
     else:
         stores(L, ind, False)
-    del i3, i4
     nbytes = 2 * BK * TILE * 4
     et, n = (f"vec4<{acc}>", BK * T4) if vec else (acc, BK * TILE)
     shared = (
@@ -368,40 +378,19 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
     subgroup-matrix multiply-accumulate into f32 fragments, then each fragment goes through
     workgroup memory so every invocation applies the epilogue to its share of elements with
     ordinary bounds checks (any shape, stride and epilogue works)."""
-    B, M, N, K = c.B, c.M, c.N, c.K
+    M, N = c.M, c.N
     nsg = SGM * SGN
     nthreads = 32 * nsg
     FM, FN = TM // SGM // 16, TN // SGN // 16  # fragments per subgroup
     astr, bstr = SG_BK + SG_PAD, TN + SG_PAD  # workgroup-memory row strides (f16 elements)
-    mt, nt = -(-M // TM), -(-N // TN)
-    grid = make_grid(c.name, mt * nt * B, t)
     ind, i2, i3 = "    ", "        ", "            "
     L: list[str] = [
-        f"{ind}let wg = {grid.wg_expr};",
-        f"{ind}let tn = wg % {u(nt)};",
-        f"{ind}let tq = wg / {u(nt)};",
-        f"{ind}let tm = tq % {u(mt)};",
-        f"{ind}let bi = tq / {u(mt)};",
         f"{ind}let sid = lid / 32u;",
         f"{ind}let lane = lid % 32u;",
         f"{ind}let fr = sid / {u(SGN)} * {u(FM * 16)};",  # subgroup's first row in the tile
         f"{ind}let fc = sid % {u(SGN)} * {u(FN * 16)};",
-        f"{ind}let row0 = tm * {u(TM)};",
-        f"{ind}let col0 = tn * {u(TN)};",
     ]
-    live_check = not grid.exact
-    if live_check:
-        L.append(f"{ind}let live = bi < {u(B)};")
-    full_m, full_n = M % TM == 0, N % TN == 0
-    edges = not (full_m and full_n) or live_check
-    if edges:
-        conds = ([] if full_m else [f"row0 + {u(TM)} <= {u(M)}"])
-        conds += ([] if full_n else [f"col0 + {u(TN)} <= {u(N)}"])
-        conds += (["live"] if live_check else [])
-        L.append(f"{ind}let interior = {' && '.join(conds)};")
-    sab, sbb = c.sa[0], c.sb[0]
-    L.append(f"{ind}let abase = {index_code(['bi'], [sab], c.a.offset)};")
-    L.append(f"{ind}let bbase = {index_code(['bi'], [sbb], c.b.offset)};")
+    grid, live_check, full_m, full_n = _tile_start(c, t, TM, TN, L, ind)
     frag = "subgroup_matrix_result<f32, 16, 16>"
     for i in range(FM):
         for j in range(FN):
@@ -416,16 +405,7 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
     def stage(out, ii, check_mn, check_k):
         _stage(c, out, ii, check_mn, check_k, TM, TN, SG_BK, nthreads, live_check, sh, conv)
 
-    def step(out: list[str], ii: str, check_k: bool) -> None:
-        if edges:
-            out.append(f"{ii}if (interior) {{")
-            stage(out, ii + ind, False, check_k)
-            out.append(f"{ii}}} else {{")
-            stage(out, ii + ind, True, check_k)
-            out.append(f"{ii}}}")
-        else:
-            stage(out, ii, False, check_k)
-        out.append(f"{ii}workgroupBarrier();")
+    def compute(out: list[str], ii: str) -> None:
         for kk in range(0, SG_BK, 16):
             for i in range(FM):
                 out.append(f"{ii}let a{i}_{kk} = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, "
@@ -439,18 +419,8 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
                 for j in range(FN):
                     out.append(f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, "
                                f"b{j}_{kk}, c{i}_{j});")
-        out.append(f"{ii}workgroupBarrier();")
 
-    kf = K - K % SG_BK
-    if kf:
-        L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(SG_BK)}) {{")
-        step(L, i2, False)
-        L.append(f"{ind}}}")
-    if kf != K:
-        L.append(f"{ind}{{")
-        L.append(f"{i2}let k0 = {u(kf)};")
-        step(L, i2, True)
-        L.append(f"{ind}}}")
+    _k_steps(c, L, ind, SG_BK, not (full_m and full_n) or live_check, stage, compute)
 
     # epilogue: fragment -> this subgroup's 16x16 f32 scratch -> 8 elements per invocation
     helpers: set[str] = set()
