@@ -6,11 +6,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from .codegen.ir import PRECISIONS
 from .errors import GraphBuildError
 from .graph import Graph, Value
 from .program import build_program
-
-PRECISIONS = ("strict", "fast")
 
 
 def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value] | None = None,

@@ -15,8 +15,10 @@ epilogue); views (reshape, permute, broadcast, slice, split) become strides of t
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -908,7 +910,7 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
 
     Parameters of a group are bound as their own range of the group's buffer where their
     offset allows (``align``), so kernels reading them carry no parameter offset and identical
-    layers share one pipeline (SmolLM2's training step: 64 distinct pipelines instead of 298).
+    layers share one pipeline (SmolLM2's training step: 52 distinct pipelines instead of 298).
     A kernel that would bind a parameter and its whole group at once (overlapping writable
     ranges, which WebGPU forbids) makes the plan fall back to views into the group."""
     for own_ranges in (True, False):
@@ -933,9 +935,6 @@ class _OverlappingBindings(Exception):
 def _place(todo, fit, align: int = ALIGN) -> tuple[dict[int, int], int]:
     """Arena offsets for values ``(id, bytes, first use, last use)`` (by first use) with the
     gap policy ``fit``, and the arena size."""
-    import bisect
-    import heapq
-
     live: list[tuple[int, int]] = []  # (offset, size) of blocks still live, by offset
     expiry: list[tuple[int, int, int]] = []  # heap of (last use, offset, size)
     offsets, cursor = {}, 0
@@ -988,22 +987,35 @@ def _best_fit(live: list[tuple[int, int]], size: int) -> int:
 POST_MAX_REDUCED = 4096
 
 
-def _merge_post_passes(kernels: list, keep: set[int]) -> list:
-    """A reduction followed by an elementwise kernel over the reduction's input shape that
-    reads the result broadcast back over the reduced axes (x * rstd * w after an RMS): the
-    elementwise pass runs in the reduction's workgroups, right after the reduction (one
-    dispatch; ``ReduceKernel.post``)."""
+def _input_slot(bases: list, inputs: list, base: Value, st: ir.Strided) -> int:
+    """Index of the input (``base`` read through ``st``) in a kernel being merged, added if
+    new: a tensor read the same way by both kernels is bound once."""
+    for j, (b2, s2) in enumerate(zip(bases, inputs, strict=True)):
+        if b2 is base and s2 == st:
+            return j
+    bases.append(base)
+    inputs.append(st)
+    return len(inputs) - 1
+
+
+def _merge_adjacent(kernels: list, merged) -> list:
+    """Fold each kernel into the one right before it whenever ``merged(prev, kernel)`` gives
+    one kernel for both (None: keep them apart)."""
     out: list = []
     for k in kernels:
-        merged = _with_post_pass(out[-1], k, keep) if out else None
-        if merged is None:
+        m = merged(out[-1], k) if out else None
+        if m is None:
             out.append(k)
         else:
-            out[-1] = merged
+            out[-1] = m
     return out
 
 
 def _with_post_pass(a, b, keep: set[int]):
+    """A reduction followed by an elementwise kernel over the reduction's input shape that
+    reads the result broadcast back over the reduced axes (x * rstd * w after an RMS): the
+    elementwise pass runs in the reduction's workgroups, right after the reduction (one
+    dispatch; ``ReduceKernel.post``).  None when that does not apply."""
     da, ins_a, outs_a, la = a
     db, ins_b, outs_b, lb = b
     if not (isinstance(da, ir.ReduceKernel) and isinstance(db, ir.PointwiseKernel)) or \
@@ -1030,14 +1042,7 @@ def _with_post_pass(a, b, keep: set[int]):
         if own:  # the reduction reads it already: same binding, same element
             remap[i] = ("ri", own[0])
             continue
-        for j, (b2, s2) in enumerate(zip(bases, post_inputs, strict=True)):
-            if b2 is base and s2 == st:
-                remap[i] = ("in", j)
-                break
-        else:
-            bases.append(base)
-            post_inputs.append(st)
-            remap[i] = ("in", len(post_inputs) - 1)
+        remap[i] = ("in", _input_slot(bases, post_inputs, base, st))
     if not any(v == ("r", 0) for v in remap.values()):
         return None
     n_bind = len(da.inputs) + len(da.extra) + len(post_inputs) + 1 + len(outs_b)
@@ -1052,23 +1057,12 @@ def _with_post_pass(a, b, keep: set[int]):
     return desc, list(ins_a) + bases, list(outs_a) + list(outs_b), label
 
 
-def _merge_neighbours(kernels: list, keep: set[int]) -> list:
-    """Merge each elementwise kernel into the one right before it when both iterate the same
-    shape: one dispatch writing both kernels' outputs.  Where the second reads an output of the
-    first at its own element, it takes the value from the register instead of memory (the
-    output is still stored for its other readers).  Kernels producing fetched results or
-    persistent updates stay alone (the in-place update rules look at them one by one)."""
-    out: list = []
-    for k in kernels:
-        merged = _merged(out[-1], k, keep) if out else None
-        if merged is None:
-            out.append(k)
-        else:
-            out[-1] = merged
-    return out
-
-
 def _merged(a, b, keep: set[int]):
+    """Two neighbouring elementwise kernels over one shape as one dispatch writing both
+    kernels' outputs.  Where the second reads an output of the first at its own element, it
+    takes the value from the register instead of memory (the output is still stored for its
+    other readers).  Kernels producing fetched results or persistent updates stay alone (the
+    in-place update rules look at them one by one)."""
     da, ins_a, outs_a, la = a
     db, ins_b, outs_b, lb = b
     if not (isinstance(da, ir.PointwiseKernel) and isinstance(db, ir.PointwiseKernel)) or \
@@ -1084,14 +1078,7 @@ def _merged(a, b, keep: set[int]):
                 return None  # reads other elements of a's output: needs a's kernel to finish
             remap[i] = ("t", produced[base.id])
             continue
-        for j, (b2, s2) in enumerate(zip(bases, inputs, strict=True)):
-            if b2 is base and s2 == st:
-                remap[i] = ("in", j)
-                break
-        else:
-            bases.append(base)
-            inputs.append(st)
-            remap[i] = ("in", len(inputs) - 1)
+        remap[i] = ("in", _input_slot(bases, inputs, base, st))
     if len(inputs) + len(outs_a) + len(outs_b) > MAX_BINDINGS:
         return None
     n = len(da.instrs)
@@ -1209,15 +1196,16 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
             return None
         return groups.loc(lf.name, _nbytes(v.type)) or Loc(lf.kind, lf.name, 0, _nbytes(v.type))
 
-    keep = {pl.views.resolve(v)[0].id
-            for v in list(fetch_values.values()) + list(updates.values())}
     if fuse:  # an elementwise pass reading a reduction broadcast back: in its workgroups
         updated = {pl.views.resolve(v)[0].id for v in updates.values()}  # in-place rules
-        pl.kernels[:] = _merge_post_passes(pl.kernels, updated)
+        pl.kernels[:] = _merge_adjacent(pl.kernels,
+                                        lambda a, b: _with_post_pass(a, b, updated))
     # neighbouring elementwise kernels over one shape: one dispatch.  (Training steps only:
     # in ResNet-50's inference plan the earlier-produced outputs raised the peak by 15%.)
     if fuse and not inference:
-        pl.kernels[:] = _merge_neighbours(pl.kernels, keep)
+        keep = {pl.views.resolve(v)[0].id
+                for v in list(fetch_values.values()) + list(updates.values())}
+        pl.kernels[:] = _merge_adjacent(pl.kernels, lambda a, b: _merged(a, b, keep))
     # 3) liveness over kernel indices for temp values
     kernels = pl.kernels
     first: dict[int, int] = {}
@@ -1237,8 +1225,8 @@ def _make_plan(program: Program, inference: bool, fuse: bool, plan_memory: bool,
     def outermost(vid: int) -> tuple[Value, int]:
         cv, off = pl.alias[vid]
         while cv.id in pl.alias:
-            cv, more = pl.alias[cv.id][0], off + pl.alias[cv.id][1]
-            off = more
+            outer, more = pl.alias[cv.id]
+            cv, off = outer, off + more
         return cv, off
 
     slots = {vid: outermost(vid) for vid in pl.alias}

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from ..dtypes import DType
 
+PRECISIONS = ("strict", "fast")  # compile(precision=…); "fast" reaches matmul kernels only
+
 
 @dataclass(frozen=True)
 class Strided:

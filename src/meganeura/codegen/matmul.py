@@ -44,7 +44,7 @@ from .common import (
     store_value,
     u,
 )
-from .ir import KernelSpec, MatmulKernel
+from .ir import PRECISIONS, KernelSpec, MatmulKernel
 
 THREADS = 16  # invocations per tile edge (16 x 16 = 256 per workgroup)
 BK = 16  # K step
@@ -62,7 +62,8 @@ GEMV_MAX = 4  # M or N up to this use the gemv variant
 SGMAT = {"sgmat64": (64, 64, 2, 2), "sgmat128": (128, 128, 2, 4)}
 SG_BK = 32  # K step of the tensor-core variants (two 16-deep fragments)
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
-SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"  # runtime.device.SUBGROUP_MATRIX_F16
+# the device's pseudo-feature for that (runtime.device derives it from Dawn's configs)
+SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
 GEMV_THREADS = 256
 GEMV_UNROLL = 4
 
@@ -111,10 +112,10 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
     uses_f16 = check_dtypes(name, dts + [i.dtype for i in k.epilogue], t)
 
     ctx = _Ctx(name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in)
-    fast = k.precision == "fast" and op_dt.is_float and SG_FEATURE in t.features and t.has_f16
-    if k.precision not in ("strict", "fast"):
-        raise CodegenError(f"kernel {name!r}: precision must be 'strict' or 'fast', "
+    if k.precision not in PRECISIONS:
+        raise CodegenError(f"kernel {name!r}: precision must be one of {PRECISIONS}, "
                            f"got {k.precision!r}")
+    fast = k.precision == "fast" and op_dt.is_float and SG_FEATURE in t.features and t.has_f16
     variant = choose_variant(B, M, N, K, getattr(k, "variant", ""), name, fast)
     if variant in SGMAT and not (op_dt.is_float and SG_FEATURE in t.features):
         raise CodegenError(f"kernel {name!r}: variant {variant!r} needs f16 subgroup matrices "

@@ -47,7 +47,7 @@ from .common import (
     store_value,
     u,
 )
-from .ir import KernelSpec, ReduceKernel, Strided
+from .ir import KernelSpec, ReduceKernel, Strided, contiguous_strides
 
 SERIAL_MAX = 16  # reduced extents up to this are folded by one invocation per output
 UNROLL = 4  # independent partial accumulators per invocation (memory-level parallelism)
@@ -207,19 +207,10 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
         check_extent(name, f"post input {i}", k.post_inputs[i], shape, pfull[i], t)
     for dt in post_dts:
         check_binding_size(name, "post output", prod(shape), dt, t)
-    full_out = []  # contiguous strides of the post outputs over ``shape``
-    acc_s = 1
-    for n in reversed(shape):
-        full_out.append(acc_s)
-        acc_s *= n
-    full_out = tuple(reversed(full_out))
+    full_out = contiguous_strides(shape)  # the post outputs' layout
 
     # kept dims: merged over inputs (kept part), extras and the contiguous output
-    contig, acc = [], 1
-    for n in reversed(out_shape):
-        contig.append(acc)
-        acc *= n
-    contig = tuple(reversed(contig))
+    contig = contiguous_strides(out_shape)
     post_lists = ([tuple(pfull[i][d] for d in kept) for i in used_p]
                   + ([tuple(full_out[d] for d in kept)] if n_po else []))
     kshape, kstr = merge_dims(

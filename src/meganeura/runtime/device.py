@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..codegen.common import DEFAULT_LIMITS  # noqa: F401  (re-exported)
+from ..codegen.matmul import SG_FEATURE
 from ..errors import DeviceError, LimitError
 
 IMPLEMENTATIONS = ("wgpu", "dawn", "auto")
@@ -75,7 +76,7 @@ _DAWN_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
 # Pseudo-feature the compiler keys tensor-core matmuls on: the adapter multiplies 16x16 f16
 # subgroup matrices into f32 with subgroups of exactly 32 invocations (the kernel maps
 # invocations to subgroups as ``lid / 32``).  Derived from Dawn's subgroup-matrix configs.
-SUBGROUP_MATRIX_F16 = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
+SUBGROUP_MATRIX_F16 = SG_FEATURE
 
 _INSTALL_HINT = (
     "install a Vulkan driver: on Debian/Ubuntu `apt-get install mesa-vulkan-drivers libvulkan1` "

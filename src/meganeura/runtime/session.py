@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import codegen
 from ..codegen.archetypes import emitter_for
+from ..codegen.ir import PRECISIONS
 from ..errors import GraphBuildError
 from ..passes import run_pipeline
 from ..plan import NO_GROUPS, Loc, Plan, PlannedCopy, PlannedKernel, find_leaf_groups, make_plan
@@ -156,6 +157,7 @@ class _Executable:
                 dispatch(h, x, y, z)
             cp.end()
 
+
 def _raw_calls(dev):
     """wgpu-native's C entry points without wgpu-py's per-call error capture (~3 µs a call).
     Used only after the first, fully checked encode of a plan: every later step encodes the
@@ -229,8 +231,8 @@ class GPUSession(Session):
                  check_finite: bool = True, fuse: bool = True, plan_memory: bool = True,
                  device=None, share: GPUSession | None = None, group_params: bool = True):
         super().__init__(program, check_finite)
-        if precision not in ("strict", "fast"):
-            raise GraphBuildError(f"precision must be 'strict' or 'fast', got {precision!r}")
+        if precision not in PRECISIONS:
+            raise GraphBuildError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.precision = precision
         t0 = time.perf_counter()
         shared = self._shared_names(share)
