@@ -268,3 +268,23 @@ def test_mlp_training_gradients_against_torch_and_finite_differences():
     for n in names:
         assert_close(ours[n], theirs[n], TORCH_TOL, n)
         assert_close(ours[n], numeric[n], FD_TOL, n)
+
+
+def test_relu_backward_reads_its_output_not_its_input():
+    """relu's VJP masks with relu(x) > 0 (the same elements as x > 0), so a training plan need
+    not keep the pre-activation alive: in ResNet-style conv → BN → relu stacks that is the
+    batch-norm output.  Checked on the graph and against PyTorch."""
+    g = mn.Graph()
+    x = g.param("x", (5, 7))
+    pre = x * 2.0 - 0.5
+    y = ops.relu(pre)
+    g2, grads = mn.grad(g, (y * y).sum())
+    y2, pre2 = g2[y], g2[pre]
+    masks = [n for n in g2.nodes if n.op == "greater"]
+    assert masks and all(y2 in n.inputs and pre2 not in n.inputs for n in masks)
+    xs = np.random.default_rng(0).normal(size=(5, 7))
+    xs[0, :3] = 0.25  # exactly at the kink: pre = 0
+    got = evaluate(g2, [grads["x"]], {"x": xs}, np.float64)[0]
+    xt = torch.tensor(xs, requires_grad=True)
+    (torch.relu(xt * 2.0 - 0.5) ** 2).sum().backward()
+    np.testing.assert_allclose(got, xt.grad.numpy(), rtol=1e-12, atol=0)

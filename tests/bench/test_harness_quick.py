@@ -110,3 +110,32 @@ def test_quick_all_five_workloads_pass_their_gates(gpu, bench_path, tmp_path):
         assert "error" not in o, o.get("tb")
         assert o["gates"]["fwd_pass"] and o["gates"]["bwd_pass"], (r["key"], o["gates"])
         assert r["torch"]["cells"]["eager_f32"]["train_sgd"]["median_ms"] > 0
+
+
+def test_f64_gates_attach_to_their_variant(bench_path, tmp_path):
+    """``report.py --gate64`` files carry the variant they judged: a min-latency gate must not
+    mark the main row (or the other way round)."""
+    import report
+
+    def rec(variant):
+        gate = {"fwd_rel_l2": 1e-5, "bwd_rel_l2": 2e-2, "bwd_min_cos": 0.9997,
+                "fwd_pass": True, "bwd_pass": False, "worst_param": "grad:w"}
+        cell = {"median_ms": 1.0, "peak_bytes": 1 << 20, "dispatches": 10}
+        o = {"gates": gate, "infer": cell, "train_sgd": cell, "train_adamw": cell,
+             "compile_infer_s": 0.1, "compile_infer_warm_s": 0.1, "compile_train_sgd_s": 0.2}
+        return {"key": f"resnet50/{variant}", "workload": "resnet50", "variant": variant,
+                "torch": {"cells": {"eager_f32": {"infer": {"median_ms": 1.0}}}},
+                "ours": {"wgpu": o}}
+
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps([rec("main"), rec("minlat")]))
+    row = {"ours_vs_f64": 0.02, "torch32_vs_f64": 0.025, "ours_vs_torch32": 0.019}
+    gate = tmp_path / "g.json"
+    gate.write_text(json.dumps({"workload": "resnet50", "variant": "main", "impl": "wgpu",
+                                "pass": True, "worst": "grad:w", "worst_row": row,
+                                "fails": [], "rows": {}}))
+    report.main([str(results), "--gate64", str(gate), "--out", str(tmp_path)])
+    text = (tmp_path / "benchmarks.md").read_text()
+    inference = text.split("## Strict f32 — inference")[1].split("##")[0]
+    assert "| resnet50/main | 1.00 † |" in inference
+    assert "| resnet50/minlat | fail |" in inference
