@@ -4,7 +4,9 @@ persistent tensors + inputs + the intermediate arena + fetched results, as the h
   python bench/plan_memory.py [workloads] [--json out.json] [--align BYTES]
 
 ``--align``: the device's storage-buffer offset alignment (the H200 reports 16 to Dawn;
-lavapipe 32); default 256, WebGPU's largest, which every adapter accepts."""
+lavapipe 32); default 256, WebGPU's largest, which every adapter accepts.
+``--pipelines``: also count the distinct WGSL programs (pipelines) of the SGD training step,
+emitted for the H200's limits."""
 
 from __future__ import annotations
 
@@ -21,8 +23,25 @@ from meganeura.passes import run_pipeline  # noqa: E402
 from meganeura.plan import NO_GROUPS, find_leaf_groups, make_plan  # noqa: E402
 from meganeura.program import build_program  # noqa: E402
 
+H200_LIMITS = {"max_storage_buffer_binding_size": 2**31 - 1, "max_buffer_size": 2**34,
+               "max_compute_workgroup_storage_size": 49152,
+               "max_compute_invocations_per_workgroup": 1024,
+               "max_storage_buffers_per_shader_stage": 16}
 
-def peak_bytes(w, opt, align: int = 256) -> tuple[int, int]:
+
+def distinct_pipelines(plan) -> int:
+    """Distinct WGSL texts among the plan's kernels (what pipeline creation pays for)."""
+    from meganeura.plan import PlannedCopy
+    from meganeura.runtime.session import _emit
+
+    class Target:
+        limits, features = H200_LIMITS, frozenset({"shader-f16"})
+
+    return len({_emit(k.desc, Target).wgsl for k in plan.kernels
+                if not isinstance(k, PlannedCopy)})
+
+
+def peak_bytes(w, opt, align: int = 256, pipelines: bool = False):
     prog = build_program(w.graph, w.loss, w.outputs if opt is None else {}, opt)
     low = run_pipeline(prog)
     inference = opt is None
@@ -32,7 +51,10 @@ def peak_bytes(w, opt, align: int = 256) -> tuple[int, int]:
     persistent = sum(lf.value.size * 4 for lf in leaves if lf.kind in ("param", "state"))
     inputs = sum(lf.value.size * 4 for lf in leaves if lf.kind == "input")
     fetched = sum(loc.nbytes for loc, _ in plan.fetch.values())
-    return persistent + inputs + plan.arena_bytes + fetched, plan.dispatch_count
+    peak = persistent + inputs + plan.arena_bytes + fetched
+    if pipelines:
+        return peak, plan.dispatch_count, distinct_pipelines(plan)
+    return peak, plan.dispatch_count
 
 
 def main(argv=None):
@@ -42,14 +64,15 @@ def main(argv=None):
     p.add_argument("workloads", nargs="?", default="smollm2,smolvla,whisper,resnet50,unet")
     p.add_argument("--json")
     p.add_argument("--align", type=int, default=256)
+    p.add_argument("--pipelines", action="store_true")
     a = p.parse_args(argv)
     rows = {}
     for name in a.workloads.split(","):
         w = WORKLOADS[name](quick=False, variant="main")
-        rows[name] = {k: peak_bytes(w, o, a.align) for k, o in
-                      (("infer", None), ("train_sgd", optim.SGD(lr=1e-4)),
-                       ("train_adamw", optim.AdamW(lr=1e-4)))}
-        print(name, {k: (round(v[0] / 2**20, 1), v[1]) for k, v in rows[name].items()},
+        rows[name] = {k: peak_bytes(w, o, a.align, a.pipelines and k == "train_sgd")
+                      for k, o in (("infer", None), ("train_sgd", optim.SGD(lr=1e-4)),
+                                   ("train_adamw", optim.AdamW(lr=1e-4)))}
+        print(name, {k: (round(v[0] / 2**20, 1), *v[1:]) for k, v in rows[name].items()},
               flush=True)
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)

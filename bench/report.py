@@ -232,9 +232,9 @@ def build(records, out_dir, plan_memory=None) -> str:
              "baked into the WGSL, so training graphs had many more distinct pipelines than "
              "inference (SmolLM2: 298 of 1,530 kernels vs 16 of 484). Since then parameters "
              "are bound as their own buffer range (and the plan has fewer kernels): distinct "
-             "pipelines per SGD training step SmolLM2 298 → 52, SmolVLA 244 → 69, U-Net 219 "
-             "→ 167, Whisper 128 → 81, ResNet-50 456 → 268 (compile times not yet re-measured "
-             "on the H200).\n")
+             "pipelines per SGD training step SmolLM2 298 → 51, SmolVLA 244 → 68, U-Net 219 "
+             "→ 167, Whisper 128 → 79, ResNet-50 456 → 268 (`bench/plan_memory.py --align 32 "
+             "--pipelines`; compile times not yet re-measured on the H200).\n")
     L.append("| workload | impl | ours infer (cold / warm) | ours train SGD (cold) | ours train "
              "AdamW (after SGD) | torch.compile fwd | torch.compile train |")
     L.append("|---|---|---|---|---|---|---|")

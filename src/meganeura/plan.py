@@ -910,7 +910,7 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
 
     Parameters of a group are bound as their own range of the group's buffer where their
     offset allows (``align``), so kernels reading them carry no parameter offset and identical
-    layers share one pipeline (SmolLM2's training step: 52 distinct pipelines instead of 298).
+    layers share one pipeline (SmolLM2's training step: 51 distinct pipelines instead of 298).
     A kernel that would bind a parameter and its whole group at once (overlapping writable
     ranges, which WebGPU forbids) makes the plan fall back to views into the group."""
     for own_ranges in (True, False):
