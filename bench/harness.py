@@ -97,7 +97,7 @@ def gate_outputs(w, dev, precision: str = "strict") -> dict:
 
 def run_ours_fast(w, dev, args) -> dict:
     """precision="fast" (tensor-core matmuls): gates, inference and SGD training step."""
-    from meganeura.codegen.matmul import SG_FEATURE
+    from meganeura.kernels.matmul import SG_FEATURE
 
     if SG_FEATURE not in dev.features:
         return {"skipped": f"{dev.implementation} on {dev.adapter_name}: no f16 subgroup "

@@ -31,7 +31,7 @@ def test_profile_prints_a_kernel_table(gpu, tmp_path, capsys):
 
 
 def test_train_fast_precision_says_what_ran_fast(gpu, tmp_path, capsys):
-    from meganeura.codegen.matmul import SG_FEATURE
+    from meganeura.kernels.matmul import SG_FEATURE
 
     rc = main(["train", "--out", str(tmp_path), "--quiet", "--epochs", "2",
                "--precision", "fast"])

@@ -2,7 +2,7 @@
 
 from . import init, nn, ops, optim  # noqa: F401
 from .autodiff import grad  # noqa: F401
-from .compiler import compile  # noqa: F401
+from .compile import compile  # noqa: F401
 from .dtypes import bool_, f16, f32, i32, u32  # noqa: F401
 from .errors import (  # noqa: F401
     AutodiffError,

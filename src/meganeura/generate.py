@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .compiler import compile
+from .compile import compile
 from .errors import FeedError
 from .models.llama import LlamaConfig, cache_names, llama_decode, llama_prefill
 

@@ -13,7 +13,7 @@ from meganeura import ops
 from meganeura.autodiff import grad
 from meganeura.errors import AutodiffError, GraphBuildError, ShapeError
 from meganeura.graph import registered_ops
-from meganeura.lowering import Kernel
+from meganeura.ops.lowering import Kernel
 from meganeura.reference import evaluate
 
 from ._torchref import TORCH_TOL, assert_close, check_forward, check_op, rand, second_order
@@ -71,7 +71,7 @@ def test_conv_gradient_ops_are_registered_kernels():
         op = reg[name]
         assert isinstance(op.lowering, Kernel) and op.lowering.archetype == name
         assert op.reference is not None and op.vjp is not None
-    from meganeura.codegen.archetypes import archetype
+    from meganeura.kernels.archetypes import archetype
 
     for name in ("conv2d", "conv2d_input_grad", "conv2d_weight_grad", "max_pool2d",
                  "max_pool2d_grad", "avg_pool2d", "avg_pool2d_grad"):

@@ -8,7 +8,7 @@ import pytest
 import meganeura as mn
 from meganeura import ops
 from meganeura.graph import registered_ops
-from meganeura.lowering import Composite, Kernel, Matmul, Pointwise, Reduce, View
+from meganeura.ops.lowering import Composite, Kernel, Matmul, Pointwise, Reduce, View
 from meganeura.reference import evaluate
 
 from ._torchref import rand

@@ -4,9 +4,9 @@ pipeline cache and compile errors, buffer helpers."""
 import numpy as np
 import pytest
 
-from meganeura.codegen import Instr, KernelSpec, PointwiseKernel, Strided, emit
 from meganeura.dtypes import bool_, f16, f32, i32
 from meganeura.errors import DeviceError, LimitError
+from meganeura.kernels import Instr, KernelSpec, PointwiseKernel, Strided, emit
 from meganeura.runtime import device as devmod
 from meganeura.runtime.device import BackendNameError, get_device, resolve_backend
 

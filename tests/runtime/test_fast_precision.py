@@ -8,7 +8,7 @@ import pytest
 
 import meganeura as mn
 from meganeura import optim
-from meganeura.codegen.matmul import SG_FEATURE
+from meganeura.kernels.matmul import SG_FEATURE
 from meganeura.models.mlp import mlp_classifier
 
 LR = 0.5

@@ -11,7 +11,7 @@ import pytest
 
 import meganeura as mn
 from meganeura import ops, reference
-from meganeura.codegen import attention as cg_attention
+from meganeura.kernels import attention as cg_attention
 
 TOL = 1e-4
 
@@ -189,9 +189,9 @@ def test_attention_memory_grows_linearly_in_sequence_length(gpu):
 def test_attention_tile_configs_fit_the_limits(D, storage):
     """Every kernel finds a tile configuration within WebGPU's minimum (16 KiB), lavapipe's
     (32 KiB) and the H200's (48 KiB) workgroup storage; WGSL is emitted (no device needed)."""
-    from meganeura.codegen.common import DEFAULT_LIMITS
-    from meganeura.codegen.ir import Strided
     from meganeura.dtypes import f32
+    from meganeura.kernels.common import DEFAULT_LIMITS
+    from meganeura.kernels.ir import Strided
 
     limits = dict(DEFAULT_LIMITS, max_compute_workgroup_storage_size=storage)
     C = Strided.contiguous

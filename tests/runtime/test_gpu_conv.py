@@ -13,7 +13,7 @@ import pytest
 
 import meganeura as mn
 from meganeura import ops, reference
-from meganeura.codegen.conv import (
+from meganeura.kernels.conv import (
     Conv2dInputGradKernel,
     Conv2dKernel,
     Conv2dWeightGradKernel,
@@ -23,7 +23,7 @@ from meganeura.codegen.conv import (
     emit_input_grad,
     emit_weight_grad,
 )
-from meganeura.codegen.ir import Instr, Strided
+from meganeura.kernels.ir import Instr, Strided
 from meganeura.ops.conv import _conv2d_ref, _input_grad_ref, _weight_grad_ref
 
 RED, EW = 1e-4, 1e-5
@@ -266,7 +266,7 @@ def test_conv_epilogue_fusion_through_the_planner(gpu):
 def test_wrapped_grids_and_dead_workgroups(dev):
     """A tiny per-dimension workgroup limit forces 2-D grids with more workgroups than tiles
     (their ``live`` flag is off): results unchanged, pooling included."""
-    from meganeura.codegen.pool import MaxPoolKernel, PoolGeom, emit_max_pool
+    from meganeura.kernels.pool import MaxPoolKernel, PoolGeom, emit_max_pool
 
     rng = np.random.default_rng(9)
     lim = dict(dev.limits, max_compute_workgroups_per_dimension=3)

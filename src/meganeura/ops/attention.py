@@ -38,11 +38,11 @@ import numpy as np
 
 from ..errors import DTypeError, GraphBuildError, ShapeError
 from ..graph import Value
-from ..lowering import Composite, Kernel
 from . import elementwise as E
 from . import reduce as R
 from . import shape as S
 from ._common import TensorType, broadcast_shapes, build_error, defop, register_builder
+from .lowering import Composite, Kernel
 from .matmul import matmul
 
 __all__ = ["attention", "attention_with_lse", "visible_mask"]

@@ -41,10 +41,10 @@ import numpy as np
 from ..dtypes import i32
 from ..errors import AutodiffError, DTypeError, GraphBuildError, ShapeError
 from ..graph import Value
-from ..lowering import Kernel
 from . import reduce as R
 from . import shape as S
 from ._common import TensorType, build_error, defop, register_builder, require_float
+from .lowering import Kernel
 
 __all__ = [
     "conv2d", "conv2d_input_grad", "conv2d_weight_grad", "conv1d", "max_pool2d",

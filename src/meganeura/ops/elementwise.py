@@ -11,7 +11,6 @@ from scipy import special as _special
 from ..dtypes import DType, as_dtype, bool_, u32
 from ..errors import DTypeError, GraphBuildError
 from ..graph import Value, as_shape
-from ..lowering import Pointwise
 from . import reduce as _reduce
 from ._common import (
     TensorType,
@@ -22,6 +21,7 @@ from ._common import (
     require_float,
     same_dtype,
 )
+from .lowering import Pointwise
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)

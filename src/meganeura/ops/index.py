@@ -17,9 +17,9 @@ import numpy as np
 from ..dtypes import i32
 from ..errors import DTypeError, GraphBuildError, ShapeError
 from ..graph import Value
-from ..lowering import Kernel
 from . import elementwise as E
 from ._common import TensorType, axis_for, build_error, defop, register_builder
+from .lowering import Kernel
 
 __all__ = ["embedding", "embedding_grad", "take", "dynamic_slice", "dynamic_update_slice"]
 

@@ -6,7 +6,6 @@ import numpy as np
 
 from ..errors import DTypeError, GraphBuildError, ShapeError
 from ..graph import Value
-from ..lowering import Matmul
 from . import reduce as _reduce
 from . import shape as _shape
 from ._common import (
@@ -17,6 +16,7 @@ from ._common import (
     register_builder,
     same_dtype,
 )
+from .lowering import Matmul
 
 
 def _mk(shape, t):

@@ -8,7 +8,6 @@ import numpy as np
 from ..dtypes import as_dtype, bool_, f32
 from ..errors import AxisError, DTypeError, FeedError, GraphBuildError, ShapeError
 from ..graph import Value
-from ..lowering import Composite, Kernel
 from . import elementwise as E
 from . import reduce as R
 from . import shape as S
@@ -20,6 +19,7 @@ from ._common import (
     register_builder,
     require_float,
 )
+from .lowering import Composite, Kernel
 
 _REDUCTIONS = ("mean", "sum", "none")
 

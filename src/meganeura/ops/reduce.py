@@ -9,10 +9,10 @@ import numpy as np
 from ..dtypes import bool_
 from ..errors import AxisError, DTypeError
 from ..graph import Value
-from ..lowering import Composite, Reduce
 from . import elementwise as _ew
 from . import shape as _shape
 from ._common import TensorType, axes_for, defop, register_builder, require_float
+from .lowering import Composite, Reduce
 
 
 def _reduced_shape(shape, axes, keepdims):

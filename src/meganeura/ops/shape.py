@@ -10,7 +10,6 @@ import numpy as np
 
 from ..errors import AxisError, GraphBuildError, ShapeError
 from ..graph import Value, as_shape
-from ..lowering import View
 from ._common import (
     TensorType,
     axes_for,
@@ -21,6 +20,7 @@ from ._common import (
     register_builder,
     same_dtype,
 )
+from .lowering import View
 
 # ------------------------------------------------------------------ reshape
 

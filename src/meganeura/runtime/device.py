@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ..codegen.common import DEFAULT_LIMITS  # noqa: F401  (re-exported)
-from ..codegen.matmul import SG_FEATURE
 from ..errors import DeviceError, LimitError
+from ..kernels.common import DEFAULT_LIMITS  # noqa: F401  (re-exported)
+from ..kernels.matmul import SG_FEATURE
 
 IMPLEMENTATIONS = ("wgpu", "dawn", "auto")
 ENV_VAR = "MEGANEURA_WEBGPU"

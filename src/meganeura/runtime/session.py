@@ -14,12 +14,20 @@ from collections import Counter
 
 import numpy as np
 
-from .. import codegen
-from ..codegen.archetypes import emitter_for
-from ..codegen.ir import PRECISIONS
+from .. import kernels
+from ..compile.passes import run_pipeline
+from ..compile.schedule import (
+    NO_GROUPS,
+    Loc,
+    Plan,
+    PlannedCopy,
+    PlannedKernel,
+    find_leaf_groups,
+    make_plan,
+)
 from ..errors import GraphBuildError
-from ..passes import run_pipeline
-from ..plan import NO_GROUPS, Loc, Plan, PlannedCopy, PlannedKernel, find_leaf_groups, make_plan
+from ..kernels.archetypes import emitter_for
+from ..kernels.ir import PRECISIONS
 from ..program import Program
 from ..session import Session
 from .device import get_device
@@ -28,12 +36,12 @@ _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
 
 
 def _emit(desc, dev, precision: str = "strict"):
-    if precision != "strict" and isinstance(desc, codegen.MatmulKernel):
+    if precision != "strict" and isinstance(desc, kernels.MatmulKernel):
         desc = dataclasses.replace(desc, precision=precision)
     special = emitter_for(desc)
     if special is not None:
         return special(desc, dev.limits, dev.features)
-    return codegen.emit(desc, dev.limits, dev.features)
+    return kernels.emit(desc, dev.limits, dev.features)
 
 
 class _Executable:

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from scipy import special
 
-from meganeura.codegen import Instr, PointwiseKernel, Strided
-from meganeura.codegen.wgsl_helpers import HELPERS, helper_source, resolve
 from meganeura.dtypes import f32
 from meganeura.errors import MeganeuraError
+from meganeura.kernels import Instr, PointwiseKernel, Strided
+from meganeura.kernels.wgsl_helpers import HELPERS, helper_source, resolve
 
 
 def _unary(run, expr, helpers, x):

@@ -4,9 +4,9 @@ strides (views).  The planner builds kernels from this set."""
 
 from __future__ import annotations
 
-from ..graph import Graph, Value
-from ..lowering import Kernel, Matmul, Pointwise, Reduce, View
-from ..lowering import resolve as _lowering
+from ...graph import Graph, Value
+from ...ops.lowering import Kernel, Matmul, Pointwise, Reduce, View
+from ...ops.lowering import resolve as _lowering
 
 _STRIDED = ("reshape", "permute", "broadcast", "slice", "split", "flip")
 
@@ -114,6 +114,6 @@ def takes_epilogue(node) -> bool:
     low = _lowering(node)
     if not isinstance(low, Kernel) or len(node.outputs) != 1:
         return False
-    from ..codegen.archetypes import archetype
+    from ...kernels.archetypes import archetype
 
     return archetype(low.archetype).epilogue is not None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ..lowering import Composite
-from ..program import Program
+from ...ops.lowering import Composite
+from ...program import Program
 from .rebuild import rebuild
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..graph import Graph, Leaf, Node, Value
-from ..program import Program
+from ...graph import Graph, Leaf, Node, Value
+from ...program import Program
 
 # rewrite(new_graph, node, mapped_inputs) -> list of new output Values, or None to copy the node
 Rewrite = Callable[[Graph, Node, tuple[Value, ...]], "list[Value] | None"]

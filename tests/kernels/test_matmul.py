@@ -5,10 +5,10 @@ wrapped grids, f16 operands, limits."""
 import numpy as np
 import pytest
 
-from meganeura import codegen
-from meganeura.codegen import CodegenError, Instr, MatmulKernel, Strided
+from meganeura import kernels as codegen
 from meganeura.dtypes import f16, f32, i32
 from meganeura.errors import LimitError
+from meganeura.kernels import CodegenError, Instr, MatmulKernel, Strided
 
 from ._util import assert_close, view_of
 

@@ -4,9 +4,9 @@ strided labels, f32/bool/i32 outputs."""
 import numpy as np
 import pytest
 
-from meganeura import codegen
-from meganeura.codegen import CodegenError, OneHotKernel, Strided
+from meganeura import kernels as codegen
 from meganeura.dtypes import bool_, f32, i32
+from meganeura.kernels import CodegenError, OneHotKernel, Strided
 
 from ._util import view_of
 

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .codegen.ir import PRECISIONS
-from .errors import GraphBuildError
-from .graph import Graph, Value
-from .program import build_program
+from ..errors import GraphBuildError
+from ..graph import Graph, Value
+from ..kernels.ir import PRECISIONS
+from ..program import build_program
 
 
 def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value] | None = None,
@@ -37,11 +37,11 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
         raise GraphBuildError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     program = build_program(graph, loss, outputs, optimizer)
     if backend == "reference":
-        from .reference import ReferenceSession
+        from ..reference import ReferenceSession
 
         return ReferenceSession(program, dtype=options.pop("dtype", np.float32),
                                 check_finite=check_finite, share=options.pop("share", None))
-    from .runtime.session import GPUSession
+    from ..runtime.session import GPUSession
 
     return GPUSession(program, precision=precision, backend=backend, check_finite=check_finite,
                       **options)

@@ -153,7 +153,7 @@ def test_split_k_matmul_for_few_tiles_and_long_k(gpu):
 def test_optimizer_states_update_in_place(gpu):
     """Adam's moments and the step counter are written straight into their own buffers (no
     temporaries, no end-of-step copies); training still matches the reference (see above)."""
-    from meganeura.plan import PlannedCopy
+    from meganeura.compile.schedule import PlannedCopy
 
     s = _sess((32,))
     plan = s.train.plan
@@ -165,7 +165,7 @@ def test_optimizer_states_update_in_place(gpu):
 
 
 def test_reductions_over_unit_axes_become_reshapes():
-    from meganeura.passes import run_pipeline
+    from meganeura.compile.passes import run_pipeline
     from meganeura.program import build_program
 
     g = mn.Graph()
@@ -200,7 +200,7 @@ def test_parameters_live_in_the_optimizer_group_buffer(gpu):
     """The optimizer's flat parameter vector is the parameters' own storage: no concat of the
     parameters, no update copies; get/set_params still address each tensor; training equals
     the ungrouped session."""
-    from meganeura.plan import PlannedCopy
+    from meganeura.compile.schedule import PlannedCopy
 
     s = _sess((24, 24))
     assert s.groups.home and set(s.param_names) <= set(s.groups.home)
@@ -245,9 +245,9 @@ def test_gradients_are_computed_into_the_optimizer_vector(gpu):
 def test_reshape_of_strided_views_matches_numpy():
     """reshape_strided agrees with numpy on random permuted/flipped views; when it declines,
     a copy is needed (numpy would copy too for those we check)."""
-    from meganeura.codegen.ir import Strided
+    from meganeura.compile.schedule import reshape_strided
     from meganeura.dtypes import f32
-    from meganeura.plan import reshape_strided
+    from meganeura.kernels.ir import Strided
 
     rng = np.random.default_rng(0)
     done = 0
@@ -339,7 +339,7 @@ def test_parameter_range_overlapping_its_group_falls_back_to_views(gpu):
     """A kernel reading a parameter and the whole flat vector of its group would bind
     overlapping writable ranges (invalid in WebGPU): the plan then reads the parameter through
     the group instead.  Training results match the reference interpreter."""
-    from meganeura.plan import _make_plan, _OverlappingBindings
+    from meganeura.compile.schedule import _make_plan, _OverlappingBindings
 
     g = mn.Graph("overlap")
     a = g.param("a", (64,))
@@ -372,7 +372,7 @@ def test_parameter_range_overlapping_its_group_falls_back_to_views(gpu):
 
 
 def test_placement_policies():
-    from meganeura.plan import _best_fit, _first_fit, _place
+    from meganeura.compile.schedule import _best_fit, _first_fit, _place
 
     live = [(0, 256), (512, 1024), (2048, 256)]  # holes: [256, 512) and [1536, 2048)
     assert _first_fit(live, 256) == 256 and _best_fit(live, 256) == 256
@@ -507,7 +507,7 @@ def test_norm_runs_its_elementwise_pass_in_the_reduction(gpu):
     the rows; a reduction over more than POST_MAX_REDUCED elements keeps a separate
     elementwise kernel.  Both equal the reference."""
     from meganeura import reference
-    from meganeura.plan import POST_MAX_REDUCED
+    from meganeura.compile.schedule import POST_MAX_REDUCED
 
     for width in (96, POST_MAX_REDUCED + 4):
         g = mn.Graph("norm")

@@ -4,10 +4,10 @@ offsets, negative steps), multiple outputs, dtypes, wrapped grids, limits."""
 import numpy as np
 import pytest
 
-from meganeura import codegen
-from meganeura.codegen import CodegenError, Instr, PointwiseKernel, Strided
+from meganeura import kernels as codegen
 from meganeura.dtypes import bool_, f16, f32, i32, u32
 from meganeura.errors import DeviceError, LimitError
+from meganeura.kernels import CodegenError, Instr, PointwiseKernel, Strided
 
 from ._util import assert_close, view_of
 

@@ -4,7 +4,7 @@ import numpy as np
 
 import meganeura as mn
 from meganeura import optim
-from meganeura.passes.fuse import materialized_values
+from meganeura.compile.passes.fuse import materialized_values
 
 
 def _norm_graph():

@@ -16,9 +16,9 @@ import sys
 
 import numpy as np
 
-from meganeura.codegen import Instr, MatmulKernel, PointwiseKernel, ReduceKernel, Strided, emit
-from meganeura.codegen.reduce import split_plan
 from meganeura.dtypes import f32
+from meganeura.kernels import Instr, MatmulKernel, PointwiseKernel, ReduceKernel, Strided, emit
+from meganeura.kernels.reduce import split_plan
 from meganeura.runtime.device import get_device
 
 

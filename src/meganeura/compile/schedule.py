@@ -24,30 +24,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .codegen import ir
-from .codegen.archetypes import archetype, archetype_of
-from .codegen.reduce import split_plan
-from .dtypes import f32
-from .errors import GraphBuildError
-from .graph import Graph, Node, TensorType, Value
-from .lowering import Kernel, Matmul, Pointwise, Reduce, View
-from .lowering import resolve as _pointwise_expr
+from ..dtypes import f32
+from ..errors import GraphBuildError
+from ..graph import Graph, Node, TensorType, Value
+from ..kernels import ir
+from ..kernels.archetypes import archetype, archetype_of
+from ..kernels.reduce import split_plan
+from ..ops.lowering import Kernel, Matmul, Pointwise, Reduce, View
+from ..ops.lowering import resolve as _pointwise_expr
+from ..program import Program
+from .executable import Loc
 from .passes.fuse import materialized_values, takes_epilogue
-from .program import Program
 
 _PROBE_LIMITS = {"max_storage_buffer_binding_size": 1 << 62, "max_buffer_size": 1 << 62}
 ALIGN = 256  # bytes; >= minStorageBufferOffsetAlignment on every adapter we know
 MAX_BINDINGS = 8  # storage buffers per stage that every WebGPU device supports
-
-
-@dataclass(frozen=True)
-class Loc:
-    """A tensor's home: pool ("temp" arena, or "param"/"state"/"input"/"const"/"out" by name)."""
-
-    pool: str
-    name: str  # buffer name (pinned) or "" for the arena
-    offset: int  # bytes
-    nbytes: int
 
 
 @dataclass
@@ -638,7 +629,7 @@ class _Planner:
         return v
 
     def view_kernel(self, v: Value, kind: str) -> None:
-        from .codegen.concat import ConcatKernel, PadSliceKernel
+        from ..kernels.concat import ConcatKernel, PadSliceKernel
 
         n = v.node
         if kind == "concat":

@@ -6,10 +6,10 @@ them on the H200) and compare with numpy float64 on the f16-rounded operands."""
 import numpy as np
 import pytest
 
-from meganeura import codegen
-from meganeura.codegen import CodegenError, Instr, MatmulKernel, Strided
-from meganeura.codegen.matmul import SG_FEATURE, SGMAT, choose_variant
+from meganeura import kernels as codegen
 from meganeura.dtypes import f16, f32
+from meganeura.kernels import CodegenError, Instr, MatmulKernel, Strided
+from meganeura.kernels.matmul import SG_FEATURE, SGMAT, choose_variant
 
 from ._util import assert_close, view_of
 from .test_matmul import BIAS_RELU, _operand

@@ -5,11 +5,11 @@ integer and bool values, f16, a 10^7-element sum, limits."""
 import numpy as np
 import pytest
 
-from meganeura import codegen
-from meganeura.codegen import CodegenError, Instr, ReduceKernel, Strided
-from meganeura.codegen.reduce import split_plan
+from meganeura import kernels as codegen
 from meganeura.dtypes import bool_, f16, f32, i32
 from meganeura.errors import LimitError
+from meganeura.kernels import CodegenError, Instr, ReduceKernel, Strided
+from meganeura.kernels.reduce import split_plan
 
 from ._util import assert_close, view_of
 

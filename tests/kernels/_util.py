@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from meganeura import codegen
-from meganeura.codegen.ir import Strided
+from meganeura import kernels as codegen
 from meganeura.dtypes import as_dtype, bool_
+from meganeura.kernels.ir import Strided
 
 
 def view_of(base: np.ndarray, v: np.ndarray) -> Strided:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..graph import DType
-from ..program import Program
+from ...graph import DType
+from ...program import Program
 from .rebuild import rebuild
 
 
