@@ -58,7 +58,7 @@ def _sync(sess):
 
 def time_ours(sess, inference: bool, feeds: dict, warmup: int, steps: int) -> dict:
     """Per step: upload feeds, encode the fixed kernel list, one submit, wait (no readback)."""
-    from meganeura.session import check_feeds
+    from meganeura.runtime.session import check_feeds
 
     ex = sess.infer if inference else sess.train
     expected = sess.program.inference_feeds() if inference else sess.program.feeds
@@ -67,7 +67,7 @@ def time_ours(sess, inference: bool, feeds: dict, warmup: int, steps: int) -> di
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         sess._upload_feeds(arrays)
-        sess.dev.queue.submit([ex.encode(sess.dev)])
+        sess.dev.queue.submit([ex.encode()])
         _sync(sess)
         if i >= warmup:
             ts.append(time.perf_counter() - t0)

@@ -14,18 +14,17 @@ from plan_memory import H200_LIMITS  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 from meganeura import optim  # noqa: E402
+from meganeura.compile.emit import emit_kernel  # noqa: E402
 from meganeura.compile.passes import run_pipeline  # noqa: E402
 from meganeura.compile.schedule import NO_GROUPS, PlannedCopy, find_leaf_groups, make_plan  # noqa: E402
+from meganeura.kernels.common import make_target  # noqa: E402
 from meganeura.program import build_program  # noqa: E402
-from meganeura.runtime.session import _emit, _share_bindings  # noqa: E402
 
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
 
 
-class T:
-    limits, features = H200_LIMITS, frozenset({"shader-f16",
-                                               "meganeura-subgroup-matrix-f16-16x16x16-sg32"})
+T = make_target(H200_LIMITS, {"shader-f16", "meganeura-subgroup-matrix-f16-16x16x16-sg32"})
 
 
 summary = {}
@@ -44,8 +43,8 @@ for name in ["smollm2", "smolvla", "whisper", "resnet50", "unet"]:
                 lines.append(f"COPY {k.src} -> {k.dst}")
                 continue
             for prec in ("strict", "fast") if tag == "train_sgd" else ("strict",):
-                spec = _emit(k.desc, T, prec)
-                spec, binds = _share_bindings(spec, list(k.binds))
+                d = emit_kernel(k.desc, k.binds, T, prec)
+                spec, binds = d.spec, list(d.binds)
                 lines.append(f"KERNEL {k.label} {prec} wg={spec.workgroups} "
                              f"nb={spec.n_bindings} binds={binds}\n{spec.wgsl}")
         text = "\n".join(lines)

@@ -31,14 +31,11 @@ H200_LIMITS = {"max_storage_buffer_binding_size": 2**31 - 1, "max_buffer_size": 
 
 def distinct_pipelines(plan) -> int:
     """Distinct WGSL texts among the plan's kernels (what pipeline creation pays for)."""
-    from meganeura.compile.schedule import PlannedCopy
-    from meganeura.runtime.session import _emit
+    from meganeura.compile.emit import emit_stream
+    from meganeura.kernels.common import make_target
 
-    class Target:
-        limits, features = H200_LIMITS, frozenset({"shader-f16"})
-
-    return len({_emit(k.desc, Target).wgsl for k in plan.kernels
-                if not isinstance(k, PlannedCopy)})
+    stream = emit_stream(plan, make_target(H200_LIMITS, {"shader-f16"}), "strict", "train")
+    return len({d.spec.wgsl for d in stream.dispatches})
 
 
 def peak_bytes(w, opt, align: int = 256, pipelines: bool = False):

@@ -12,6 +12,7 @@ import numpy as np
 
 from .errors import FeedError, GraphBuildError
 from .graph import Graph, Value
+from .runtime.session import Session
 
 
 def evaluate(graph: Graph, outputs: Sequence[Value], env: Mapping[str, np.ndarray],
@@ -55,13 +56,7 @@ def _as(arr: np.ndarray, v: Value, dtype) -> np.ndarray:
     return arr if arr.dtype == want else arr.astype(want)
 
 
-def _session_base():
-    from .session import Session
-
-    return Session
-
-
-class ReferenceSession(_session_base()):
+class ReferenceSession(Session):
     """The Session API on the numpy interpreter: the oracle for GPU tests and a CPU fallback.
 
     ``dtype=np.float64`` runs everything in double precision (persistent tensors are kept in

@@ -153,14 +153,15 @@ def test_split_k_matmul_for_few_tiles_and_long_k(gpu):
 def test_optimizer_states_update_in_place(gpu):
     """Adam's moments and the step counter are written straight into their own buffers (no
     temporaries, no end-of-step copies); training still matches the reference (see above)."""
-    from meganeura.compile.schedule import PlannedCopy
+    from meganeura.compile.executable import Copy
 
     s = _sess((32,))
-    plan = s.train.plan
-    copied = {k.dst.name for k in plan.kernels if isinstance(k, PlannedCopy)}
+    plan = s.executable.train
+    copied = {k.dst.name for k in plan.ops if isinstance(k, Copy)}
     states = set(s.state_names)
     assert states and not (copied & states), copied & states
-    written = {loc.name for k in plan.kernels if hasattr(k, "binds") for loc in k.binds[-1:]}
+    # bound by some kernel (an in-place output shares its input's binding slot)
+    written = {loc.name for d in plan.dispatches for loc in d.binds}
     assert states <= written
 
 
@@ -200,18 +201,18 @@ def test_parameters_live_in_the_optimizer_group_buffer(gpu):
     """The optimizer's flat parameter vector is the parameters' own storage: no concat of the
     parameters, no update copies; get/set_params still address each tensor; training equals
     the ungrouped session."""
-    from meganeura.compile.schedule import PlannedCopy
+    from meganeura.compile.executable import Copy
 
     s = _sess((24, 24))
-    assert s.groups.home and set(s.param_names) <= set(s.groups.home)
-    plan = s.train.plan
-    assert not [k for k in plan.kernels if isinstance(k, PlannedCopy)]
+    assert s.executable.group_home and set(s.param_names) <= set(s.executable.group_home)
+    plan = s.executable.train
+    assert not [k for k in plan.ops if isinstance(k, Copy)]
     m = mlp_classifier(32, in_dim=64, hidden=(24, 24), classes=10)
     plain = mn.compile(m.graph, loss=m.loss, outputs={"logits": m.logits},
                        optimizer=optim.AdamW(lr=1e-2, weight_decay=0.01, clip_grad_norm=5.0),
                        group_params=False)
     plain.init_params(seed=1)
-    assert not plain.groups.home
+    assert not plain.executable.group_home
     for k, v in plain.get_params().items():
         np.testing.assert_array_equal(s.get_params()[k], v)
     r = np.random.default_rng(0)
@@ -303,7 +304,6 @@ def test_identical_layers_share_pipelines_through_parameter_ranges(gpu):
     """Parameters at 256-byte-aligned offsets of their group are bound as their own range of
     the group buffer, so identical layers compile to identical kernels (one pipeline each);
     training still matches the ungrouped session."""
-    from meganeura.runtime.session import _emit
 
     g = mn.Graph("deep")
     x = g.input("x", (16, 64))
@@ -319,13 +319,12 @@ def test_identical_layers_share_pipelines_through_parameter_ranges(gpu):
         return s
 
     s = sess()
-    plan = s.train.plan
-    ranges = {b.offset for k in plan.kernels for b in getattr(k, "binds", ())
-              if b.pool == "group"}
+    stream = s.executable.train
+    ranges = {b.offset for d in stream.dispatches for b in d.binds if b.pool == "group"}
     assert {64 * 64 * 4 * i for i in range(1, 4)} <= ranges  # w1..w3 bound at their ranges
-    fwd = [k for k in plan.kernels if getattr(k, "label", "").startswith("matmul 1x16x64x64")]
+    fwd = [d for d in stream.dispatches if d.label.startswith("matmul 1x16x64x64")]
     assert len(fwd) >= 4
-    assert len({_emit(k.desc, s.dev).wgsl for k in fwd[1:4]}) == 1  # w1..w3: one kernel text
+    assert len({d.spec.wgsl for d in fwd[1:4]}) == 1  # w1..w3: one kernel text
     plain = sess(group_params=False)
     r = np.random.default_rng(0)
     for _ in range(3):
@@ -339,7 +338,8 @@ def test_parameter_range_overlapping_its_group_falls_back_to_views(gpu):
     """A kernel reading a parameter and the whole flat vector of its group would bind
     overlapping writable ranges (invalid in WebGPU): the plan then reads the parameter through
     the group instead.  Training results match the reference interpreter."""
-    from meganeura.compile.schedule import _make_plan, _OverlappingBindings
+    from meganeura.compile.passes import run_pipeline
+    from meganeura.compile.schedule import _make_plan, _OverlappingBindings, find_leaf_groups
 
     g = mn.Graph("overlap")
     a = g.param("a", (64,))
@@ -356,10 +356,12 @@ def test_parameter_range_overlapping_its_group_falls_back_to_views(gpu):
         return s
 
     s = sess()
-    assert set(s.groups.home) == {"a", "b"}
+    assert set(s.executable.group_home) == {"a", "b"}
     with pytest.raises(_OverlappingBindings):  # what the first attempt ran into
-        _make_plan(s.lowered, False, True, True, s.groups, alias=True, own_ranges=True)
-    for k in s.train.plan.kernels:
+        lowered = run_pipeline(s.program)
+        _make_plan(lowered, False, True, True, find_leaf_groups(lowered.graph), alias=True,
+                   own_ranges=True)
+    for k in s.executable.train.ops:
         locs = sorted((b.offset, b.nbytes) for b in getattr(k, "binds", ())
                       if b.pool == "group")
         for (o1, n1), (o2, n2) in zip(locs, locs[1:]):
@@ -458,15 +460,16 @@ def test_plans_use_the_device_binding_alignment(gpu):
     """Bindings start at multiples of the device's storage-buffer offset alignment (lavapipe:
     32 bytes; the H200: 32 on wgpu-native, 16 on Dawn), not WebGPU's worst case of 256, so
     parameters of 24 floats still get their own ranges; training is unchanged."""
-    from meganeura.runtime.session import _binding_alignment
+    from meganeura.compile.pipeline import binding_alignment
+    from meganeura.kernels.common import make_target
 
-    align = _binding_alignment(gpu)
+    align = binding_alignment(make_target(gpu))
     assert align == int(gpu.limits["min_storage_buffer_offset_alignment"]) <= 256
     s = _sess((24, 24))
-    offsets = {b.offset for k in s.train.plan.kernels for b in getattr(k, "binds", ())}
+    offsets = {b.offset for d in s.executable.train.dispatches for b in d.binds}
     assert all(o % align == 0 for o in offsets)
     if align < 256:
-        group_ranges = {b.offset for k in s.train.plan.kernels for b in getattr(k, "binds", ())
+        group_ranges = {b.offset for d in s.executable.train.dispatches for b in d.binds
                         if b.pool == "group" and b.offset % 256}
         assert group_ranges, "no parameter bound at a 32-byte (not 256-byte) aligned range"
     plain = _sess((24, 24), group_params=False)

@@ -217,14 +217,14 @@ def test_lm_attention_state_grows_linearly_with_sequence(gpu):
 def test_decode_updates_the_kv_cache_in_place(gpu):
     """A decode step writes only the new K/V rows into the cache states (no whole-cache copy
     kernel, no end-of-step copies); decoding still matches full recompute (test above)."""
-    from meganeura.compile.schedule import PlannedCopy
+    from meganeura.compile.executable import Copy
     from meganeura.init import init_leaves
 
     cfg = tiny_llama()
     gen = LlamaGenerator(cfg, init_leaves(llama_lm(cfg, 1, 4).graph, 0), batch=1, max_len=16)
-    plan = gen.decoder.train.plan
-    assert not [k for k in plan.kernels if isinstance(k, PlannedCopy)]
-    labels = [lbl for _, lbl in gen.decoder.train.specs if "dynamic_update_slice" in lbl]
+    plan = gen.decoder.executable.train
+    assert not [k for k in plan.ops if isinstance(k, Copy)]
+    labels = [lbl for lbl in gen.decoder.kernel_labels() if "dynamic_update_slice" in lbl]
     assert labels and all(lbl.endswith("[in place]") for lbl in labels), labels
 
 
@@ -232,13 +232,13 @@ def test_training_plan_writes_gradients_into_the_optimizer_vector(gpu):
     """Every weight gradient — also those of the fused q/k/v and gate/up projections, which
     are split views of one product — is computed straight into the flat gradient vector
     (no concat copy of gradients), and parameters are updated in place (no copies)."""
-    from meganeura.compile.schedule import PlannedCopy
+    from meganeura.compile.executable import Copy
 
     # every parameter a multiple of 64 floats: 256-byte aligned slots, as in SmolLM2
     cfg = tiny_llama(hidden_size=64, head_dim=16, intermediate_size=128)
     m = llama_lm(cfg, 2, 8)
     s = mn.compile(m.graph, loss=m.loss, optimizer=optim.AdamW(lr=1e-3), device=gpu)
     n = sum(p.size for p in m.graph.params.values())
-    flat = [lbl for _, lbl in s.train.specs if lbl.startswith("concat") and f"->({n},)" in lbl]
+    flat = [lbl for lbl in s.kernel_labels() if lbl.startswith("concat") and f"->({n},)" in lbl]
     assert not flat, flat
-    assert not [k for k in s.train.plan.kernels if isinstance(k, PlannedCopy)]
+    assert not [k for k in s.executable.train.ops if isinstance(k, Copy)]

@@ -119,8 +119,8 @@ def test_attention_gpu_large_tiles(gpu, monkeypatch, split):
     monkeypatch.setattr(sys.modules["meganeura.ops.attention"], "SPLIT_HEADS_BELOW",
                         10**9 if split else 0)
     sess = _run_case(gpu, (1, 4, 2, 41, 41, 8, 8), {"causal": True}, seed=3)
-    tiles = {spec.meta["archetype"]: spec.meta["tiles"] for spec, _ in sess.infer.specs
-             if "tiles" in spec.meta}
+    specs = [d.spec for d in sess.executable.infer.dispatches]
+    tiles = {spec.meta["archetype"]: spec.meta["tiles"] for spec in specs if "tiles" in spec.meta}
     assert tiles["attention_fwd"][0] == 32 and tiles["attention_dkdv"][0] == 32
     dkdv = [lbl for lbl in sess.kernel_labels(inference=True) if "dkdv" in lbl]
     assert dkdv == [f"attention_grad_dkdv {(1, 4 if split else 2, 41, 8)},"

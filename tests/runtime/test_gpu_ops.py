@@ -142,7 +142,7 @@ def test_concat_of_many_inputs_is_chunked_to_8_bindings(gpu):
     sess.set_params(env)
     want = np.concatenate([env[f"p{i}"] * i for i in range(17)], 0)
     np.testing.assert_allclose(sess.run()["y"], want, rtol=1e-6)
-    specs = [s for s, label in sess.infer.specs if label.startswith("concat")]
+    specs = [d.spec for d in sess.executable.infer.dispatches if d.label.startswith("concat")]
     assert len(specs) == 3 and all(s.n_bindings <= 8 for s in specs)
 
 
@@ -160,7 +160,7 @@ def test_wide_fused_expression_stays_within_8_bindings(gpu):
     got = sess.run()
     for k in want:
         _compare(got[k], want[k], RED, k)
-    assert all(spec.n_bindings <= 8 for spec, _ in sess.infer.specs)
+    assert all(d.spec.n_bindings <= 8 for d in sess.executable.infer.dispatches)
 
 
 def test_two_views_of_one_tensor_share_one_binding(gpu):
@@ -178,6 +178,6 @@ def test_two_views_of_one_tensor_share_one_binding(gpu):
     want = reference.evaluate(g, [y, z], env, np.float64)
     _compare(got["y"], want[0], EW, "y")
     _compare(got["z"], want[1], RED, "z")
-    for spec, label in sess.infer.specs:
-        decls = spec.wgsl.count("var<storage, read_write>")
-        assert decls == spec.n_bindings, label
+    for d in sess.executable.infer.dispatches:
+        decls = d.spec.wgsl.count("var<storage, read_write>")
+        assert decls == d.spec.n_bindings, d.label

@@ -1,4 +1,10 @@
-"""``compile``: graph → Program → Session on the chosen backend."""
+"""``compile``: graph (+ loss, optimizer) → a ready Session.
+
+The stages, in order (each a plain function from one structure to the next):
+``build_program`` (autodiff, optimizer) → ``compile_program`` (passes → schedule → memory →
+kernels) → ``Executable`` → the runtime's ``GPUSession``.  Options are checked here, once.
+This module is the only place in ``compile/`` that touches ``runtime/``: it opens the device
+(whose limits and features become the kernels' ``Target``) and hands the Executable over."""
 
 from __future__ import annotations
 
@@ -8,8 +14,13 @@ import numpy as np
 
 from ..errors import GraphBuildError
 from ..graph import Graph, Value
+from ..kernels.common import make_target
 from ..kernels.ir import PRECISIONS
 from ..program import build_program
+from .pipeline import CompileOptions, compile_program
+
+_GPU_OPTIONS = ("fuse", "plan_memory", "group_params", "device", "share")
+_REFERENCE_OPTIONS = ("dtype", "share")
 
 
 def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value] | None = None,
@@ -20,7 +31,7 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
     loss/optimizer: training (``step``); outputs: named values returned by ``run``/``step``.
     backend: "wgpu" (default), "dawn", "auto" or "reference" (numpy interpreter; option
     ``dtype=np.float64`` for double precision).  Options for the GPU backend: ``fuse``,
-    ``plan_memory`` (both default True), ``device``.
+    ``plan_memory``, ``group_params`` (all default True), ``device``.
 
     precision: "strict" (default) computes everything in f32.  "fast" lets matmuls round their
     operands to f16 and accumulate in f32 on tensor cores where the device has them (Dawn with
@@ -33,15 +44,47 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
     prefill and a decode graph over one KV cache).  Shared tensors keep their current values;
     the others are initialized as usual.
     """
-    if precision not in PRECISIONS:
-        raise GraphBuildError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    _check_options(precision, backend, options)
     program = build_program(graph, loss, outputs, optimizer)
     if backend == "reference":
         from ..reference import ReferenceSession
 
-        return ReferenceSession(program, dtype=options.pop("dtype", np.float32),
-                                check_finite=check_finite, share=options.pop("share", None))
+        return ReferenceSession(program, dtype=options.get("dtype", np.float32),
+                                check_finite=check_finite, share=options.get("share"))
+    return _gpu_session(program, precision, backend, check_finite, options)
+
+
+def _check_options(precision: str, backend, options: dict) -> None:
+    """Every option error at compile time, before any work, naming the option."""
+    if precision not in PRECISIONS:
+        raise GraphBuildError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    known = _REFERENCE_OPTIONS if backend == "reference" else _GPU_OPTIONS
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        where = "the reference backend" if backend == "reference" else "the GPU backends"
+        raise GraphBuildError(f"compile: unknown option(s) {unknown} for {where}; "
+                              f"known: {list(known)}")
+
+
+def _gpu_session(program, precision: str, backend, check_finite: bool, options: dict):
+    from ..runtime.device import get_device
     from ..runtime.session import GPUSession
 
-    return GPUSession(program, precision=precision, backend=backend, check_finite=check_finite,
-                      **options)
+    share, device = options.get("share"), options.get("device")
+    if share is not None:
+        if not isinstance(share, GPUSession):
+            raise GraphBuildError(f"share: cannot share tensors between a GPUSession and a "
+                                  f"{type(share).__name__}")
+        if device is not None and device is not share.dev:
+            raise GraphBuildError("share: the sessions must use the same device")
+        device = share.dev
+        grouped = [n for n in program.persistent if n in share.executable.group_home]
+        if grouped:
+            raise GraphBuildError(
+                f"share: {grouped[:3]} live in a parameter group of the other session; "
+                "compile that session with group_params=False to share them")
+    device = device or get_device(backend)
+    opts = CompileOptions(precision, options.get("fuse", True), options.get("plan_memory", True),
+                          options.get("group_params", True))
+    exe = compile_program(program, make_target(device), opts, shares_tensors=share is not None)
+    return GPUSession(program, exe, device, check_finite, share)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import DeviceError
+from .executable import DispatchCommand
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Profile:
 def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> Profile:
     import wgpu
 
-    from ..session import check_feeds
+    from .session import check_feeds
 
     dev = sess.dev
     if not dev.has_timestamps:
@@ -71,9 +72,8 @@ def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> P
     expected = sess.program.inference_feeds() if inference else sess.program.feeds
     arrays = check_feeds(expected, feeds, sess.check_finite)
     sess._upload_feeds(arrays)
-    dispatches = [op for op in ex.ops if op[0] == "dispatch"]
-    labels = [label for _, label in ex.specs]
-    n = len(dispatches)
+    labels = [d.label for d in ex.stream.dispatches]
+    n = len(labels)
     qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=max(2 * n, 2))
     resolve = dev.device.create_buffer(size=max(16 * n, 16), usage=wgpu.BufferUsage.QUERY_RESOLVE
                                        | wgpu.BufferUsage.COPY_SRC)
@@ -81,9 +81,9 @@ def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> P
     events: list[dict] = []
     t_cursor = 0.0
     # warm-up (pipelines JIT-compiled on first use) and host encode cost of the real step
-    dev.queue.submit([ex.encode(dev)])
+    dev.queue.submit([ex.encode()])
     t0 = time.perf_counter()
-    cbs = [ex.encode(dev) for _ in range(steps)]
+    cbs = [ex.encode() for _ in range(steps)]
     encode_us = (time.perf_counter() - t0) / steps * 1e6
     t0 = time.perf_counter()
     for cb in cbs:
@@ -93,18 +93,18 @@ def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> P
     for _ in range(steps):
         enc = dev.device.create_command_encoder()
         i = 0
-        for op in ex.ops:
-            if op[0] == "dispatch":
+        for cmd in ex.commands:
+            if isinstance(cmd, DispatchCommand):
                 cp = enc.begin_compute_pass(timestamp_writes={
                     "query_set": qs, "beginning_of_pass_write_index": 2 * i,
                     "end_of_pass_write_index": 2 * i + 1})
-                cp.set_pipeline(op[1])
-                cp.set_bind_group(0, op[2])
-                cp.dispatch_workgroups(*op[3])
+                cp.set_pipeline(cmd.pipeline)
+                cp.set_bind_group(0, cmd.bind_group)
+                cp.dispatch_workgroups(*cmd.workgroups)
                 cp.end()
                 i += 1
             else:
-                enc.copy_buffer_to_buffer(*op[1:])
+                cmd.record(enc)
         enc.resolve_query_set(qs, 0, 2 * n, resolve, 0)
         dev.queue.submit([enc.finish()])
         ts = np.frombuffer(dev.read_buffer(resolve, 0, 16 * n), dtype=np.uint64).astype(np.float64)

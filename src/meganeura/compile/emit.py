@@ -1,0 +1,103 @@
+"""Last compile stage: a Plan's kernel descriptions → WGSL programs (one ``Stream``).
+
+Each description is emitted for the target device (its limits and features); precision is
+applied here, once: under ``precision="fast"`` matmul descriptions ask for the tensor-core
+variant (the emitter falls back to f32 kernels where the device has none)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+from .. import kernels
+from ..kernels.archetypes import archetype_of
+from ..kernels.common import Target
+from .executable import Copy, Dispatch, Fetch, Loc, Stream
+from .schedule import Plan, PlannedCopy
+
+_DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
+
+
+def round4(n: int) -> int:
+    """Buffer sizes and copy lengths are multiples of 4 bytes in WebGPU."""
+    return (n + 3) // 4 * 4
+
+
+def emit_kernel(desc, binds, target: Target, precision: str = "strict",
+                label: str = "") -> Dispatch:
+    """One kernel description with its bindings → a ``Dispatch``."""
+    if precision != "strict" and isinstance(desc, kernels.MatmulKernel):
+        desc = dataclasses.replace(desc, precision=precision)
+    arch = archetype_of(desc)
+    spec = (arch.emit if arch else kernels.emit)(desc, target.limits, target.features)
+    spec, binds = _share_bindings(spec, list(binds))
+    if "wgsl" in _DEBUG:
+        print(f"// ---- {label}\n{spec.wgsl}")
+    return Dispatch(label, spec, tuple(binds))
+
+
+def emit_stream(plan: Plan, target: Target, precision: str, tag: str) -> Stream:
+    """Every kernel of ``plan`` emitted, copies kept in order, result buffers and the
+    readback layout of fetched values laid out."""
+    ops: list[Dispatch | Copy] = []
+    for k in plan.kernels:
+        if isinstance(k, PlannedCopy):
+            ops.append(Copy(k.src, k.dst, round4(k.src.nbytes)))
+        else:
+            ops.append(emit_kernel(k.desc, k.binds, target, precision, k.label))
+    if "plan" in _DEBUG:
+        for k in plan.kernels:
+            print(getattr(k, "label", k))
+    return Stream(tag, tuple(ops), plan.arena_bytes, _out_buffers(ops, plan),
+                  _fetch_layout(plan), plan.naive_bytes, plan.dispatches_unfused)
+
+
+def _out_buffers(ops, plan: Plan) -> dict[str, int]:
+    """Sizes of the result buffers ("out" pool), first use first (a fetched view may need its
+    offset too)."""
+    outs: dict[str, int] = {}
+    for op in ops:
+        for loc in (op.binds if isinstance(op, Dispatch) else (op.src, op.dst)):
+            if loc.pool == "out" and loc.name not in outs:
+                outs[loc.name] = round4(loc.nbytes)
+    for loc, _t in plan.fetch.values():
+        if loc.pool == "out" and loc.name not in outs:
+            outs[loc.name] = round4(loc.offset + loc.nbytes)
+    return outs
+
+
+def _fetch_layout(plan: Plan) -> tuple[Fetch, ...]:
+    out, offset = [], 0
+    for name, (loc, t) in plan.fetch.items():
+        n = round4(loc.nbytes)
+        out.append(Fetch(name, loc, t, offset, n))
+        offset += n
+    return tuple(out)
+
+
+def _share_bindings(spec, binds: list[Loc]):
+    """Several views of one tensor (RoPE halves, q/k/v of a fused projection) would bind the
+    same buffer range more than once, which WebGPU forbids for writable storage bindings
+    (Dawn validates it): keep the first binding and point the others' reads at it."""
+    first: dict = {}
+    drop: dict[int, int] = {}
+    for i, loc in enumerate(binds):
+        if loc in first:
+            drop[i] = first[loc]
+        else:
+            first[loc] = i
+    if not drop:
+        return spec, binds
+    src = spec.wgsl
+    for j, i in drop.items():
+        src = re.sub(rf"^.*@binding\({j}\) var<storage, read_write> b{j}:.*\n", "", src,
+                     flags=re.M)
+        src = re.sub(rf"\bb{j}\[", f"b{i}[", src)
+        src = re.sub(rf"&b{j}\b", f"&b{i}", src)
+    keep = [i for i in range(len(binds)) if i not in drop]
+    for new, old in enumerate(keep):  # binding numbers must stay dense: 0..n-1
+        src = src.replace(f"@binding({old}) var", f"@binding(@{new}@) var")
+    src = re.sub(r"@binding\(@(\d+)@\) var", r"@binding(\1) var", src)
+    spec = dataclasses.replace(spec, wgsl=src, n_bindings=len(keep))
+    return spec, [binds[i] for i in keep]

@@ -1,0 +1,80 @@
+"""The compile pipeline as one list of stages: Program → passes → schedule + memory (Plan)
+→ kernels (WGSL) → ``Executable``.  Nothing here touches a GPU: the device is seen only as a
+``Target`` (its limits and features)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from ..errors import LimitError
+from ..kernels.common import Target
+from ..program import Program
+from .emit import emit_stream
+from .executable import Executable, GroupBuffer, PinnedTensor
+from .passes import run_pipeline
+from .schedule import NO_GROUPS, LeafGroups, find_leaf_groups, make_plan
+
+_DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Checked once by ``compile()``; every stage reads them from here."""
+
+    precision: str = "strict"
+    fuse: bool = True
+    plan_memory: bool = True
+    group_params: bool = True
+
+
+def binding_alignment(target: Target) -> int:
+    """The device's storage-buffer offset alignment (bytes), a power of two ≥ 4; WebGPU's
+    largest allowed value (256) when the adapter does not say."""
+    a = int(target.limits.get("min_storage_buffer_offset_alignment", 256) or 256)
+    return a if a >= 4 and a & (a - 1) == 0 and a <= 256 else 256
+
+
+def compile_program(program: Program, target: Target, options: CompileOptions,
+                    shares_tensors: bool = False) -> Executable:
+    """Every stage after the Program, in order.  ``shares_tensors``: the session shares
+    persistent tensors with another one, so parameters keep their own buffers (no groups)."""
+    t0 = time.perf_counter()
+    lowered = run_pipeline(program, debug="graph" in _DEBUG)
+    _check_leaf_sizes(lowered, target)
+    use_groups = options.group_params and not shares_tensors and program.training
+    groups = find_leaf_groups(lowered.graph) if use_groups else NO_GROUPS
+    align = binding_alignment(target)
+
+    def stream(inference: bool, tag: str):
+        plan = make_plan(lowered, inference, options.fuse, options.plan_memory, groups, align)
+        return emit_stream(plan, target, options.precision, tag)
+
+    train = stream(False, "train") if program.training or program.loss is not None else None
+    infer = stream(True, "infer") if program.outputs else None
+    leaves = {name: PinnedTensor(name, lf.kind, lf.value.type,
+                                 lf.data if lf.kind == "constant" else None)
+              for name, lf in lowered.graph.leaves.items()}
+    return Executable(options.precision, leaves, _group_buffers(groups), _group_home(groups),
+                      train, infer, time.perf_counter() - t0)
+
+
+def _check_leaf_sizes(lowered: Program, target: Target) -> None:
+    """A tensor the device cannot bind is named before any kernel is planned around it."""
+    limit = target.lim("max_storage_buffer_binding_size")
+    for name, lf in lowered.graph.leaves.items():
+        nbytes = max(lf.value.size, 1) * lf.value.dtype.gpu_itemsize
+        if nbytes > limit:
+            raise LimitError(f"{lf.kind} {name!r} ({lf.value.type}) needs "
+                             f"{nbytes / 2**20:.1f} MiB but the device binds at most "
+                             f"{limit / 2**20:.1f} MiB per storage buffer")
+
+
+def _group_buffers(groups: LeafGroups) -> tuple[GroupBuffer, ...]:
+    return tuple(GroupBuffer(name, dtype, n) for name, (dtype, n, _) in groups.groups.items())
+
+
+def _group_home(groups: LeafGroups) -> dict[str, tuple[str, int]]:
+    return {name: (g, off * groups.groups[g][0].gpu_itemsize)
+            for name, (g, off) in groups.home.items()}

@@ -1,0 +1,222 @@
+"""An ``Executable`` made concrete on one device: buffers, pipelines and bind groups built
+once; ``encode`` records a stream's fixed command list, ``submit`` runs it.
+
+Knows nothing of graphs, ops or passes: it executes the finished plan it is given."""
+
+from __future__ import annotations
+
+from ..compile.executable import Copy, Dispatch, Executable, Loc, Stream
+from ..errors import LimitError
+
+
+def round4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def check_buffer(dev, nbytes: int, what: str, binding: bool = False) -> None:
+    """A clear LimitError instead of a failure inside the GPU library."""
+    limit = int(dev.limits.get("max_buffer_size", 1 << 62))
+    if nbytes > limit:
+        raise LimitError(f"{what} needs {nbytes / 2**20:.1f} MiB but the adapter "
+                         f"{dev.adapter_name!r} allows buffers of {limit / 2**20:.1f} MiB")
+    blimit = int(dev.limits.get("max_storage_buffer_binding_size", 1 << 62))
+    if binding and nbytes > blimit:
+        raise LimitError(f"{what} needs {nbytes / 2**20:.1f} MiB but the adapter "
+                         f"{dev.adapter_name!r} binds at most {blimit / 2**20:.1f} MiB per "
+                         "storage buffer")
+
+
+class PinnedBuffers:
+    """The session-lifetime buffers: parameter groups, and every leaf not in a group (shared
+    sessions pass the other session's buffers in ``shared``)."""
+
+    def __init__(self, dev, exe: Executable, shared: dict[str, object]):
+        import wgpu
+
+        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self.buffers: dict[str, object] = dict(shared)
+        for g in exe.groups:
+            nbytes = round4(g.elements * g.dtype.gpu_itemsize)
+            check_buffer(dev, nbytes, f"parameter group {g.name!r}", binding=True)
+            self.buffers[g.name] = dev.device.create_buffer(size=max(nbytes, 4), usage=usage,
+                                                            label=g.name)
+        for name, leaf in exe.leaves.items():
+            if name in self.buffers or name in exe.group_home:  # shared, or in a group
+                continue
+            nbytes = round4(max(leaf.type.size, 1) * leaf.type.dtype.gpu_itemsize)
+            check_buffer(dev, nbytes, f"{leaf.kind} {name!r} ({leaf.type})", binding=True)
+            buf = dev.device.create_buffer(size=max(nbytes, 4), usage=usage, label=name)
+            self.buffers[name] = buf
+            if leaf.kind == "constant":
+                dev.queue.write_buffer(buf, 0, to_gpu(leaf.data, leaf.type.dtype))
+
+
+class GPUStream:
+    """One ``Stream`` on the device: its arena, result buffers, pipelines and bind groups."""
+
+    def __init__(self, dev, stream: Stream, pinned: PinnedBuffers):
+        import wgpu
+
+        self.stream, self.dev = stream, dev
+        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        check_buffer(dev, stream.arena_bytes, f"the {stream.tag} plan's intermediate arena")
+        self.arena = dev.device.create_buffer(size=max(stream.arena_bytes, 256), usage=usage,
+                                              label=f"{stream.tag}-arena")
+        self.outs = {name: dev.device.create_buffer(size=n, usage=usage,
+                                                    label=f"{stream.tag}-{name}")
+                     for name, n in stream.out_buffers.items()}
+        self.pinned = pinned.buffers
+        self.commands = [self._command(op) for op in stream.ops]
+        self.checked = False  # set once an encode of this fixed stream passed validation
+        self._raw_runs = None  # the stream with native handles, built at the first raw encode
+        self.readback_pool: list = []  # readback buffers whose results were read
+
+    def buffer(self, loc: Loc):
+        if loc.pool == "temp":
+            return self.arena
+        if loc.pool == "out":
+            return self.outs[loc.name]
+        return self.pinned[loc.name]
+
+    def _command(self, op: Dispatch | Copy):
+        if isinstance(op, Copy):
+            return CopyCommand(self.buffer(op.src), op.src.offset, self.buffer(op.dst),
+                               op.dst.offset, op.nbytes)
+        pipeline = self.dev.pipeline(op.spec)
+        layout = self.dev.bind_group_layout(op.spec.n_bindings)[0]
+        entries = [{"binding": i, "resource": {"buffer": self.buffer(loc), "offset": loc.offset,
+                                               "size": round4(loc.nbytes)}}
+                   for i, loc in enumerate(op.binds)]
+        bg = self.dev.device.create_bind_group(layout=layout, entries=entries)
+        return DispatchCommand(pipeline, bg, op.spec.workgroups)
+
+    def fetch_copies(self, dst) -> list[CopyCommand]:
+        """Copies of every fetched result into the readback buffer ``dst``."""
+        return [CopyCommand(self.buffer(f.loc), f.loc.offset, dst, f.offset, f.nbytes)
+                for f in self.stream.fetch]
+
+    def encode(self, extra_copies=()):
+        """The stream's command buffer (``extra_copies`` appended: result readback)."""
+        enc = self.dev.device.create_command_encoder()
+        raw = _raw_calls(self.dev) if self.checked else None
+        if raw is not None:
+            self._encode_raw(enc, raw)
+        else:
+            self._encode_checked(enc)
+        for c in extra_copies:
+            c.record(enc)
+        cb = enc.finish()
+        self.checked = True
+        return cb
+
+    def _encode_checked(self, enc) -> None:
+        cp = last = None
+        for cmd in self.commands:
+            if isinstance(cmd, DispatchCommand):
+                if cp is None:
+                    cp, last = enc.begin_compute_pass(), None
+                if cmd.pipeline is not last:
+                    cp.set_pipeline(cmd.pipeline)
+                cp.set_bind_group(0, cmd.bind_group)
+                cp.dispatch_workgroups(*cmd.workgroups)
+                last = cmd.pipeline
+            else:
+                if cp is not None:
+                    cp.end()
+                    cp = None
+                cmd.record(enc)
+        if cp is not None:
+            cp.end()
+
+    def _native_runs(self) -> list:
+        """Runs of dispatches between copies, with native handles (a pipeline only where it
+        changes)."""
+        runs, run, last = [], None, None
+        for cmd in self.commands:
+            if isinstance(cmd, DispatchCommand):
+                if run is None:
+                    run, last = [], None
+                    runs.append(("pass", run))
+                pipe = cmd.pipeline._internal if cmd.pipeline is not last else None
+                run.append((pipe, cmd.bind_group._internal, *cmd.workgroups))
+                last = cmd.pipeline
+            else:
+                run = None
+                runs.append(("copy", cmd))
+        return runs
+
+    def _encode_raw(self, enc, raw) -> None:
+        """The checked stream again through wgpu-native's C calls, with every handle looked
+        up once."""
+        lib, null = raw
+        if self._raw_runs is None:
+            self._raw_runs = self._native_runs()
+        set_pipeline = lib.wgpuComputePassEncoderSetPipeline
+        set_bind_group = lib.wgpuComputePassEncoderSetBindGroup
+        dispatch = lib.wgpuComputePassEncoderDispatchWorkgroups
+        for kind, item in self._raw_runs:
+            if kind == "copy":
+                item.record(enc)
+                continue
+            cp = enc.begin_compute_pass()
+            h = cp._internal
+            for pipe, bg, x, y, z in item:
+                if pipe is not None:
+                    set_pipeline(h, pipe)
+                set_bind_group(h, 0, bg, 0, null)
+                dispatch(h, x, y, z)
+            cp.end()
+
+
+class DispatchCommand:
+    __slots__ = ("pipeline", "bind_group", "workgroups")
+
+    def __init__(self, pipeline, bind_group, workgroups):
+        self.pipeline, self.bind_group, self.workgroups = pipeline, bind_group, workgroups
+
+
+class CopyCommand:
+    __slots__ = ("src", "src_offset", "dst", "dst_offset", "nbytes")
+
+    def __init__(self, src, src_offset: int, dst, dst_offset: int, nbytes: int):
+        self.src, self.src_offset = src, src_offset
+        self.dst, self.dst_offset, self.nbytes = dst, dst_offset, nbytes
+
+    def record(self, enc) -> None:
+        enc.copy_buffer_to_buffer(self.src, self.src_offset, self.dst, self.dst_offset,
+                                  self.nbytes)
+
+
+def _raw_calls(dev):
+    """wgpu-native's C entry points without wgpu-py's per-call error capture (~3 µs a call).
+    Used only after the first, fully checked encode of a plan: every later step encodes the
+    identical command stream.  None for other implementations."""
+    if dev.implementation != "wgpu":
+        return None
+    try:
+        from wgpu.backends.wgpu_native._ffi import ffi, lib
+    except ImportError:  # pragma: no cover - another wgpu layout
+        return None
+    return lib, ffi.NULL
+
+
+def to_gpu(arr, dtype):
+    """``arr`` as the bytes the GPU stores for ``dtype`` (bool as u32), padded to 4 bytes."""
+    import numpy as np
+
+    a = np.ascontiguousarray(arr, dtype=dtype.np)
+    if dtype.name == "bool":
+        a = a.astype(np.uint32)
+    b = a.reshape(-1).view(np.uint8)
+    if b.size % 4:
+        b = np.concatenate([b, np.zeros(4 - b.size % 4, np.uint8)])
+    return b
+
+
+def from_gpu(raw: bytes, t):
+    """A tensor of type ``t`` from the bytes the GPU stored."""
+    import numpy as np
+
+    if t.dtype.name == "bool":
+        return np.frombuffer(raw, dtype=np.uint32, count=t.size).astype(bool).reshape(t.shape)
+    return np.frombuffer(raw, dtype=t.dtype.np, count=t.size).reshape(t.shape).copy()
