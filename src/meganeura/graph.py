@@ -60,6 +60,30 @@ class OpDef:
     vjp: Callable[..., list] | None = None
     lowering: Any = None
     leaf: bool = False  # inputs/params/states/constants: values supplied from outside
+    # operand_ranges(in_types, attrs) -> {operand index: ValueRange}: integer operands whose
+    # values must lie in a range (class labels).  Fed inputs are checked on the host before a
+    # step on every backend, since a GPU kernel cannot raise an error.
+    operand_ranges: Callable[[list[TensorType], dict], dict] | None = None
+
+
+@dataclass(frozen=True)
+class ValueRange:
+    """Values an integer operand may hold: ``lo <= v < hi``, or one of ``also`` (an
+    ``ignore_index``); ``what`` names them in errors ("cross_entropy label")."""
+
+    lo: int
+    hi: int
+    also: tuple[int, ...] = ()
+    what: str = "value"
+
+    def first_violation(self, arr: np.ndarray) -> tuple[int, ...] | None:
+        """Index of the first element outside the range, or None."""
+        bad = (arr < self.lo) | (arr >= self.hi)
+        for v in self.also:
+            bad &= arr != v
+        if not bad.any():
+            return None
+        return tuple(int(i) for i in np.argwhere(bad)[0])
 
 
 _OPS: dict[str, OpDef] = {}

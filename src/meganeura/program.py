@@ -33,6 +33,22 @@ class Program:
         needed = self.graph.ancestors(roots)
         return {n: v.type for n, v in self.graph.inputs.items() if v.node.id in needed}
 
+    @property
+    def feed_ranges(self) -> dict[str, list]:
+        """Inputs whose values an op restricts (``OpDef.operand_ranges``: class labels), found
+        through value-preserving views (reshape, permute…): input name -> [ValueRange]."""
+        out: dict[str, list] = {}
+        for node in self.graph.nodes:
+            rule = node.opdef.operand_ranges
+            if rule is None:
+                continue
+            ranges = rule([v.type for v in node.inputs], node.attrs)
+            for i, rng in ranges.items():
+                name = _source_input(self.graph, node.inputs[i])
+                if name is not None:
+                    out.setdefault(name, []).append(rng)
+        return out
+
     def inference_feeds(self) -> dict[str, TensorType]:
         needed = self.graph.ancestors(list(self.outputs.values()))
         return {n: v.type for n, v in self.graph.inputs.items() if v.node.id in needed}
@@ -75,3 +91,15 @@ def build_program(graph: Graph, loss: Value | None = None,
         g2, grads = graph.copy(), {}
     return Program(g2, g2[loss] if loss is not None else None,
                    {k: g2[v] for k, v in outputs.items()}, grads, optimizer, fp)
+
+
+def _source_input(graph: Graph, v: Value) -> str | None:
+    """The fed input whose values ``v`` holds unchanged (through views), if any."""
+    from .ops.lowering import View
+
+    while not v.node.opdef.leaf:
+        if not isinstance(v.node.opdef.lowering, View) or not v.node.inputs:
+            return None
+        v = v.node.inputs[0]
+    lf = graph.leaf_of(v)
+    return lf.name if lf is not None and lf.kind == "input" else None

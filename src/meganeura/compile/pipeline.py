@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from ..errors import LimitError
+from ..errors import GraphBuildError, LimitError
 from ..kernels.common import Target
 from ..program import Program
 from .emit import emit_stream
@@ -61,7 +61,9 @@ def compile_program(program: Program, target: Target, options: CompileOptions,
 
 
 def _check_leaf_sizes(lowered: Program, target: Target) -> None:
-    """A tensor the device cannot bind is named before any kernel is planned around it."""
+    """A tensor the device cannot bind, or an empty one (WGSL has no zero-length arrays or
+    workgroup grids), is named before any kernel is planned around it."""
+    _check_not_empty(lowered)
     limit = target.lim("max_storage_buffer_binding_size")
     for name, lf in lowered.graph.leaves.items():
         nbytes = max(lf.value.size, 1) * lf.value.dtype.gpu_itemsize
@@ -69,6 +71,20 @@ def _check_leaf_sizes(lowered: Program, target: Target) -> None:
             raise LimitError(f"{lf.kind} {name!r} ({lf.value.type}) needs "
                              f"{nbytes / 2**20:.1f} MiB but the device binds at most "
                              f"{limit / 2**20:.1f} MiB per storage buffer")
+
+
+def _check_not_empty(lowered: Program) -> None:
+    for name, lf in lowered.graph.leaves.items():
+        if lf.value.size == 0:
+            raise GraphBuildError(f"{lf.kind} {name!r} ({lf.value.type}) has no elements: the "
+                                  "GPU backends need at least one element per tensor (the "
+                                  "reference backend evaluates empty tensors)")
+    for node in lowered.graph.nodes:
+        for v in node.outputs:
+            if v.size == 0:
+                raise GraphBuildError(f"{node.op} computes an empty tensor ({v.type}): the GPU "
+                                      "backends need at least one element per tensor (the "
+                                      "reference backend evaluates empty tensors)")
 
 
 def _group_buffers(groups: LeafGroups) -> tuple[GroupBuffer, ...]:

@@ -17,8 +17,9 @@ __all__ = [
 ]
 
 
-def defop(name, infer, reference, vjp=None, lowering=None) -> OpDef:
-    return register_op(OpDef(name, infer, reference, vjp, lowering))
+def defop(name, infer, reference, vjp=None, lowering=None, operand_ranges=None) -> OpDef:
+    return register_op(OpDef(name, infer, reference, vjp, lowering,
+                             operand_ranges=operand_ranges))
 
 
 def build_error(exc_type: type, op: str, msg: str, *operands) -> Exception:

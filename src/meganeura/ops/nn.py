@@ -7,7 +7,7 @@ import numpy as np
 
 from ..dtypes import as_dtype, bool_, f32
 from ..errors import AxisError, DTypeError, FeedError, GraphBuildError, ShapeError
-from ..graph import Value
+from ..graph import Value, ValueRange
 from . import elementwise as E
 from . import reduce as R
 from . import shape as S
@@ -203,7 +203,14 @@ def _ce_vjp(n, c):
     return [d * S.unsqueeze(w, -1), None]
 
 
-defop("cross_entropy", _ce_infer, _ce_ref, _ce_vjp, Composite(_expand_ce))
+def _ce_label_range(types, a):
+    return {1: ValueRange(0, types[0].shape[-1], (a["ignore_index"],),
+                          f"cross_entropy label (classes: {types[0].shape[-1]}, "
+                          f"ignore_index={a['ignore_index']})")}
+
+
+defop("cross_entropy", _ce_infer, _ce_ref, _ce_vjp, Composite(_expand_ce),
+      operand_ranges=_ce_label_range)
 
 
 @register_builder("cross_entropy")

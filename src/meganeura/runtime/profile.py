@@ -70,7 +70,7 @@ def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> P
                           "per-kernel GPU times are unavailable")
     ex = sess.infer if inference else sess.train
     expected = sess.program.inference_feeds() if inference else sess.program.feeds
-    arrays = check_feeds(expected, feeds, sess.check_finite)
+    arrays = check_feeds(expected, feeds, sess.check_finite, sess.feed_ranges)
     sess._upload_feeds(arrays)
     labels = [d.label for d in ex.stream.dispatches]
     n = len(labels)

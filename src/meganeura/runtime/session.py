@@ -55,8 +55,34 @@ class StepResult:
 
 
 def check_feeds(expected: Mapping[str, TensorType], feeds: Mapping[str, object],
-                check_finite: bool = True) -> dict[str, np.ndarray]:
-    """Validate feeds before anything is submitted: names, shapes, dtypes, finiteness."""
+                check_finite: bool = True,
+                ranges: Mapping[str, list] | None = None) -> dict[str, np.ndarray]:
+    """Validate feeds before anything is submitted: names, shapes, dtypes, finiteness (of
+    the values as the device will hold them, after conversion to the input's dtype) and the
+    value ranges ops impose (``Program.feed_ranges``: class labels).  Returns the converted
+    arrays; a bad feed raises FeedError and nothing runs."""
+    _check_names(expected, feeds)
+    out = {}
+    for name, t in expected.items():
+        arr = np.asarray(feeds[name])
+        if arr.shape != t.shape:
+            raise FeedError(f"feed {name!r} has shape {arr.shape}, expected {t.shape} ({t})")
+        _check_dtype(name, arr, t)
+        with np.errstate(over="ignore", invalid="ignore"):
+            conv = np.ascontiguousarray(arr, dtype=t.dtype.np).reshape(t.shape)
+        if t.dtype.is_float and check_finite:
+            _check_finite(name, arr, conv, t)
+        for rng in (ranges or {}).get(name, ()):
+            idx = rng.first_violation(conv)
+            if idx is not None:
+                raise FeedError(f"feed {name!r}: {rng.what} {int(conv[idx])} at index "
+                                f"{idx} is outside [{rng.lo}, {rng.hi})")
+        # (ascontiguousarray makes rank-0 arrays 1-D: keep the declared shape)
+        out[name] = conv
+    return out
+
+
+def _check_names(expected, feeds) -> None:
     unknown = sorted(set(feeds) - set(expected))
     missing = sorted(set(expected) - set(feeds))
     if unknown or missing:
@@ -66,28 +92,32 @@ def check_feeds(expected: Mapping[str, TensorType], feeds: Mapping[str, object],
         if unknown:
             parts.append("unknown " + ", ".join(repr(n) for n in unknown))
         raise FeedError("; ".join(parts) + f" — expected feeds: {sorted(expected)}")
-    out = {}
-    for name, t in expected.items():
-        arr = np.asarray(feeds[name])
-        if arr.shape != t.shape:
-            raise FeedError(f"feed {name!r} has shape {arr.shape}, expected {t.shape} ({t})")
-        if t.dtype.is_float:
-            if not (np.issubdtype(arr.dtype, np.floating)):
-                raise FeedError(f"feed {name!r} has dtype {arr.dtype}, expected floating ({t})")
-            if check_finite and not np.isfinite(arr).all():
-                bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
-                raise FeedError(f"feed {name!r} contains {bad} NaN/inf values")
-        elif t.dtype.is_int:
-            if not np.issubdtype(arr.dtype, np.integer):
-                raise FeedError(f"feed {name!r} has dtype {arr.dtype}, expected integers ({t})")
-            info = np.iinfo(t.dtype.np)
-            if arr.size and (arr.min() < info.min or arr.max() > info.max):
-                raise FeedError(f"feed {name!r} has values outside the {t.dtype.name} range")
-        elif arr.dtype != np.bool_:
-            raise FeedError(f"feed {name!r} has dtype {arr.dtype}, expected bool ({t})")
-        # (ascontiguousarray makes rank-0 arrays 1-D: keep the declared shape)
-        out[name] = np.ascontiguousarray(arr, dtype=t.dtype.np).reshape(t.shape)
-    return out
+
+
+def _check_dtype(name: str, arr: np.ndarray, t: TensorType) -> None:
+    if t.dtype.is_float:
+        if not np.issubdtype(arr.dtype, np.floating):
+            raise FeedError(f"feed {name!r} has dtype {arr.dtype}, expected floating ({t})")
+    elif t.dtype.is_int:
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise FeedError(f"feed {name!r} has dtype {arr.dtype}, expected integers ({t})")
+        info = np.iinfo(t.dtype.np)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise FeedError(f"feed {name!r} has values outside the {t.dtype.name} range")
+    elif arr.dtype != np.bool_:
+        raise FeedError(f"feed {name!r} has dtype {arr.dtype}, expected bool ({t})")
+
+
+def _check_finite(name: str, arr: np.ndarray, conv: np.ndarray, t: TensorType) -> None:
+    """NaN/inf as the GPU will see them: a float64 1e39 becomes inf in f32."""
+    ok = np.isfinite(conv)
+    if ok.all():
+        return
+    idx = tuple(int(i) for i in np.argwhere(~ok)[0])
+    bad = int(ok.size - np.count_nonzero(ok))
+    how = "" if not np.isfinite(arr[idx]) else f" after conversion to {t.dtype.name}"
+    raise FeedError(f"feed {name!r} has {bad} NaN/inf value(s){how}; the first at index "
+                    f"{idx} (fed value {arr[idx].item()!r})")
 
 
 class Session(ABC):
@@ -96,6 +126,7 @@ class Session(ABC):
     def __init__(self, program: Program, check_finite: bool = True):
         self.program = program
         self.check_finite = check_finite
+        self.feed_ranges = program.feed_ranges  # (a walk over the graph: once)
         self.step_count = 0
 
     # backend primitives --------------------------------------------------------------------
@@ -132,7 +163,8 @@ class Session(ABC):
         if not self.program.training:
             raise FeedError("step(): this session has no optimizer (compiled for inference); "
                             "use run()")
-        arrays = check_feeds(self.program.feeds, feeds, self.check_finite)
+        arrays = check_feeds(self.program.feeds, feeds, self.check_finite,
+                             self.feed_ranges)
         fetch = self._step(arrays)
         self.step_count += 1
         return StepResult(fetch, self.step_count)
@@ -141,7 +173,8 @@ class Session(ABC):
         """Inference: the named outputs for these feeds (parameters unchanged)."""
         if not self.program.outputs:
             raise FeedError("run(): the session was compiled without outputs=")
-        arrays = check_feeds(self.program.inference_feeds(), feeds, self.check_finite)
+        arrays = check_feeds(self.program.inference_feeds(), feeds, self.check_finite,
+                             self.feed_ranges)
         return self._run(arrays)
 
     def init_params(self, seed: int = 0) -> None:
