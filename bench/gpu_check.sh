@@ -6,7 +6,7 @@
 set -uo pipefail
 out="${1:-${OUT:-gpu-results}}"; mkdir -p "$out"
 export XDG_RUNTIME_DIR=$(mktemp -d)
-tests="tests/runtime tests/codegen tests/test_plan.py tests/test_session.py tests/test_cli.py"
+tests="tests/runtime tests/kernels tests/compile tests/test_cli.py"
 for impl in wgpu dawn; do
   MEGANEURA_WEBGPU=$impl timeout 240 python3 -m pytest -q --maxfail=30 -p no:cacheprovider $tests \
     > "$out/tests-$impl.log" 2>&1; echo "tests $impl: rc=$? $(tail -1 "$out/tests-$impl.log")"

@@ -60,12 +60,10 @@ def _run_case(gpu, dims, attrs, mask=None, mask_grad=False, seed=0, also_unfused
         plain.set_params(params)
         got2 = plain.run(**feeds)
         for n in outs:
-            if gpu.implementation == "wgpu":
-                np.testing.assert_array_equal(got2[n], got[n])
-            else:
-                # Dawn's shader compiler contracts a*b+c into fma differently in the fused and
-                # the unfused kernels: measured ≤ 1 ulp apart on the H200 (exact on wgpu-native)
-                np.testing.assert_allclose(got2[n], got[n], rtol=4e-7, atol=1.2e-7)
+            # Fused and unfused kernels are not promised to be bit-identical: the drivers'
+            # shader compilers contract a*b+c into fma differently in the two (measured ≤ 1 ulp
+            # apart on the H200 with both Dawn and wgpu-native; exact on lavapipe)
+            np.testing.assert_allclose(got2[n], got[n], rtol=4e-7, atol=1.2e-7)
     return sess
 
 
