@@ -276,6 +276,12 @@ class Optimizer(ABC):
     def apply(self, graph: Graph, grads: Mapping[str, Value]) -> dict[str, Value]:
         """Append the update of every parameter in ``grads`` (name -> gradient value of ``graph``)
         and of the optimizer states; registers each with ``graph.set_update`` and returns them."""
+        self._check_apply(graph, grads)
+        return self._build_updates(graph, grads)
+
+    def _check_apply(self, graph: Graph, grads: Mapping[str, Value]) -> None:
+        """Every misuse of ``apply`` as one OptimizerError naming the culprit, before any
+        node is added."""
         who = type(self).__name__
         if not isinstance(graph, Graph):
             raise OptimizerError(f"{who}.apply: expected a Graph, got {type(graph).__name__}")
@@ -307,6 +313,8 @@ class Optimizer(ABC):
                     raise OptimizerError(f"{who}: {what} prefix {p!r} matches no parameter of the "
                                          f"graph (parameters: {_preview(params)})")
 
+    def _build_updates(self, graph: Graph, grads: Mapping[str, Value]) -> dict[str, Value]:
+        params = graph.params
         ops = _ops()
         names = list(grads)
         # groups by (lr multiplier, decays, dtype), ordered by first appearance
