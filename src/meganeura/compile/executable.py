@@ -40,6 +40,22 @@ class Dispatch:
         """The kernel variant that ran (``sgmat*`` on tensor cores) for reports."""
         return self.spec.meta.get("variant") or self.spec.meta.get("archetype", "?")
 
+    @property
+    def flops(self) -> int:
+        """Floating-point operations of one dispatch, from the kernel description (matmul,
+        conv and attention emitters count them; elementwise kernels count as 0: memory-bound)."""
+        return int(self.spec.meta.get("flops", 0))
+
+    @property
+    def bytes(self) -> int:
+        """Compulsory memory traffic of one dispatch: every bound range read or written once
+        (a lower bound on DRAM bytes; tiles re-read through caches are not counted)."""
+        return sum(loc.nbytes for loc in set(self.binds))
+
+    @property
+    def tensor_cores(self) -> bool:
+        return self.variant.startswith("sgmat")
+
 
 @dataclass(frozen=True)
 class Copy:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import DeviceError
 from .executable import DispatchCommand
+from .roofline import DevicePeak, peaks_for
 
 
 @dataclass
@@ -20,6 +21,25 @@ class KernelTime:
     label: str
     calls: int = 0
     total_ns: float = 0.0
+    flops: int = 0  # per call
+    bytes: int = 0  # per call, compulsory
+    tensor_cores: bool = False
+
+    @property
+    def mean_s(self) -> float:
+        return self.total_ns / max(self.calls, 1) / 1e9
+
+    def roofline(self, peak: DevicePeak | None) -> dict:
+        """Achieved rates and the percent of the roofline bound (None without peaks)."""
+        t = self.mean_s or float("inf")
+        bound = peak.bound_seconds(self.flops, self.bytes, self.tensor_cores) if peak else None
+        return {"label": self.label, "calls": self.calls, "mean_us": self.mean_s * 1e6,
+                "flops": self.flops, "bytes": self.bytes, "tflops": self.flops / t / 1e12,
+                "gbps": self.bytes / t / 1e9,
+                "bound": (None if not peak else "compute" if self.flops / max(
+                    peak.f16_tensor_flops if self.tensor_cores else peak.f32_flops, 1)
+                    >= self.bytes / max(peak.bandwidth, 1) else "memory"),
+                "pct_of_bound": None if bound is None else 100 * bound / t}
 
 
 @dataclass
@@ -31,6 +51,7 @@ class Profile:
     encode_us_per_step: float
     dispatches_per_step: int
     events: list[dict] = field(default_factory=list)
+    peak: DevicePeak | None = None
 
     @property
     def gpu_ms_per_step(self) -> float:
@@ -47,11 +68,21 @@ class Profile:
                  f"GPU time/step: {self.gpu_ms_per_step:.3f} ms; wall/step: "
                  f"{self.step_wall_ms:.3f} ms; host encode/step: {self.encode_us_per_step:.1f} µs "
                  f"({self.encode_us_per_step / max(self.dispatches_per_step, 1):.2f} µs/dispatch)",
-                 f"{'kernel':<60} {'calls':>6} {'mean µs':>10} {'total %':>8}"]
+                 f"roofline: {self.peak.name if self.peak else 'no peaks known for this adapter'}",
+                 f"{'kernel':<56} {'calls':>5} {'mean µs':>9} {'total %':>7} {'TFLOP/s':>8} "
+                 f"{'GB/s':>7} {'bound':>7} {'% bound':>7}"]
         for k in self.rows(25):
-            lines.append(f"{k.label[:60]:<60} {k.calls:>6} {k.total_ns / k.calls / 1e3:>10.1f} "
-                         f"{100 * k.total_ns / total:>7.1f}%")
+            r = k.roofline(self.peak)
+            pct = "" if r["pct_of_bound"] is None else f"{r['pct_of_bound']:.0f}%"
+            lines.append(f"{k.label[:56]:<56} {k.calls:>5} {r['mean_us']:>9.1f} "
+                         f"{100 * k.total_ns / total:>6.1f}% {r['tflops']:>8.2f} "
+                         f"{r['gbps']:>7.0f} {r['bound'] or '':>7} {pct:>7}")
         return "\n".join(lines)
+
+    def roofline(self, top: int | None = None) -> list[dict]:
+        """Per kernel (largest total time first): flops, bytes, achieved TFLOP/s and GB/s,
+        which limit binds and the percent of that bound reached."""
+        return [k.roofline(self.peak) for k in self.rows(top)]
 
     def export_trace(self, path: str) -> None:
         """Chrome trace-event JSON (open in ui.perfetto.dev or chrome://tracing)."""
@@ -72,12 +103,14 @@ def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> P
     expected = sess.program.inference_feeds() if inference else sess.program.feeds
     arrays = check_feeds(expected, feeds, sess.check_finite, sess.feed_ranges)
     sess._upload_feeds(arrays)
-    labels = [d.label for d in ex.stream.dispatches]
+    dispatches = ex.stream.dispatches
+    labels = [d.label for d in dispatches]
     n = len(labels)
     qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=max(2 * n, 2))
     resolve = dev.device.create_buffer(size=max(16 * n, 16), usage=wgpu.BufferUsage.QUERY_RESOLVE
                                        | wgpu.BufferUsage.COPY_SRC)
-    times = {label: KernelTime(label) for label in labels}
+    times = {d.label: KernelTime(d.label, flops=d.flops, bytes=d.bytes,
+                                 tensor_cores=d.tensor_cores) for d in dispatches}
     events: list[dict] = []
     t_cursor = 0.0
     # warm-up (pipelines JIT-compiled on first use) and host encode cost of the real step
@@ -116,7 +149,8 @@ def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> P
             events.append({"name": label, "ph": "X", "pid": 1, "tid": 1,
                            "ts": t_cursor / 1e3, "dur": dur / 1e3})
             t_cursor += dur
-    return Profile(dev.adapter_name, steps, list(times.values()), wall_ms, encode_us, n, events)
+    return Profile(dev.adapter_name, steps, list(times.values()), wall_ms, encode_us, n, events,
+                   peaks_for(dev.adapter_name))
 
 
 def _timestamp_period(dev) -> float:
