@@ -151,3 +151,17 @@ def test_temp_files_of_killed_saves_are_cleaned_up_by_the_next_save(tmp_path):
         p.write_bytes(b"x")
     save_checkpoint(target, TENSORS, "fp", 1)
     assert sorted(os.listdir(tmp_path)) == sorted(["ck.safetensors", live.name, other.name])
+
+
+def test_read_metadata_without_tensors(tmp_path):
+    from meganeura.checkpoint import read_metadata
+
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, TENSORS, "fp", 4, extra={"cli.epoch": "1"})
+    meta = read_metadata(path)
+    assert meta["cli.epoch"] == "1" and meta["step"] == "4" and meta["fingerprint"] == "fp"
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_metadata(tmp_path / "none.safetensors")
+    (tmp_path / "junk").write_bytes(b"junk" * 10)
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        read_metadata(tmp_path / "junk")

@@ -170,6 +170,25 @@ def _writer_alive(pid: int, tmp: str) -> bool:
     return True
 
 
+def read_metadata(path) -> dict[str, str]:
+    """The metadata of a checkpoint file without reading its tensors (what the CLI stores
+    beside the training state, e.g. the epoch to resume from)."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    try:
+        with safe_open(path, framework="numpy") as f:
+            meta = f.metadata() or {}
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path!r} does not exist") from None
+    except Exception as e:  # safetensors raises several types for truncated/corrupt files
+        raise CheckpointError(f"checkpoint {path!r} is corrupt or truncated: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path!r} is not a meganeura checkpoint (format "
+                              f"{meta.get('format')!r})")
+    return dict(meta)
+
+
 def read_checkpoint(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """All tensors and the metadata of a checkpoint file, checksums and finiteness verified;
     CheckpointError if unreadable."""
