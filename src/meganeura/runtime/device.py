@@ -16,7 +16,7 @@ storage buffers per stage …) and the features the compiler uses when the adapt
 (``shader-f16``, ``subgroup``, ``timestamp-query`` …).  ``Device.pipeline(spec)`` compiles a
 ``codegen.ir.KernelSpec`` against an explicit bind-group layout in which every binding is
 ``storage`` (read_write).  Compiled pipelines are cached by WGSL source and entry point in a
-least-recently-used cache of ``$MEGANEURA_PIPELINE_CACHE`` entries (default 512): sessions with
+least-recently-used cache of ``$MEGANEURA_PIPELINE_CACHE`` entries (default 256): sessions with
 the same kernels share pipeline objects while they are cached, and a process compiling many
 different graphs does not keep every pipeline it ever built (a session holds its own pipelines,
 so eviction never affects a live session).
@@ -39,7 +39,7 @@ from ..errors import DeviceError, LimitError
 IMPLEMENTATIONS = ("wgpu", "dawn", "auto")
 ENV_VAR = "MEGANEURA_WEBGPU"
 PIPELINE_CACHE_VAR = "MEGANEURA_PIPELINE_CACHE"
-DEFAULT_PIPELINE_CACHE = 512  # entries; SmolLM2 training needs ~51 distinct pipelines
+DEFAULT_PIPELINE_CACHE = 256  # entries; SmolLM2 training needs ~51 distinct pipelines
 
 # Backends we accept; everything else (OpenGL, D3D11, Null, WebGPU-in-browser) is refused.
 _GOOD_BACKENDS = {"vulkan", "metal", "d3d12", "dx12"}
