@@ -41,24 +41,37 @@ class _Parser(argparse.ArgumentParser):
 # ------------------------------------------------------------------------- argument types
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
+def _int_at_least(low: int):
+    """An argparse type: a whole number >= ``low`` (0 epochs or batches would divide by zero
+    further down; a negative seed is refused by numpy's generators)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(x) or x <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return x
+def _float_at_least(low: float, inclusive: bool):
+    """An argparse type: a finite number >= ``low`` (> ``low`` unless ``inclusive``)."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(x) or x < low or (x == low and not inclusive):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>=' if inclusive else '>'} {low:g}, got {text}")
+        return x
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def _fraction(text: str) -> float:
@@ -404,9 +417,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mlp", choices=["mlp", "cnn"], help="model to train")
     p.add_argument("--batch-size", type=_positive_int, default=64, help="examples per step")
-    p.add_argument("--lr", type=_positive_float, default=3e-3,
+    p.add_argument("--lr", type=_float_at_least(0.0, False), default=3e-3,
                    help="peak learning rate (warm-up, then cosine decay)")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--weight-decay", type=_float_at_least(0.0, True), default=0.01,
+                   help="AdamW weight decay")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -423,7 +437,8 @@ def _parser() -> argparse.ArgumentParser:
                         formatter_class=_HelpFormatter)
     _add_common(pt)
     pt.add_argument("--epochs", type=_positive_int, default=20, help="passes over the data")
-    pt.add_argument("--seed", type=int, default=0, help="initialisation and shuffling seed")
+    pt.add_argument("--seed", type=_int_at_least(0), default=0,
+                    help="initialisation and shuffling seed")
     pt.add_argument("--backend", type=_backend(True), default=None,
                     help="wgpu | dawn | auto | reference (default: $MEGANEURA_WEBGPU, else wgpu)")
     pt.add_argument("--precision", default="strict", choices=["strict", "fast"],
