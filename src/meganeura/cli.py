@@ -1,16 +1,126 @@
 """``meganeura`` command line: ``info`` (WebGPU implementations, adapter, features, limits),
 ``train`` (a model on the embedded digits dataset, with progress bar, checkpoint and loss plot)
-and ``profile`` (per-kernel GPU times of a training step)."""
+and ``profile`` (per-kernel GPU times of a training step).
+
+Errors are one line on stderr (``meganeura: error: …``) and a non-zero exit status, never a
+traceback: 2 for bad arguments or settings, 1 for failures while running, 3 when ``train`` ends
+below ``--min-accuracy``, 130 (143) when ``train`` was stopped by SIGINT (SIGTERM) — after it
+saved a checkpoint that ``--resume`` continues from."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
+import signal
 import sys
+import tempfile
 import time
 
 import numpy as np
+
+from .errors import MeganeuraError
+
+GPU_BACKENDS = ("wgpu", "dawn", "auto")
+CKPT_KEYS = ("model", "batch_size", "epochs", "lr", "weight_decay", "seed")
+
+
+class CLIError(Exception):
+    """A bad argument or setting found after parsing (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block) pointing at ``--help``."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+# ------------------------------------------------------------------------- argument types
+
+
+def _int_at_least(low: int):
+    """An argparse type: a whole number >= ``low`` (0 epochs or batches would divide by zero
+    further down; a negative seed is refused by numpy's generators)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+
+    return parse
+
+
+def _float_at_least(low: float, inclusive: bool):
+    """An argparse type: a finite number >= ``low`` (> ``low`` unless ``inclusive``)."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(x) or x < low or (x == low and not inclusive):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>=' if inclusive else '>'} {low:g}, got {text}")
+        return x
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+
+
+def _fraction(text: str) -> float:
+    """A fraction in [0, 1]: ``--min-accuracy 95`` (meant as percent) is refused, not an
+    impossible gate."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= x <= 1.0:
+        hint = f" (for {x:g}% write {x / 100:g})" if 1 < x <= 100 else ""
+        raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1, got {text}{hint}")
+    return x
+
+
+def _backend(allow_reference: bool):
+    """An argparse type accepting the WebGPU implementations (and ``reference`` for train)."""
+    names = GPU_BACKENDS + (("reference",) if allow_reference else ())
+
+    def parse(text: str) -> str:
+        from .runtime.device import BackendNameError, resolve_backend
+
+        if text.strip().lower() == "reference":
+            if allow_reference:
+                return "reference"
+            raise argparse.ArgumentTypeError("'reference' (the numpy interpreter) has no GPU "
+                                             "to inspect; choose wgpu, dawn or auto")
+        try:
+            return resolve_backend(text)
+        except BackendNameError:
+            raise argparse.ArgumentTypeError(
+                f"unknown backend {text!r}; choose {', '.join(names[:-1])} or {names[-1]}"
+            ) from None
+
+    return parse
+
+
+def _check_env_backend(backend: str | None) -> None:
+    """``$MEGANEURA_WEBGPU`` decides when ``--backend`` is absent: check it up front."""
+    from .runtime.device import BackendNameError, resolve_backend
+
+    if backend is None:
+        try:
+            resolve_backend(None)
+        except BackendNameError as e:
+            raise CLIError(str(e)) from None
+
+
+# ------------------------------------------------------------------------- shared helpers
 
 
 def _model(name: str, batch: int):
@@ -18,11 +128,9 @@ def _model(name: str, batch: int):
 
     if name == "mlp":
         return mlp_classifier(batch)
-    if name == "cnn":
-        from .models.cnn import digits_cnn
+    from .models.cnn import digits_cnn
 
-        return digits_cnn(batch)
-    raise SystemExit(f"unknown model {name!r}; choose mlp or cnn")
+    return digits_cnn(batch)
 
 
 def _optimizer(args, steps_total: int):
@@ -33,79 +141,221 @@ def _optimizer(args, steps_total: int):
     return optim.AdamW(lr=sched, weight_decay=args.weight_decay)
 
 
+def _check_batch(batch_size: int, n: int) -> None:
+    if batch_size > n:
+        raise CLIError(f"--batch-size {batch_size} is larger than the {n} training images")
+
+
+def _prepare_out(out: str) -> None:
+    """Create ``--out`` and prove it writable before any training time is spent."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CLIError(f"--out {out!r} is a file, not a directory")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise CLIError(f"--out {out!r} is not a writable directory "
+                       f"({e.strerror or e})") from None
+
+
+def _open_backend(backend: str | None) -> None:
+    """Open the GPU device now, so a missing driver or package is reported before the data
+    and models are built."""
+    _check_env_backend(backend)
+    if backend != "reference":
+        from .runtime.device import get_device
+
+        get_device(backend)
+
+
+# ------------------------------------------------------------------------- info
+
+
 def cmd_info(args) -> int:
     from .runtime.device import get_device
 
-    try:
-        dev = get_device(args.backend)
-    except Exception as e:  # noqa: BLE001 - report any adapter failure plainly
-        print(f"no usable WebGPU adapter: {e}", file=sys.stderr)
-        return 1
+    _check_env_backend(args.backend)
+    dev = get_device(args.backend)
     print(json.dumps(dev.describe(), indent=2, default=str))
     return 0
 
 
-def _accuracy(sess_infer, params, x, y) -> float:
-    sess_infer.set_params(params)
-    logits = sess_infer.run(x=x)["logits"]
-    return float((logits.argmax(-1) == y).mean())
+# ------------------------------------------------------------------------- train
 
 
-def cmd_train(args) -> int:
-    from tqdm import tqdm
+class _StopOnSignal:
+    """SIGINT/SIGTERM while training: remember the signal so the loop stops after the current
+    step and saves a checkpoint; a second signal aborts at once (the last epoch's checkpoint
+    stays intact, saves being atomic).  Handlers are restored on exit."""
 
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self) -> _StopOnSignal:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except (ValueError, OSError):  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+class _Run:
+    """Progress of a training run: completed epochs, batches done in the next epoch, the loss
+    of every step; stored in the checkpoint's metadata so ``--resume`` continues exactly."""
+
+    def __init__(self, args):
+        self.config = {k: getattr(args, k) for k in CKPT_KEYS}
+        self.epoch, self.batch, self.losses = 0, 0, []
+
+    def metadata(self) -> dict[str, str]:
+        return {"cli.config": json.dumps(self.config), "cli.epoch": str(self.epoch),
+                "cli.batch": str(self.batch),
+                "cli.losses": json.dumps(self.losses)}
+
+    def restore(self, meta: dict[str, str], path: str) -> None:
+        """Take over a checkpoint's progress; refuse one from a run with other settings."""
+        try:
+            config = json.loads(meta["cli.config"])
+            epoch, batch = int(meta["cli.epoch"]), int(meta["cli.batch"])
+            losses = [float(x) for x in json.loads(meta["cli.losses"])]
+        except (KeyError, ValueError, TypeError):
+            raise CLIError(f"--resume: {path!r} was not written by 'meganeura train'") from None
+        diff = [f"--{k.replace('_', '-')} {config.get(k)!r}" for k in CKPT_KEYS
+                if config.get(k) != self.config[k]]
+        if diff:
+            raise CLIError(f"--resume: {path!r} comes from a run with " + ", ".join(diff)
+                           + "; pass the same options or another --out")
+        if not (0 <= epoch <= self.config["epochs"] and batch >= 0):
+            raise CLIError(f"--resume: {path!r} has bad progress (epoch {epoch})")
+        self.epoch, self.batch, self.losses = epoch, batch, losses
+
+
+def _save(sess, path: str, run: _Run) -> None:
+    from .checkpoint import save_checkpoint
+
+    save_checkpoint(path, sess.get_state(), sess.program.model_fingerprint, sess.step_count,
+                    extra=run.metadata())
+
+
+def _compile(args, total: int, n_test: int):
     from . import compile
-    from .io.datasets import batches, load_digits
 
-    xtr, ytr = load_digits("train")
-    xte, yte = load_digits("test")
-    steps_per_epoch = len(xtr) // args.batch_size
-    total = steps_per_epoch * args.epochs
-    m = _model(args.model, args.batch_size)
-    backend = args.backend
     t0 = time.perf_counter()
+    m = _model(args.model, args.batch_size)
     sess = compile(m.graph, loss=m.loss, outputs={"logits": m.logits},
-                   optimizer=_optimizer(args, total), precision=args.precision, backend=backend)
-    me = _model(args.model, len(xte))
+                   optimizer=_optimizer(args, total), precision=args.precision,
+                   backend=args.backend)
+    me = _model(args.model, n_test)
     evals = compile(me.graph, outputs={"logits": me.logits}, precision=args.precision,
-                    backend=backend)
-    compile_s = time.perf_counter() - t0
+                    backend=args.backend)
     sess.init_params(args.seed)
     dev = getattr(sess, "dev", None)
     where = dev.describe().get("adapter", "?") if dev else "numpy reference"
     print(f"model {args.model}: {sum(p.size for p in m.graph.params.values())} parameters; "
-          f"device: {where}; compile {compile_s:.2f} s")
+          f"device: {where}; compile {time.perf_counter() - t0:.2f} s")
     if args.precision == "fast" and hasattr(sess, "kernel_variants"):
         kinds = sess.kernel_variants()["train"]
         n_tc = sum(n for k, n in kinds.items() if k.startswith("sgmat"))
         print(f"precision fast: {n_tc} matmuls of the training step on tensor cores"
               if n_tc else "precision fast: this device has no f16 subgroup matrices, so the "
               "program is the strict one (try --backend dawn on an NVIDIA GPU)")
-    losses = []
-    bar = tqdm(total=total, desc="train", unit="step", disable=args.quiet)
-    step = 0
-    for epoch in range(args.epochs):
-        pending = []
-        for xb, yb in batches(xtr, ytr, args.batch_size, shuffle=True, seed=args.seed + epoch,
-                              drop_last=True):
-            pending.append(sess.step(x=xb, y=yb))
-            step += 1
-            bar.update(1)
-        for r in pending:  # read losses once per epoch: no GPU sync inside the loop
-            losses.append(r.loss)
-        bar.set_postfix(epoch=epoch + 1, loss=f"{np.mean(losses[-steps_per_epoch:]):.4f}")
-    bar.close()
-    acc = _accuracy(evals, sess.get_params(), xte, yte)
-    train_s = time.perf_counter() - t0 - compile_s
-    print(f"final loss {np.mean(losses[-steps_per_epoch:]):.4f}; test accuracy {acc * 100:.2f}% "
-          f"({len(xte)} images); {step} steps in {train_s:.1f} s")
-    os.makedirs(args.out, exist_ok=True)
+    return sess, evals
+
+
+def _resume(sess, ckpt: str, run: _Run) -> None:
+    from .checkpoint import read_metadata
+
+    if not os.path.exists(ckpt):
+        raise CLIError(f"--resume: no checkpoint {ckpt!r} to resume from (run without "
+                       "--resume first, or point --out at the run's directory)")
+    run.restore(read_metadata(ckpt), ckpt)
+    sess.load(ckpt)
+    print(f"resuming from {ckpt}: epoch {run.epoch}/{run.config['epochs']}, "
+          f"step {sess.step_count}")
+
+
+def _train_epochs(sess, data, args, run: _Run, ckpt: str, stop: _StopOnSignal) -> bool:
+    """Train from ``run``'s position to the last epoch, saving after every epoch; False when a
+    signal stopped it (after saving the position reached)."""
+    from tqdm import tqdm
+
+    from .io.datasets import batches
+
+    xtr, ytr = data
+    per_epoch = len(xtr) // args.batch_size
+    bar = tqdm(total=per_epoch * args.epochs, initial=run.epoch * per_epoch + run.batch,
+               desc="train", unit="step", disable=args.quiet)
+    try:
+        while run.epoch < args.epochs:
+            pending = []
+            for i, (xb, yb) in enumerate(batches(xtr, ytr, args.batch_size, shuffle=True,
+                                                 seed=args.seed + run.epoch, drop_last=True)):
+                if i < run.batch:  # done before the interruption this resumes
+                    continue
+                pending.append(sess.step(x=xb, y=yb))
+                bar.update(1)
+                if stop.signum is not None:
+                    break
+            run.losses += [r.loss for r in pending]  # one GPU sync per epoch
+            run.batch += len(pending)
+            if run.batch >= per_epoch:
+                run.epoch, run.batch = run.epoch + 1, 0
+                bar.set_postfix(epoch=run.epoch, loss=f"{np.mean(run.losses[-per_epoch:]):.4f}")
+            _save(sess, ckpt, run)
+            if stop.signum is not None:
+                return False
+    finally:
+        bar.close()
+    return True
+
+
+def cmd_train(args) -> int:
+    from .io.datasets import load_digits
+
+    _prepare_out(args.out)
+    _open_backend(args.backend)
+    xtr, ytr = load_digits("train")
+    xte, yte = load_digits("test")
+    _check_batch(args.batch_size, len(xtr))
+    per_epoch = len(xtr) // args.batch_size
+    sess, evals = _compile(args, per_epoch * args.epochs, len(xte))
     ckpt = os.path.join(args.out, f"{args.model}.safetensors")
-    sess.save(ckpt)
+    run = _Run(args)
+    if args.resume:
+        _resume(sess, ckpt, run)
+    t0, step0 = time.perf_counter(), sess.step_count
+    with _StopOnSignal() as stop:
+        finished = _train_epochs(sess, (xtr, ytr), args, run, ckpt, stop)
+    if not finished:
+        name = signal.Signals(stop.signum).name
+        print(f"meganeura: {name} at epoch {run.epoch}/{args.epochs} (step {sess.step_count}); "
+              f"saved {ckpt}; continue with --resume", file=sys.stderr)
+        return 128 + stop.signum
+    evals.set_params(sess.get_params())
+    acc = float((evals.run(x=xte)["logits"].argmax(-1) == yte).mean())
+    print(f"final loss {np.mean(run.losses[-per_epoch:]):.4f}; test accuracy {acc * 100:.2f}% "
+          f"({len(xte)} images); {sess.step_count - step0} steps in "
+          f"{time.perf_counter() - t0:.1f} s")
     png = os.path.join(args.out, f"{args.model}-loss.png")
-    _plot(losses, png, f"{args.model} on digits — test accuracy {acc * 100:.1f}%")
+    _plot(run.losses, png, f"{args.model} on digits — test accuracy {acc * 100:.1f}%")
     print(f"saved {ckpt} and {png}")
-    return 0 if acc >= args.min_accuracy else 3
+    if acc < args.min_accuracy:
+        print(f"meganeura: test accuracy {acc:.4f} ({acc * 100:.2f}%) is below --min-accuracy "
+              f"{args.min_accuracy:g}", file=sys.stderr)
+        return 3
+    return 0
 
 
 def _plot(losses, path, title):
@@ -125,17 +375,19 @@ def _plot(losses, path, title):
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------- profile
+
+
 def cmd_profile(args) -> int:
     from . import compile
     from .io.datasets import load_digits
 
+    _open_backend(args.backend)
     xtr, ytr = load_digits("train")
+    _check_batch(args.batch_size, len(xtr))
     m = _model(args.model, args.batch_size)
     sess = compile(m.graph, loss=m.loss, optimizer=_optimizer(args, 100), backend=args.backend)
     xb, yb = xtr[: args.batch_size], ytr[: args.batch_size]
-    if not hasattr(sess, "profile"):
-        print("profiling needs a GPU backend", file=sys.stderr)
-        return 1
     table = sess.profile(steps=args.steps, x=xb, y=yb.astype(np.int32))
     print(table)
     if args.trace:
@@ -144,37 +396,89 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="meganeura", description=__doc__)
-    sub = p.add_subparsers(dest="cmd")
-    pi = sub.add_parser("info", help="WebGPU implementations, adapter, features and limits")
-    pi.add_argument("--backend", default=None, help="wgpu | dawn | auto")
-    pt = sub.add_parser("train", help="train a model on the embedded digits dataset")
-    pt.add_argument("--model", default="mlp", help="mlp (default) or cnn")
-    pt.add_argument("--epochs", type=int, default=20)
-    pt.add_argument("--batch-size", type=int, default=64)
-    pt.add_argument("--lr", type=float, default=3e-3)
-    pt.add_argument("--weight-decay", type=float, default=0.01)
-    pt.add_argument("--seed", type=int, default=0)
-    pt.add_argument("--backend", default=None, help="wgpu (default) | dawn | auto | reference")
-    pt.add_argument("--precision", default="strict", choices=["strict", "fast"])
-    pt.add_argument("--out", default="runs", help="directory for checkpoint and loss plot")
-    pt.add_argument("--min-accuracy", type=float, default=0.0,
-                    help="exit with status 3 if the test accuracy is below this fraction")
-    pt.add_argument("--quiet", action="store_true")
-    pp = sub.add_parser("profile", help="per-kernel GPU times of a training step")
-    pp.add_argument("--model", default="mlp")
-    pp.add_argument("--batch-size", type=int, default=64)
-    pp.add_argument("--steps", type=int, default=10)
-    pp.add_argument("--lr", type=float, default=3e-3)
-    pp.add_argument("--weight-decay", type=float, default=0.01)
-    pp.add_argument("--backend", default=None)
+# ------------------------------------------------------------------------- main
+
+
+def _plain(doc: str) -> str:
+    """A docstring without reST markup, for ``--help``."""
+    return re.sub(r"``(.*?)``", r"\1", doc, flags=re.S)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each option (not the uninformative None/False of flags and of
+    options whose help says what happens without them); descriptions keep their paragraphs."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="mlp", choices=["mlp", "cnn"], help="model to train")
+    p.add_argument("--batch-size", type=_positive_int, default=64, help="examples per step")
+    p.add_argument("--lr", type=_float_at_least(0.0, False), default=3e-3,
+                   help="peak learning rate (warm-up, then cosine decay)")
+    p.add_argument("--weight-decay", type=_float_at_least(0.0, True), default=0.01,
+                   help="AdamW weight decay")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = _Parser(prog="meganeura", description=_plain(__doc__), formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="cmd", parser_class=_Parser)
+    pi = sub.add_parser("info", help="WebGPU implementations, adapter, features and limits",
+                        formatter_class=_HelpFormatter)
+    pi.add_argument("--backend", type=_backend(False), default=None,
+                    help="wgpu | dawn | auto (default: $MEGANEURA_WEBGPU, else wgpu)")
+    pt = sub.add_parser("train", help="train a model on the embedded digits dataset",
+                        formatter_class=_HelpFormatter)
+    _add_common(pt)
+    pt.add_argument("--epochs", type=_positive_int, default=20, help="passes over the data")
+    pt.add_argument("--seed", type=_int_at_least(0), default=0,
+                    help="initialisation and shuffling seed")
+    pt.add_argument("--backend", type=_backend(True), default=None,
+                    help="wgpu | dawn | auto | reference (default: $MEGANEURA_WEBGPU, else wgpu)")
+    pt.add_argument("--precision", default="strict", choices=["strict", "fast"],
+                    help="fast: f16 tensor-core matmuls where the device has them")
+    pt.add_argument("--out", default="runs",
+                    help="directory for the checkpoint (saved every epoch) and loss plot")
+    pt.add_argument("--resume", action="store_true",
+                    help="continue the run whose checkpoint is in --out")
+    pt.add_argument("--min-accuracy", type=_fraction, default=0.0,
+                    help="exit with status 3 if the test accuracy is below this fraction (0-1)")
+    pt.add_argument("--quiet", action="store_true", help="no progress bar")
+    pp = sub.add_parser("profile", help="per-kernel GPU times of a training step",
+                        formatter_class=_HelpFormatter)
+    _add_common(pp)
+    pp.add_argument("--steps", type=_positive_int, default=10, help="training steps to time")
+    pp.add_argument("--backend", type=_backend(False), default=None,
+                    help="wgpu | dawn | auto (default: $MEGANEURA_WEBGPU, else wgpu)")
     pp.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the command line; every failure is one ``meganeura: error:`` line and an exit
+    status (see the module docstring), not a traceback."""
+    p = _parser()
     args = p.parse_args(argv)
     if args.cmd is None:
         p.print_help()
         return 2
-    return {"info": cmd_info, "train": cmd_train, "profile": cmd_profile}[args.cmd](args)
+    try:
+        return {"info": cmd_info, "train": cmd_train, "profile": cmd_profile}[args.cmd](args)
+    except CLIError as e:
+        print(f"meganeura: error: {e}", file=sys.stderr)
+        return 2
+    except (MeganeuraError, OSError) as e:
+        print(f"meganeura: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("meganeura: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

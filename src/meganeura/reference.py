@@ -102,7 +102,10 @@ class ReferenceSession(Session):
         return {n: self.env[n].astype(pers[n].dtype.np) for n in names}
 
     def _write(self, values):
+        # reshape to the declared shape: callers may hand rank-0 states (``optim.step``) in as
+        # shape (1,) (np.ascontiguousarray promotes rank 0 to 1-D), which the interpreter
+        # would then refuse at the next step as an internal shape mismatch
         pers = self.program.persistent
         for n, v in values.items():
             want = self.dtype if pers[n].dtype.is_float else pers[n].dtype.np
-            self.env[n] = np.array(v, dtype=want)
+            self.env[n] = np.array(v, dtype=want).reshape(pers[n].shape)

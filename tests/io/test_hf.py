@@ -3,6 +3,7 @@ parameters — f32/f16/bf16, single file or sharded — and the error cases."""
 
 import json
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -189,3 +190,71 @@ def test_reader_agrees_with_safetensors_numpy(tmp_path):
     assert set(hf.read_safetensors(tmp_path / "x.safetensors", ["a"])) == {"a"}
     with pytest.raises(hf.HFCheckpointError, match="not in the file"):
         hf.read_safetensors(tmp_path / "x.safetensors", ["zz"])
+
+
+def _raw_safetensors(path, header: bytes, data: bytes = b"\0" * 64):
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+@pytest.mark.parametrize("header", [
+    b"[" * 100_000 + b"]" * 100_000,  # once a RecursionError
+    b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+    b'{"x": {"dtype": "F32", "shape": [1' + b"0" * 5000 + b'], "data_offsets": [0, 4]}}',
+    b'{"x": {"dtype": "F32", "shape": ["a"], "data_offsets": [0, 4]}}',
+    b'{"x": {"dtype": "F32", "shape": [-1, -4], "data_offsets": [0, 16]}}',
+    b'{"x": {"dtype": "F32", "shape": [true], "data_offsets": [0, 4]}}',
+    b'{"x": {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]}}',
+    b'{"x": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}',
+    b'{"x": {"dtype": "F32", "shape": [1099511627776, 1099511627776], "data_offsets": [0, 4]}}',
+], ids=["deep-list", "deep-dict", "huge-int", "str-dim", "negative-dims", "bool-dim",
+        "str-offsets", "list-dtype", "overflowing-shape"])
+def test_malformed_headers_are_checkpoint_errors(tmp_path, header):
+    path = _raw_safetensors(tmp_path / "m.safetensors", header)
+    with pytest.raises(hf.HFCheckpointError, match="m.safetensors"):
+        hf.read_safetensors(path)
+
+
+def test_deeply_nested_config_or_index_is_a_checkpoint_error(tmp_path):
+    (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(hf.HFCheckpointError, match="config.json: invalid JSON"):
+        hf.read_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_llama().to_hf()))
+    (tmp_path / hf.INDEX).write_text('{"weight_map":' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(hf.HFCheckpointError, match="invalid JSON"):
+        hf.read_folder(tmp_path)
+    (tmp_path / hf.INDEX).write_text(json.dumps({"weight_map": {"a": ["x.safetensors"]}}))
+    with pytest.raises(hf.HFCheckpointError, match="is not a file name"):
+        hf.read_folder(tmp_path)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "sub/../../outside.safetensors",
+                                   "/abs/outside.safetensors", "..", "", "."])
+def test_index_shards_outside_the_folder_are_refused(tmp_path, shard):
+    """An index must not make the reader open files outside the model folder, even existing
+    ones holding the right tensor names."""
+    hf.write_safetensors(tmp_path / "outside.safetensors", {"model.norm.weight": np.ones(4)})
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(tiny_llama().to_hf()))
+    if shard.startswith("/abs/"):
+        shard = str(tmp_path / "outside.safetensors")
+    (folder / hf.INDEX).write_text(json.dumps({"weight_map": {"model.norm.weight": shard}}))
+    with pytest.raises(hf.HFCheckpointError, match="outside the model folder"):
+        hf.read_folder(folder)
+
+
+def test_index_shards_in_subfolders_and_symlinked_blobs_still_load(tmp_path):
+    """Relative names inside the folder stay valid, and so do shards that are symlinks into a
+    blob store elsewhere (the layout of the HF hub cache)."""
+    blobs, folder = tmp_path / "blobs", tmp_path / "snap"
+    blobs.mkdir()
+    (folder / "sub").mkdir(parents=True)
+    hf.write_safetensors(blobs / "abc", {"a": np.ones(3, np.float32)})
+    hf.write_safetensors(folder / "sub" / "b.safetensors", {"b": np.zeros(2, np.float32)})
+    os.symlink(blobs / "abc", folder / "a.safetensors")
+    (folder / "config.json").write_text("{}")
+    (folder / hf.INDEX).write_text(json.dumps(
+        {"weight_map": {"a": "a.safetensors", "b": "./sub/b.safetensors"}}))
+    _, tensors = hf.read_folder(folder)
+    assert sorted(tensors) == ["a", "b"]

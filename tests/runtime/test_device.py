@@ -156,6 +156,58 @@ def test_pipeline_cache_and_dispatch(dev):
         dev.dispatch(spec, [buf, buf])
 
 
+def test_pipeline_cache_is_a_bounded_lru(dev, monkeypatch):
+    """The cache keeps at most ``pipeline_cache_size`` pipelines, evicting the least recently
+    used; an evicted pipeline nobody holds is freed (it once grew forever)."""
+    import gc
+    import weakref
+    from collections import OrderedDict
+
+    monkeypatch.setattr(dev, "_pipelines", OrderedDict())
+    monkeypatch.setattr(dev, "pipeline_cache_size", 3)
+    specs = [_spec(SRC.replace("VAL", f"{i}.0")) for i in range(5)]
+    first = [dev.pipeline(s) for s in specs[:3]]
+    assert dev.pipeline(specs[0]) is first[0]  # a hit makes specs[0] the most recent
+    dev.pipeline(specs[3])  # evicts specs[1], the least recently used
+    assert [k[0] for k in dev._pipelines] == [specs[i].wgsl for i in (2, 0, 3)]
+    gone = weakref.ref(first[1])
+    del first
+    gc.collect()
+    assert gone() is None
+    dev.pipeline(specs[4])
+    assert len(dev._pipelines) == 3
+    # budget 0: nothing is cached, pipelines still work
+    monkeypatch.setattr(dev, "pipeline_cache_size", 0)
+    assert dev.pipeline(specs[1]) is not None and len(dev._pipelines) == 0
+
+
+def test_pipeline_cache_budget_from_the_environment(monkeypatch):
+    monkeypatch.delenv("MEGANEURA_PIPELINE_CACHE", raising=False)
+    assert devmod.pipeline_cache_budget() == devmod.DEFAULT_PIPELINE_CACHE
+    monkeypatch.setenv("MEGANEURA_PIPELINE_CACHE", " 7 ")
+    assert devmod.pipeline_cache_budget() == 7
+    for bad in ("-1", "lots", "1.5"):
+        monkeypatch.setenv("MEGANEURA_PIPELINE_CACHE", bad)
+        with pytest.raises(DeviceError, match="MEGANEURA_PIPELINE_CACHE"):
+            devmod.pipeline_cache_budget()
+
+
+def test_sessions_share_cached_pipelines(dev):
+    """Two sessions of the same graph get the very same pipeline objects from the cache."""
+    import meganeura as mn
+    from meganeura import optim
+    from meganeura.models.mlp import mlp_classifier
+
+    m = mlp_classifier(8, in_dim=12, hidden=(16,), classes=5)
+
+    def pipelines():
+        s = mn.compile(m.graph, loss=m.loss, optimizer=optim.SGD(lr=0.1), device=dev)
+        return [op[1] for op in s.train.ops if op[0] == "dispatch"]
+
+    a, b = pipelines(), pipelines()
+    assert a and all(p is q for p, q in zip(a, b, strict=True))
+
+
 def test_compile_error_message(dev):
     bad = _spec(SRC.replace("VAL", "undefined_thing"))
     with pytest.raises(DeviceError) as e:

@@ -175,3 +175,41 @@ def test_lazy_results_survive_later_steps_and_readback_buffers_are_reused(gpu):
     assert len(pool) == 3
     assert np.isfinite(s.step(**dict(zip("xy", _data(3)))).loss)
     assert len(pool) == 3  # the next step took a pooled buffer and gave it back
+
+
+_OPTIMIZERS = {
+    "sgd": lambda: optim.SGD(lr=0.05),
+    "sgd-momentum": lambda: optim.SGD(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+    "sgd-nesterov": lambda: optim.SGD(lr=optim.StepLR(0.05, 2), momentum=0.9, nesterov=True),
+    "adam": lambda: optim.Adam(lr=1e-2),
+    "adamw": lambda: optim.AdamW(lr=optim.WarmupCosine(1e-2, 2, 20), weight_decay=0.1,
+                                 clip_grad_norm=1.0),
+}
+
+
+@pytest.mark.parametrize("opt", sorted(_OPTIMIZERS))
+def test_get_state_set_params_round_trip_keeps_scalar_states(backend, opt, tmp_path):
+    """set_params(get_state()) must leave a session able to step, save and load: scalar states
+    (``optim.step``) once came back as shape (1,) on the reference backend."""
+    s = _session(backend, opt=_OPTIMIZERS[opt]())
+    twin = _session(backend, opt=_OPTIMIZERS[opt]())
+    for i in range(2):
+        s.step(**dict(zip("xy", _data(i))))
+        twin.step(**dict(zip("xy", _data(i))))
+    state = s.get_state()
+    assert state["optim.step"].shape == ()
+    s.set_params(state)
+    assert {k: v.shape for k, v in s.get_state().items()} == {k: v.shape
+                                                              for k, v in state.items()}
+    s.save(tmp_path / "direct.safetensors")  # a checkpoint load() accepts, right away
+    _session(backend, opt=_OPTIMIZERS[opt]()).load(tmp_path / "direct.safetensors")
+    loss = s.step(**dict(zip("xy", _data(2)))).loss
+    assert loss == pytest.approx(twin.step(**dict(zip("xy", _data(2)))).loss, rel=1e-6)
+    path = tmp_path / "ck.safetensors"
+    s.save(path)
+    again = _session(backend, opt=_OPTIMIZERS[opt]())
+    again.load(path)
+    for k, v in s.get_state().items():
+        np.testing.assert_array_equal(again.get_state()[k], v, err_msg=k)
+    assert again.step(**dict(zip("xy", _data(3)))).loss == pytest.approx(
+        s.step(**dict(zip("xy", _data(3)))).loss, rel=1e-6)

@@ -18,6 +18,7 @@ constant of our graph) is checked against our sinusoid table instead of loaded.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -78,11 +79,39 @@ def _header(path: str) -> tuple[dict, int, int]:
             header = json.loads(f.read(n))
     except OSError as e:
         raise HFCheckpointError(f"cannot read {path}: {e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFCheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError covers JSONDecodeError and integers too long to parse; RecursionError a
+        # header nested thousands of levels deep — all corrupt (or hostile) files
+        raise HFCheckpointError(f"{path}: corrupt safetensors header "
+                                f"({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(header, dict):
         raise HFCheckpointError(f"{path}: corrupt safetensors header")
     return header, 8 + n, size
+
+
+def _entry(path: str, name: str, info) -> tuple[str, np.dtype, tuple[int, ...], int, int]:
+    """(dtype tag, numpy dtype, shape, start, end) of one header entry, checked to be the
+    types the format prescribes, so a malformed header is a clear HFCheckpointError rather
+    than a TypeError deep in numpy."""
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    try:
+        dt, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    except (KeyError, TypeError):
+        raise HFCheckpointError(f"{path}: bad header entry for {name!r}") from None
+    if (not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape)
+            or not isinstance(offsets, list) or len(offsets) != 2
+            or not all(is_int(o) for o in offsets)):
+        raise HFCheckpointError(f"{path}: bad header entry for {name!r} (shape {shape!r}, "
+                                f"data_offsets {offsets!r})")
+    if dt == "BF16":
+        np_dt = np.dtype(np.uint16)
+    elif isinstance(dt, str) and dt in _DTYPES:
+        np_dt = np.dtype(_DTYPES[dt])
+    else:
+        raise HFCheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dt!r}")
+    return dt, np_dt, tuple(shape), offsets[0], offsets[1]
 
 
 def read_safetensors(path, names: Iterable[str] | None = None,
@@ -102,17 +131,8 @@ def read_safetensors(path, names: Iterable[str] | None = None,
         for name, info in header.items():
             if name == "__metadata__" or (want is not None and name not in want):
                 continue
-            try:
-                dt, shape, (a, b) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise HFCheckpointError(f"{path}: bad header entry for {name!r}") from None
-            if dt == "BF16":
-                np_dt = np.dtype(np.uint16)
-            elif dt in _DTYPES:
-                np_dt = np.dtype(_DTYPES[dt])
-            else:
-                raise HFCheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dt}")
-            count = int(np.prod(shape, dtype=np.int64))
+            dt, np_dt, shape, a, b = _entry(path, name, info)
+            count = math.prod(shape)
             if b - a != count * np_dt.itemsize or a < 0 or start + b > size:
                 raise HFCheckpointError(f"{path}: tensor {name!r} ({dt}{list(shape)}) has bad "
                                         f"data offsets [{a}, {b}) (file of {size} bytes)")
@@ -162,40 +182,72 @@ def write_safetensors(path, tensors: Mapping[str, np.ndarray], dtype: str = "f32
 # ------------------------------------------------------------------------------ folders
 
 
+def _read_json(path: str, missing: str):
+    """A JSON file's content; HFCheckpointError (``missing`` when absent) on any failure,
+    including documents nested deeply enough to exhaust Python's recursion limit."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise HFCheckpointError(missing) from None
+    except OSError as e:
+        raise HFCheckpointError(f"cannot read {path}: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise HFCheckpointError(f"{path}: invalid JSON ({type(e).__name__}: "
+                                f"{str(e)[:200]})") from None
+
+
 def read_folder(folder) -> tuple[dict, dict[str, np.ndarray]]:
     """(config dict, tensors) of an HF folder; ``model.safetensors`` or the sharded index."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise HFCheckpointError(f"{folder}: not a directory")
     cfg_path = os.path.join(folder, "config.json")
-    try:
-        with open(cfg_path) as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise HFCheckpointError(f"{folder}: no config.json") from None
-    except json.JSONDecodeError as e:
-        raise HFCheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
+    config = _read_json(cfg_path, f"{folder}: no config.json")
+    if not isinstance(config, dict):
+        raise HFCheckpointError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
     single, index = os.path.join(folder, SINGLE), os.path.join(folder, INDEX)
     if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise HFCheckpointError(f"{index}: invalid index ({e!r})") from None
-        by_file: dict[str, list[str]] = {}
-        for name, fn in weight_map.items():
-            by_file.setdefault(fn, []).append(name)
-        tensors: dict[str, np.ndarray] = {}
-        for fn, names in sorted(by_file.items()):
-            path = os.path.join(folder, fn)
-            if not os.path.exists(path):
-                raise HFCheckpointError(f"{index}: shard {fn!r} (holding {sorted(names)[:3]}…) "
-                                        "is missing")
-            tensors.update(read_safetensors(path, names))
-        return config, tensors
+        return config, _read_shards(folder, index)
     if os.path.exists(single):
         return config, read_safetensors(single)
     raise HFCheckpointError(f"{folder}: neither {SINGLE} nor {INDEX} found")
+
+
+def _read_shards(folder: str, index: str) -> dict[str, np.ndarray]:
+    """The tensors of a sharded checkpoint, each shard read once for the names it holds."""
+    doc = _read_json(index, f"{index}: missing")
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise HFCheckpointError(f"{index}: invalid index (no \"weight_map\" object)")
+    by_file: dict[str, list[str]] = {}
+    for name, fn in weight_map.items():
+        if not isinstance(fn, str):
+            raise HFCheckpointError(f"{index}: shard name {fn!r} of tensor {name!r} is not a "
+                                    "file name")
+        by_file.setdefault(fn, []).append(name)
+    tensors: dict[str, np.ndarray] = {}
+    for fn, names in sorted(by_file.items()):
+        path = _shard_path(folder, index, fn, names)
+        if not os.path.exists(path):
+            raise HFCheckpointError(f"{index}: shard {fn!r} (holding {sorted(names)[:3]}…) "
+                                    "is missing")
+        tensors.update(read_safetensors(path, names))
+    return tensors
+
+
+def _shard_path(folder: str, index: str, fn: str, names: list[str]) -> str:
+    """The path of shard ``fn`` named by an index file, refused unless it is a plain relative
+    name inside ``folder``: an index must not make us read ``/etc/passwd`` or ``../other``.
+    Checked lexically, not with realpath: HF's cache folders hold symlinks into a blob store
+    outside the snapshot folder, and those are legitimate."""
+    norm = os.path.normpath(fn)
+    if (os.path.isabs(fn) or os.path.splitdrive(fn)[0] or norm == os.curdir
+            or norm.split(os.sep)[0] == os.pardir or "\0" in fn):
+        raise HFCheckpointError(f"{index}: shard {fn!r} (holding {sorted(names)[:3]}…) points "
+                                f"outside the model folder {folder!r}; shard names must be "
+                                "relative paths inside it")
+    return os.path.join(folder, norm)
 
 
 def map_params(tensors: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]],

@@ -14,14 +14,19 @@ that says what was found and how to get a Vulkan driver.
 The device is requested with the adapter's real limits (storage binding size, workgroup storage,
 storage buffers per stage …) and the features the compiler uses when the adapter has them
 (``shader-f16``, ``subgroup``, ``timestamp-query`` …).  ``Device.pipeline(spec)`` compiles a
-``codegen.ir.KernelSpec`` once per process (cached by WGSL source and entry point) against an
-explicit bind-group layout in which every binding is ``storage`` (read_write).
+``codegen.ir.KernelSpec`` against an explicit bind-group layout in which every binding is
+``storage`` (read_write).  Compiled pipelines are cached by WGSL source and entry point in a
+least-recently-used cache of ``$MEGANEURA_PIPELINE_CACHE`` entries (default 256): sessions with
+the same kernels share pipeline objects while they are cached, and a process compiling many
+different graphs does not keep every pipeline it ever built (a session holds its own pipelines,
+so eviction never affects a live session).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +38,8 @@ from ..kernels.matmul import SG_FEATURE
 
 IMPLEMENTATIONS = ("wgpu", "dawn", "auto")
 ENV_VAR = "MEGANEURA_WEBGPU"
+PIPELINE_CACHE_VAR = "MEGANEURA_PIPELINE_CACHE"
+DEFAULT_PIPELINE_CACHE = 256  # entries; SmolLM2 training needs ~51 distinct pipelines
 
 # Backends we accept; everything else (OpenGL, D3D11, Null, WebGPU-in-browser) is refused.
 _GOOD_BACKENDS = {"vulkan", "metal", "d3d12", "dx12"}
@@ -94,6 +101,23 @@ def _norm_key(name: str) -> str:
     return name.replace("-", "_")
 
 
+def pipeline_cache_budget() -> int:
+    """How many compiled pipelines a device keeps cached: ``$MEGANEURA_PIPELINE_CACHE`` (an
+    int >= 0; 0 disables sharing between sessions), default ``DEFAULT_PIPELINE_CACHE``.  Each
+    pipeline holds driver memory (compiled shader code), hence a bound."""
+    raw = os.environ.get(PIPELINE_CACHE_VAR, "").strip()
+    if not raw:
+        return DEFAULT_PIPELINE_CACHE
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise DeviceError(f"${PIPELINE_CACHE_VAR} must be a whole number of pipelines >= 0, "
+                          f"got {raw!r}")
+    return n
+
+
 @dataclass(eq=False)
 class Device:
     """An opened WebGPU device and what the compiler needs to know about it."""
@@ -109,7 +133,8 @@ class Device:
     features: frozenset
     limits: dict
     module: Any = field(default=None, repr=False)  # the wgpu / wgpudawn module
-    _pipelines: dict = field(default_factory=dict, repr=False)
+    _pipelines: OrderedDict = field(default_factory=OrderedDict, repr=False)  # LRU first
+    pipeline_cache_size: int = field(default_factory=pipeline_cache_budget, repr=False)
     _layouts: dict = field(default_factory=dict, repr=False)
     _lock: Any = field(default_factory=threading.Lock, repr=False)
 
@@ -176,12 +201,15 @@ class Device:
             return self._layouts[n_bindings]
 
     def pipeline(self, spec):
-        """The compute pipeline of a ``KernelSpec`` (created once per WGSL source + entry)."""
+        """The compute pipeline of a ``KernelSpec``: the cached one for the same WGSL source +
+        entry when there is one (so sessions share pipelines), else a new one, which enters the
+        LRU cache (evicting the least recently used beyond ``pipeline_cache_size``)."""
         key = (spec.wgsl, spec.entry, spec.n_bindings)
         with self._lock:
             hit = self._pipelines.get(key)
-        if hit is not None:
-            return hit
+            if hit is not None:
+                self._pipelines.move_to_end(key)
+                return hit
         self.check_spec(spec)
         if "enable f16;" in spec.wgsl and not self.has_f16:
             raise DeviceError(
@@ -203,9 +231,19 @@ class Device:
                 f"WGSL of kernel {spec.name!r} failed to compile on {self.implementation} "
                 f"({self.adapter_name}):\n{msg}\n--- WGSL ---\n{_numbered(spec.wgsl)}"
             ) from e
+        return self._remember(key, pipe)
+
+    def _remember(self, key, pipe):
+        """Cache ``pipe`` as the most recently used entry (or return the one another thread
+        cached meanwhile) and trim the cache to its budget."""
         with self._lock:
-            self._pipelines.setdefault(key, pipe)
-            return self._pipelines[key]
+            pipe = self._pipelines.get(key, pipe)
+            if self.pipeline_cache_size > 0:
+                self._pipelines[key] = pipe
+                self._pipelines.move_to_end(key)
+            while len(self._pipelines) > self.pipeline_cache_size:
+                self._pipelines.popitem(last=False)
+            return pipe
 
     def check_spec(self, spec) -> None:
         """Raise ``LimitError`` when a spec's dispatch exceeds this device's limits."""

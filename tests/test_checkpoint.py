@@ -1,0 +1,167 @@
+"""checkpoint.py: atomic writes (temp file beside the target, fsync, rename), stale temp files,
+permissions, checksums, finiteness and step checks on load."""
+
+import json
+import os
+import stat
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from meganeura.checkpoint import FORMAT, load_checkpoint, read_checkpoint, save_checkpoint
+from meganeura.dtypes import f32
+from meganeura.errors import CheckpointError
+from meganeura.graph import TensorType
+
+TENSORS = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": np.float32(7.0)}
+EXPECTED = {"w": TensorType((3, 4), f32), "step": TensorType((), f32)}
+
+
+def _foreign(path, tensors, **meta):
+    """A checkpoint written without our writer (no checksums unless given): older files, or
+    files corrupted in ways our writer never produces."""
+    stored = {k: np.asarray(v).reshape(np.shape(v) or (1,)) for k, v in tensors.items()}
+    save_file(stored, str(path), metadata={"format": FORMAT, "fingerprint": "fp", "step": "3",
+                                           "scalars": "step", **meta})
+    return path
+
+
+def _data_offset(path, name):
+    """Absolute file offset of tensor ``name``'s first byte."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return 8 + n + json.loads(raw[8:8 + n])[name]["data_offsets"][0]
+
+
+def test_round_trip_with_extra_metadata(tmp_path):
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, TENSORS, "fp", 5, extra={"cli.epoch": "2"})
+    tensors, step = load_checkpoint(path, EXPECTED, "fp")
+    assert step == 5 and tensors["step"].shape == ()
+    np.testing.assert_array_equal(tensors["w"], TENSORS["w"])
+    assert read_checkpoint(path)[1]["cli.epoch"] == "2"
+    with pytest.raises(CheckpointError, match="reserved"):
+        save_checkpoint(path, TENSORS, "fp", 5, extra={"step": "9"})
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_tensors_are_refused_on_load_and_save(tmp_path, bad):
+    w = TENSORS["w"].copy()
+    w[1, 2] = bad
+    path = _foreign(tmp_path / "nan.safetensors", {"w": w, "step": TENSORS["step"]})
+    with pytest.raises(CheckpointError, match=r"non-finite tensors: 'w' \(1 of 12"):
+        load_checkpoint(path, EXPECTED, "fp")
+    good = tmp_path / "good.safetensors"
+    save_checkpoint(good, TENSORS, "fp", 1)
+    before = good.read_bytes()
+    with pytest.raises(CheckpointError, match="refusing to save .*'w'"):
+        save_checkpoint(good, {"w": w, "step": TENSORS["step"]}, "fp", 2)
+    assert good.read_bytes() == before  # a diverged run keeps the last good checkpoint
+
+
+def test_a_flipped_bit_in_tensor_data_is_detected(tmp_path):
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, TENSORS, "fp", 1)
+    raw = bytearray(path.read_bytes())
+    raw[_data_offset(path, "w") + 17] ^= 0x04  # a finite value, just a different one
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in tensors \['w'\]"):
+        load_checkpoint(path, EXPECTED, "fp")
+
+
+def test_checksum_table_must_cover_the_tensors_and_old_files_still_load(tmp_path):
+    old = _foreign(tmp_path / "old.safetensors", TENSORS)  # written before checksums
+    assert load_checkpoint(old, EXPECTED, "fp")[1] == 3
+    partial = _foreign(tmp_path / "p.safetensors", TENSORS, crc32=json.dumps({"w": "0"}))
+    with pytest.raises(CheckpointError, match=r"disagree on \['step'\]"):
+        load_checkpoint(partial, EXPECTED, "fp")
+    junk = _foreign(tmp_path / "j.safetensors", TENSORS, crc32="[not json")
+    with pytest.raises(CheckpointError, match="corrupt checksum table"):
+        load_checkpoint(junk, EXPECTED, "fp")
+
+
+@pytest.mark.parametrize("step", ["-3", "1e9", "3.5", "99999999999999999999", "", " +4"])
+def test_negative_or_absurd_steps_are_refused(tmp_path, step):
+    path = _foreign(tmp_path / "s.safetensors", TENSORS, step=step)
+    with pytest.raises(CheckpointError, match="bad step"):
+        load_checkpoint(path, EXPECTED, "fp")
+
+
+def test_saving_a_negative_step_is_refused(tmp_path):
+    for step in (-1, 2**60):
+        with pytest.raises(CheckpointError, match="bad step"):
+            save_checkpoint(tmp_path / "s.safetensors", TENSORS, "fp", step)
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_files_follow_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "ck.safetensors").st_mode) == 0o666 & ~umask
+
+
+def test_write_goes_through_a_fsynced_temp_file_in_the_target_directory(tmp_path, monkeypatch):
+    target = tmp_path / "sub" / "ck.safetensors"
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        assert "file" in synced  # data durable before the rename
+        renamed.append((os.fspath(src), os.fspath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    save_checkpoint(target, TENSORS, "fp", 1)
+    [(src, dst)] = renamed
+    assert os.path.dirname(src) == str(target.parent) and dst == str(target)
+    assert os.path.basename(src).startswith(".tmp-ck.safetensors-")
+    assert synced == ["file", "dir"]  # the file, then the directory holding the rename
+    assert os.listdir(target.parent) == ["ck.safetensors"]
+
+
+def test_temp_files_of_killed_saves_are_cleaned_up_by_the_next_save(tmp_path):
+    """A save SIGKILLed between write and rename leaves its temp file; the next save of the
+    same target removes it, but not temp files of other targets or of live writers."""
+    target = tmp_path / "ck.safetensors"
+    code = ("import os, signal, numpy as np\n"
+            "from meganeura.checkpoint import save_checkpoint\n"
+            "os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+            f"save_checkpoint({str(target)!r}, {{'w': np.ones(3, np.float32)}}, 'fp', 1)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert r.returncode == -9, r.stderr.decode()
+    [orphan] = os.listdir(tmp_path)
+    assert orphan.startswith(".tmp-ck.safetensors-")
+    own_stale = tmp_path / f".tmp-ck.safetensors-{os.getpid()}-deadbeef"
+    live = tmp_path / f".tmp-ck.safetensors-{os.getppid()}-0badf00d"
+    other = tmp_path / f".tmp-other.safetensors-{os.getppid() + 10**7}-00000000"
+    for p in (own_stale, live, other):
+        p.write_bytes(b"x")
+    save_checkpoint(target, TENSORS, "fp", 1)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ck.safetensors", live.name, other.name])
+
+
+def test_read_metadata_without_tensors(tmp_path):
+    from meganeura.checkpoint import read_metadata
+
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, TENSORS, "fp", 4, extra={"cli.epoch": "1"})
+    meta = read_metadata(path)
+    assert meta["cli.epoch"] == "1" and meta["step"] == "4" and meta["fingerprint"] == "fp"
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_metadata(tmp_path / "none.safetensors")
+    (tmp_path / "junk").write_bytes(b"junk" * 10)
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        read_metadata(tmp_path / "junk")
