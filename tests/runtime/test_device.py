@@ -202,7 +202,7 @@ def test_sessions_share_cached_pipelines(dev):
 
     def pipelines():
         s = mn.compile(m.graph, loss=m.loss, optimizer=optim.SGD(lr=0.1), device=dev)
-        return [op[1] for op in s.train.ops if op[0] == "dispatch"]
+        return [c.pipeline for c in s.train.commands if hasattr(c, "pipeline")]
 
     a, b = pipelines(), pipelines()
     assert a and all(p is q for p, q in zip(a, b, strict=True))
