@@ -34,7 +34,7 @@ from ..ops.lowering import Kernel, Matmul, Pointwise, Reduce, View
 from ..ops.lowering import resolve as _pointwise_expr
 from ..program import Program
 from .executable import Loc
-from .passes.fuse import materialized_values, takes_epilogue
+from .fusion import materialized_values, takes_epilogue
 
 _PROBE_LIMITS = {"max_storage_buffer_binding_size": 1 << 62, "max_buffer_size": 1 << 62}
 ALIGN = 256  # bytes; >= minStorageBufferOffsetAlignment on every adapter we know
