@@ -14,8 +14,8 @@ from plan_memory import H200_LIMITS  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 from meganeura import optim  # noqa: E402
+from meganeura.compile.memory import NO_GROUPS, PlannedCopy, find_leaf_groups, make_plan  # noqa: E402
 from meganeura.compile.passes import run_pipeline  # noqa: E402
-from meganeura.compile.schedule import NO_GROUPS, PlannedCopy, find_leaf_groups, make_plan  # noqa: E402
 from meganeura.program import build_program  # noqa: E402
 from meganeura.runtime.session import _emit, _share_bindings  # noqa: E402
 

@@ -217,7 +217,7 @@ def test_lm_attention_state_grows_linearly_with_sequence(gpu):
 def test_decode_updates_the_kv_cache_in_place(gpu):
     """A decode step writes only the new K/V rows into the cache states (no whole-cache copy
     kernel, no end-of-step copies); decoding still matches full recompute (test above)."""
-    from meganeura.compile.schedule import PlannedCopy
+    from meganeura.compile.memory import CopyOp as PlannedCopy
     from meganeura.init import init_leaves
 
     cfg = tiny_llama()
@@ -232,7 +232,7 @@ def test_training_plan_writes_gradients_into_the_optimizer_vector(gpu):
     """Every weight gradient — also those of the fused q/k/v and gate/up projections, which
     are split views of one product — is computed straight into the flat gradient vector
     (no concat copy of gradients), and parameters are updated in place (no copies)."""
-    from meganeura.compile.schedule import PlannedCopy
+    from meganeura.compile.memory import CopyOp as PlannedCopy
 
     # every parameter a multiple of 64 floats: 256-byte aligned slots, as in SmolLM2
     cfg = tiny_llama(hidden_size=64, head_dim=16, intermediate_size=128)
