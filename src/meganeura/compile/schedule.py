@@ -105,11 +105,7 @@ class _Views:
             return base, ir.Strided(v.dtype, v.shape, tuple(s.strides[p] for p in perm),
                                     s.offset, s.extent)
         if kind == "broadcast":
-            lead = len(v.shape) - len(s.shape)
-            strides = (0,) * lead + tuple(
-                0 if (d == 1 and v.shape[lead + i] != 1) else st
-                for i, (d, st) in enumerate(zip(s.shape, s.strides)))
-            return base, ir.Strided(v.dtype, v.shape, strides, s.offset, s.extent)
+            return base, broadcast_to(s, v.shape)
         if kind == "flip":  # a negative stride, starting at the far end
             axes = n.attrs["axes"]
             off = s.offset + sum((s.shape[a] - 1) * s.strides[a] for a in axes)
@@ -132,8 +128,6 @@ def broadcast_to(s: ir.Strided, shape) -> ir.Strided:
         0 if (d == 1 and shape[lead + i] != 1) else st
         for i, (d, st) in enumerate(zip(s.shape, s.strides)))
     return ir.Strided(s.dtype, tuple(shape), strides, s.offset, s.extent)
-
-
 
 
 def is_pointwise(node: Node) -> bool:
@@ -494,25 +488,10 @@ class _Planner:
         if len(kb.inputs) + 2 > MAX_BINDINGS:
             return False
         i_mm = kb.bases.index(mm)
-        batch = mm.shape[:-2]
-        extras, bases, remap = [], [], {}
-        for j, (b, s) in enumerate(zip(kb.bases, kb.inputs)):
-            if j == i_mm:
-                continue
-            if s.shape != mm.shape:  # the epilogue reads the matmul through a reshape
-                s = reshape_strided(s, mm.shape)
-                if s is None:
-                    return False
-            try:
-                bst = _merge_batch(tuple(batch), s.strides[:-2]) if batch else 0
-            except _Unmergeable:
-                return False
-            nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
-            remap[j] = ("x", len(extras))
-            extras.append(ir.Strided(s.dtype, (nb,) + s.shape[-2:], (bst,) + s.strides[-2:],
-                                     s.offset, s.extent))
-            bases.append(b)
-
+        operands = _matmul_epilogue_operands(kb, i_mm, mm.shape)
+        if operands is None:
+            return False
+        extras, bases, remap = operands
         instrs = _rebind(kb.instrs, i_mm, remap)
         desc, mm_bases = self._matmul_desc(mm)
         if split_k(desc) > 1:
@@ -522,10 +501,7 @@ class _Planner:
             tmp, label = self._split_k_partials(desc, mm_bases, mm)
             extra = tuple(ir.Strided(x.dtype, x.shape[1:], x.strides[1:], x.offset, x.extent)
                           for x in extras)
-            red = ir.ReduceKernel(tmp.shape, (0,), "sum",
-                                  (ir.Strided.contiguous(tmp.dtype, tmp.shape),),
-                                  (ir.Instr("{0}", (("in", 0),), tmp.dtype),), instrs, extra,
-                                  out_dtype=out.dtype, name="splitk_sum_ep")
+            red = _split_k_sum(tmp, out.dtype, "splitk_sum_ep", instrs, extra)
             self.emit(red, [tmp] + bases, [out], f"{label} [split-K sum] +{ops}")
             return True
         desc = ir.MatmulKernel(desc.batch, desc.m, desc.n, desc.k, desc.a, desc.b, tuple(extras),
@@ -542,11 +518,7 @@ class _Planner:
             self.emit(desc, bases, [v], label)
             return
         tmp, label = self._split_k_partials(desc, bases, v)
-        acc = tmp.dtype
-        red = ir.ReduceKernel(tmp.shape, (0,), "sum", (ir.Strided.contiguous(acc, tmp.shape),),
-                              (ir.Instr("{0}", (("in", 0),), acc),), out_dtype=v.dtype,
-                              name="splitk_sum")
-        self.emit(red, [tmp], [v], f"{label} [split-K sum]")
+        self.emit(_split_k_sum(tmp, v.dtype, "splitk_sum"), [tmp], [v], f"{label} [split-K sum]")
 
     def _split_k_partials(self, desc, bases, v: Value):
         """Few output tiles and a long K (weight gradients, small-M GEMMs): K split into
@@ -737,6 +709,39 @@ def split_k(desc: ir.MatmulKernel) -> int:
         if desc.k % s == 0:
             return s
     return 1
+
+
+def _split_k_sum(tmp: Value, out_dtype, name: str, epilogue=(), extra=()) -> ir.ReduceKernel:
+    """The kernel summing split-K partial products ``tmp`` (split, m, n) in order, with an
+    optional pointwise ``epilogue`` over ``extra`` inputs."""
+    return ir.ReduceKernel(tmp.shape, (0,), "sum", (ir.Strided.contiguous(tmp.dtype, tmp.shape),),
+                           (ir.Instr("{0}", (("in", 0),), tmp.dtype),), tuple(epilogue),
+                           tuple(extra), out_dtype=out_dtype, name=name)
+
+
+def _matmul_epilogue_operands(kb: _KernelBuilder, i_mm: int, mm_shape):
+    """The inputs of ``kb`` other than the matmul (its input ``i_mm``) as (batch, m, n) views:
+    (extra views, their bases, input index -> ("x", extra index)), or None when a view cannot
+    be laid over the matmul's output that way."""
+    batch = mm_shape[:-2]
+    extras, bases, remap = [], [], {}
+    for j, (b, s) in enumerate(zip(kb.bases, kb.inputs)):
+        if j == i_mm:
+            continue
+        if s.shape != mm_shape:  # the epilogue reads the matmul through a reshape
+            s = reshape_strided(s, mm_shape)
+            if s is None:
+                return None
+        try:
+            bst = _merge_batch(tuple(batch), s.strides[:-2]) if batch else 0
+        except _Unmergeable:
+            return None
+        nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
+        remap[j] = ("x", len(extras))
+        extras.append(ir.Strided(s.dtype, (nb,) + s.shape[-2:], (bst,) + s.strides[-2:],
+                                 s.offset, s.extent))
+        bases.append(b)
+    return extras, bases, remap
 
 
 def reshape_strided(s: ir.Strided, shape) -> ir.Strided | None:
