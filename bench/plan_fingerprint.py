@@ -15,8 +15,8 @@ from workloads import WORKLOADS  # noqa: E402
 
 from meganeura import optim  # noqa: E402
 from meganeura.compile.emit import emit_kernel  # noqa: E402
+from meganeura.compile.memory import NO_GROUPS, CopyOp, find_leaf_groups, make_plan  # noqa: E402
 from meganeura.compile.passes import run_pipeline  # noqa: E402
-from meganeura.compile.schedule import NO_GROUPS, PlannedCopy, find_leaf_groups, make_plan  # noqa: E402
 from meganeura.kernels.common import make_target  # noqa: E402
 from meganeura.program import build_program  # noqa: E402
 
@@ -39,7 +39,7 @@ for name in ["smollm2", "smolvla", "whisper", "resnet50", "unet"]:
         plan = make_plan(low, inference, groups=groups, align=32)
         lines = []
         for k in plan.kernels:
-            if isinstance(k, PlannedCopy):
+            if isinstance(k, CopyOp):
                 lines.append(f"COPY {k.src} -> {k.dst}")
                 continue
             for prec in ("strict", "fast") if tag == "train_sgd" else ("strict",):

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meganeura import optim  # noqa: E402
+from meganeura.compile.memory import NO_GROUPS, find_leaf_groups, make_plan  # noqa: E402
 from meganeura.compile.passes import run_pipeline  # noqa: E402
-from meganeura.compile.schedule import NO_GROUPS, find_leaf_groups, make_plan  # noqa: E402
 from meganeura.program import build_program  # noqa: E402
 
 H200_LIMITS = {"max_storage_buffer_binding_size": 2**31 - 1, "max_buffer_size": 2**34,

@@ -14,7 +14,7 @@ from .. import kernels
 from ..kernels.archetypes import archetype_of
 from ..kernels.common import Target
 from .executable import Copy, Dispatch, Fetch, Loc, Stream
-from .schedule import Plan, PlannedCopy
+from .memory import CopyOp, Plan
 
 _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
 
@@ -42,7 +42,7 @@ def emit_stream(plan: Plan, target: Target, precision: str, tag: str) -> Stream:
     readback layout of fetched values laid out."""
     ops: list[Dispatch | Copy] = []
     for k in plan.kernels:
-        if isinstance(k, PlannedCopy):
+        if isinstance(k, CopyOp):
             ops.append(Copy(k.src, k.dst, round4(k.src.nbytes)))
         else:
             ops.append(emit_kernel(k.desc, k.binds, target, precision, k.label))

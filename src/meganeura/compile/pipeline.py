@@ -13,8 +13,8 @@ from ..kernels.common import Target
 from ..program import Program
 from .emit import emit_stream
 from .executable import Executable, GroupBuffer, PinnedTensor
+from .memory import NO_GROUPS, LeafGroups, find_leaf_groups, make_plan
 from .passes import run_pipeline
-from .schedule import NO_GROUPS, LeafGroups, find_leaf_groups, make_plan
 
 _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
 

@@ -1,12 +1,15 @@
 """Fusion decisions: which values get their own buffer (materialized); everything else is
 inlined into the kernel that consumes it (pointwise chains, reduce prologues) or read through
-strides (views).  The planner builds kernels from this set."""
+strides (views).  The scheduler (``schedule.py``) builds kernels from this set.
+
+Not a graph → graph pass (it rewrites nothing): a query the scheduler asks of the graph, so it
+lives next to the scheduler rather than in ``passes/``."""
 
 from __future__ import annotations
 
-from ...graph import Graph, Value
-from ...ops.lowering import Kernel, Matmul, Pointwise, Reduce, View
-from ...ops.lowering import resolve as _lowering
+from ..graph import Graph, Value
+from ..ops.lowering import Kernel, Matmul, Pointwise, Reduce, View
+from ..ops.lowering import resolve as _lowering
 
 _STRIDED = ("reshape", "permute", "broadcast", "slice", "split", "flip")
 
@@ -114,6 +117,6 @@ def takes_epilogue(node) -> bool:
     low = _lowering(node)
     if not isinstance(low, Kernel) or len(node.outputs) != 1:
         return False
-    from ...kernels.archetypes import archetype
+    from ..kernels.archetypes import archetype
 
     return archetype(low.archetype).epilogue is not None

@@ -1,10 +1,10 @@
-"""Fusion decisions (passes/fuse.py): which values get a buffer of their own."""
+"""Fusion decisions (compile/fusion.py): which values get a buffer of their own."""
 
 import numpy as np
 
 import meganeura as mn
 from meganeura import optim
-from meganeura.compile.passes.fuse import materialized_values
+from meganeura.compile.fusion import materialized_values
 
 
 def _norm_graph():

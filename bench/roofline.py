@@ -1,0 +1,95 @@
+"""Roofline profile of every workload's training step (and inference) on this device: per
+kernel the flops and compulsory bytes from its description, achieved TFLOP/s and GB/s from GPU
+timestamps, the binding limit and the percent of the roofline bound.
+
+  python bench/roofline.py OUTDIR [workloads] [--impl dawn] [--precision strict] [--top 15]
+
+Writes OUTDIR/roofline.json and OUTDIR/roofline.md (tables, largest kernels first) and prints
+a short summary last: GPU ms per step and the time-weighted percent of bound per workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import meganeura as mn  # noqa: E402
+from meganeura import optim  # noqa: E402
+
+
+def profile_workload(w, dev, precision: str, inference: bool, steps: int):
+    kw = dict(outputs=w.outputs) if inference else dict(
+        loss=w.loss, optimizer=optim.SGD(lr=1e-4))
+    sess = mn.compile(w.graph, precision=precision, device=dev, **kw)
+    sess.set_params(w.params)
+    feeds = sess.program.inference_feeds() if inference else sess.program.feeds
+    return sess.profile(steps=steps, inference=inference,
+                        **{k: v for k, v in w.feeds.items() if k in feeds})
+
+
+def weighted_pct(rows) -> float | None:
+    """Percent of bound over the whole step, weighted by each kernel's total time."""
+    known = [r for r in rows if r["pct_of_bound"] is not None]
+    total = sum(r["mean_us"] * r["calls"] for r in known)
+    if not total:
+        return None
+    bound = sum(r["pct_of_bound"] / 100 * r["mean_us"] * r["calls"] for r in known)
+    return 100 * bound / total
+
+
+def markdown(results: dict, top: int) -> str:
+    out = [f"# Roofline per workload\n\nDevice: {results['device']}; {results['impl']}, "
+           f"precision {results['precision']}; {results['date']}.\n"]
+    for key, r in results["workloads"].items():
+        out.append(f"\n## {key}: {r['gpu_ms']:.2f} ms GPU per step, {r['dispatches']} "
+                   f"dispatches, {r['weighted_pct']:.0f}% of roofline bound (time-weighted)\n")
+        out.append("| kernel | calls | mean µs | TFLOP/s | GB/s | bound | % of bound |")
+        out.append("|---|---|---|---|---|---|---|")
+        for row in r["rows"][:top]:
+            pct = "" if row["pct_of_bound"] is None else f"{row['pct_of_bound']:.0f}"
+            out.append(f"| `{row['label'][:70]}` | {row['calls']} | {row['mean_us']:.1f} | "
+                       f"{row['tflops']:.2f} | {row['gbps']:.0f} | {row['bound']} | {pct} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> None:
+    import datetime
+
+    from workloads import WORKLOADS
+
+    from meganeura.runtime.device import get_device
+
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("workloads", nargs="?", default="smollm2,smolvla,whisper,resnet50,unet")
+    p.add_argument("--impl", default="dawn")
+    p.add_argument("--precision", default="strict")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--inference", action="store_true")
+    a = p.parse_args(argv)
+    dev = get_device(a.impl)
+    res = {"device": dev.adapter_name, "impl": a.impl, "precision": a.precision,
+           "date": datetime.date.today().isoformat(), "workloads": {}}
+    os.makedirs(a.out, exist_ok=True)
+    for name in a.workloads.split(","):
+        w = WORKLOADS[name](quick=False, variant="main")
+        for inference in ((False, True) if a.inference else (False,)):
+            prof = profile_workload(w, dev, a.precision, inference, a.steps)
+            rows = prof.roofline()
+            key = f"{name}-{'infer' if inference else 'train'}"
+            res["workloads"][key] = {"gpu_ms": prof.gpu_ms_per_step, "rows": rows,
+                                     "dispatches": prof.dispatches_per_step,
+                                     "weighted_pct": weighted_pct(rows) or 0.0}
+            print(f"{key:18} GPU {prof.gpu_ms_per_step:8.2f} ms/step  "
+                  f"{res['workloads'][key]['weighted_pct']:5.1f}% of bound", flush=True)
+            json.dump(res, open(os.path.join(a.out, "roofline.json"), "w"), indent=1)
+    open(os.path.join(a.out, "roofline.md"), "w").write(markdown(res, a.top))
+
+
+if __name__ == "__main__":
+    main()
