@@ -3,6 +3,7 @@ checking that a refactor leaves plans and emitted WGSL unchanged (diff two dumps
 
   python bench/plan_fingerprint.py OUTDIR
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ from meganeura import optim  # noqa: E402
 from meganeura.compile.passes import run_pipeline  # noqa: E402
 from meganeura.compile.schedule import NO_GROUPS, PlannedCopy, find_leaf_groups, make_plan  # noqa: E402
 from meganeura.program import build_program  # noqa: E402
-from meganeura.runtime.session import _emit, _share_bindings  # noqa: E402
+from meganeura import kernels  # noqa: E402
 
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
@@ -44,8 +45,12 @@ for name in ["smollm2", "smolvla", "whisper", "resnet50", "unet"]:
                 lines.append(f"COPY {k.src} -> {k.dst}")
                 continue
             for prec in ("strict", "fast") if tag == "train_sgd" else ("strict",):
-                spec = _emit(k.desc, T, prec)
-                spec, binds = _share_bindings(spec, list(k.binds))
+                desc = k.desc
+                if prec != "strict" and isinstance(desc, kernels.MatmulKernel):
+                    desc = dataclasses.replace(desc, precision=prec)
+                alias = kernels.binding_aliases(k.binds)
+                spec = kernels.emit(desc, T.limits, T.features, alias=alias)
+                binds = [b for i, b in enumerate(k.binds) if alias[i] == i]
                 lines.append(f"KERNEL {k.label} {prec} wg={spec.workgroups} "
                              f"nb={spec.n_bindings} binds={binds}\n{spec.wgsl}")
         text = "\n".join(lines)

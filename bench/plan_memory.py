@@ -31,13 +31,10 @@ H200_LIMITS = {"max_storage_buffer_binding_size": 2**31 - 1, "max_buffer_size": 
 
 def distinct_pipelines(plan) -> int:
     """Distinct WGSL texts among the plan's kernels (what pipeline creation pays for)."""
+    from meganeura import kernels
     from meganeura.compile.schedule import PlannedCopy
-    from meganeura.runtime.session import _emit
 
-    class Target:
-        limits, features = H200_LIMITS, frozenset({"shader-f16"})
-
-    return len({_emit(k.desc, Target).wgsl for k in plan.kernels
+    return len({kernels.emit(k.desc, H200_LIMITS, {"shader-f16"}).wgsl for k in plan.kernels
                 if not isinstance(k, PlannedCopy)})
 
 

@@ -38,10 +38,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import DType, f16, f32
+from .archetypes import register
 from .common import (
+    Bindings,
     CodegenError,
     bcast_strides,
-    binding_decls,
     check_bindings,
     check_dtypes,
     check_extent,
@@ -83,6 +84,24 @@ class AttentionKernel:
     # fwd only: store the output as (B, Sq, Hq, Dv) instead of (B, Hq, Sq, Dv), the layout the
     # output projection reads (the planner then needs no transposing copy)
     out_bshd: bool = False
+
+
+# One description type per family (the registry maps types to families); ``kind`` still says
+# which kernel, so a plain ``AttentionKernel`` emits through ``attention.emit`` as well.
+class AttentionFwdKernel(AttentionKernel):
+    pass
+
+
+class AttentionGradDqKernel(AttentionKernel):
+    pass
+
+
+class AttentionGradDkdvKernel(AttentionKernel):
+    pass
+
+
+KIND_TYPES = {"fwd": AttentionFwdKernel, "dq": AttentionGradDqKernel,
+              "dkdv": AttentionGradDkdvKernel}
 
 
 def _f(x: float) -> str:
@@ -180,7 +199,7 @@ def keys_config(rows: int, skv: int, n_bh: int, D: int, Dv: int, storage: int,
 
 
 class _Gen:
-    def __init__(self, k: AttentionKernel, t):
+    def __init__(self, k: AttentionKernel, t, alias=None):
         self.k, self.t = k, t
         q, kk, v = k.q, k.k, k.v
         if len(q.shape) != 4 or len(kk.shape) != 4 or len(v.shape) != 4:
@@ -206,12 +225,10 @@ class _Gen:
             self.dost = bcast_strides(k.dout, (self.B, self.Hq, self.Sq, self.Dv), "dout")
             self.lst = bcast_strides(k.lse, (self.B, self.Hq, self.Sq), "lse")
             self.dlst = bcast_strides(k.delta, (self.B, self.Hq, self.Sq), "delta")
-        self.bind = {n: f"b{i}" for i, n in enumerate(names)}
-        n_in = len(names)
         outs = {"fwd": ["out", "lse_out"], "dq": ["dq"], "dkdv": ["dk", "dv"]}[k.kind]
-        for j, n in enumerate(outs):
-            self.bind[n] = f"b{n_in + j}"
         self.dts = dts + [self.dt] * len(outs)
+        self.bd = Bindings(self.dts, alias)
+        self.bind = {n: self.bd.name(i) for i, n in enumerate(names + outs)}
         self.wd, self.du, self.dp = _units(self.D)
         self.wv, self.vu, self.vp = _units(self.Dv)
 
@@ -631,9 +648,9 @@ def _store(e: str, dt: DType) -> str:
     return e if dt is f32 else f"{dt.wgsl}({e})"
 
 
-def emit(k: AttentionKernel, limits=None, features=None) -> KernelSpec:
+def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSpec:
     t = make_target(limits, features)
-    g = _Gen(k, t)
+    g = _Gen(k, t, alias)
     if g.dt not in (f32, f16):
         raise CodegenError(f"kernel {k.name!r}: attention of {g.dt.name} tensors")
     n_bind = len(g.dts)
@@ -649,13 +666,13 @@ def emit(k: AttentionKernel, limits=None, features=None) -> KernelSpec:
     check_workgroup_storage(k.name, words, t)
     shared = [x for x in lines if x.startswith("var<workgroup>")]
     body = [x for x in lines if not x.startswith("var<workgroup>")]
-    src = module_source(module_header(uses_f16) + binding_decls(g.dts) + shared, {"mn_inf"},
+    src = module_source(module_header(uses_f16) + g.bd.decls() + shared, {"mn_inf"},
                         wg, body)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)
     meta.update({"archetype": f"attention_{k.kind}", "workgroup_size": wg,
                  "binding_dtypes": tuple(g.dts), "flops": flops})
-    return KernelSpec(k.name, src, n_bind, grid.workgroups, meta=meta)
+    return KernelSpec(k.name, src, g.bd.n, grid.workgroups, meta=meta)
 
 
 # ------------------------------------------------------------------------------ registration
@@ -668,20 +685,14 @@ def _make(kind):
         mask = ins[3] if has_mask else None
         rest = ins[3 + int(has_mask):]
         dout, lse, delta = rest if kind != "fwd" else (None, None, None)
-        return AttentionKernel(kind, q, kk, v, mask, dout, lse, delta, attrs["causal"],
-                               attrs["scale"], attrs["window"], attrs["q_offset"],
-                               name=f"attention_{kind}",
-                               split_heads=bool(attrs.get("split_heads", False)))
+        return KIND_TYPES[kind](kind, q, kk, v, mask, dout, lse, delta, attrs["causal"],
+                                attrs["scale"], attrs["window"], attrs["q_offset"],
+                                name=f"attention_{kind}",
+                                split_heads=bool(attrs.get("split_heads", False)))
 
     return make
 
 
-def _register() -> None:
-    from .archetypes import register_archetype
-
-    register_archetype("attention_fwd", AttentionKernel, _make("fwd"), emit)
-    register_archetype("attention_grad_dq", AttentionKernel, _make("dq"), emit)
-    register_archetype("attention_grad_dkdv", AttentionKernel, _make("dkdv"), emit)
-
-
-_register()
+for _kind, _family in (("fwd", "attention_fwd"), ("dq", "attention_grad_dq"),
+                      ("dkdv", "attention_grad_dkdv")):
+    register(_family, KIND_TYPES[_kind], emit, make=_make(_kind))

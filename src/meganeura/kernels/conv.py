@@ -31,10 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..dtypes import DType, f32
+from .archetypes import register
 from .common import (
+    Bindings,
     CodegenError,
     bcast_strides,
-    binding_decls,
     check_binding_size,
     check_bindings,
     check_dtypes,
@@ -439,14 +440,14 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
     return L, shared, nbytes, grid, helpers
 
 
-def _module(name, dts, extra_dts, body, shared, nbytes, grid, helpers, t, meta) -> KernelSpec:
-    check_bindings(name, len(dts), t)
-    uses_f16 = check_dtypes(name, list(dts) + list(extra_dts), t)
-    lines = module_source(module_header(uses_f16) + binding_decls(dts) + shared, helpers,
+def _module(name, bd, extra_dts, body, shared, nbytes, grid, helpers, t, meta) -> KernelSpec:
+    check_bindings(name, len(bd.dtypes), t)
+    uses_f16 = check_dtypes(name, bd.dtypes + list(extra_dts), t)
+    lines = module_source(module_header(uses_f16) + bd.decls() + shared, helpers,
                           THREADS * THREADS, body)
     meta = dict(meta, workgroup_size=THREADS * THREADS, workgroup_storage=nbytes,
-                binding_dtypes=tuple(dts))
-    return KernelSpec(name=name, wgsl=lines, n_bindings=len(dts),
+                binding_dtypes=tuple(bd.dtypes))
+    return KernelSpec(name=name, wgsl=lines, n_bindings=bd.n,
                       workgroups=grid.workgroups, meta=meta)
 
 
@@ -461,7 +462,7 @@ def _range_check(e: str, lo: int, hi: int, size: int) -> str:
 # forward
 
 
-def emit_forward(k: Conv2dKernel, limits=None, features=None) -> KernelSpec:
+def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> KernelSpec:
     t = make_target(limits, features)
     name, G = k.name, k.geom
     G.check(name)
@@ -492,6 +493,8 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None) -> KernelSpec:
                                    f"{len(k.extra)}")
     res_dt = k.epilogue[-1].dtype if k.epilogue else op_dt
     out_dt = k.out_dtype or res_dt
+    bd = Bindings([op_dt, op_dt] + ([op_dt] if k.bias is not None else [])
+                  + [s.dtype for s in k.extra] + [out_dt], alias)
     check_binding_size(name, "output", G.n * G.o * G.oh * G.ow, out_dt, t)
     sh_, sw_ = G.stride
     dh, dw = G.dilation
@@ -536,7 +539,7 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None) -> KernelSpec:
         L.append(f"{ind}let sq = {col} % {u(ohw)};")
         v = acc
         if sb is not None:
-            v = f"{acc} + {_read('b2', _lin([('o', sb[0])], k.bias.offset), op_dt)}"
+            v = f"{acc} + {_read(bd.name(2), _lin([('o', sb[0])], k.bias.offset), op_dt)}"
         L.append(f"{ind}let accf: f32 = {v};")
         val, vdt = "accf", f32
         if k.epilogue:
@@ -550,7 +553,7 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None) -> KernelSpec:
                 s = k.extra[i]
                 idx = _lin([("sn", st[0]), ("o", st[1]), ("soh", st[2]), ("sow", st[3])],
                            s.offset)
-                L.append(f"{ind}let e{i} = {load(f'b{n_in + i}', idx, s.dtype)};")
+                L.append(f"{ind}let e{i} = {load(bd.name(n_in + i), idx, s.dtype)};")
                 names[i] = (f"e{i}", s.dtype)
 
             def arg(a):
@@ -564,16 +567,15 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None) -> KernelSpec:
             res = emit_instrs(k.epilogue, arg, "q", L, ind, helpers)
             val, vdt = res[-1]
         oidx = _lin([("sn", G.o * ohw), ("o", ohw), ("sq", 1)])
-        L.append(f"{ind}b{n_in + len(k.extra)}[{oidx}] = {store_value(val, vdt, out_dt)};")
+        L.append(f"{ind}{bd.name(n_in + len(k.extra))}[{oidx}] = "
+                 f"{store_value(val, vdt, out_dt)};")
 
-    A = _Operand("b1", op_dt, not (sw[0] == 1 and G.og > 1), a_hoist, a_load)
-    B = _Operand("b0", op_dt, False, b_hoist, b_load)
+    A = _Operand(bd.name(1), op_dt, not (sw[0] == 1 and G.og > 1), a_hoist, a_load)
+    B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
     tile = choose_tile(M, N, k.tile)
     gm = _Gemm(name, M, N, K, G.groups, tile, A, B, gb_lines, None, store)
     body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
-    dts = [op_dt, op_dt] + ([op_dt] if k.bias is not None else []) + \
-        [s.dtype for s in k.extra] + [out_dt]
-    return _module(name, dts, [i.dtype for i in k.epilogue], body, shared, nbytes, grid,
+    return _module(name, bd, [i.dtype for i in k.epilogue], body, shared, nbytes, grid,
                    helpers, t, {"archetype": "conv2d", "tile": tile,
                                 "flops": 2 * M * N * K * G.groups})
 
@@ -582,7 +584,8 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None) -> KernelSpec:
 # input gradient
 
 
-def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None) -> KernelSpec:
+def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
+                    alias=None) -> KernelSpec:
     t = make_target(limits, features)
     name, G = k.name, k.geom
     G.check(name)
@@ -593,6 +596,7 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None) -> Ker
     if w.dtype is not op_dt or not op_dt.is_float:
         raise CodegenError(f"kernel {name!r}: operands must share a float dtype")
     out_dt = k.out_dtype or op_dt
+    bd = Bindings([op_dt, op_dt, out_dt], alias)
     check_binding_size(name, "output", G.n * G.c * G.h * G.w, out_dt, t)
     sh_, sw_ = G.stride
     dh, dw = G.dilation
@@ -645,16 +649,16 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None) -> Ker
         L.append(f"{ind}let sn = {col} / {u(hw)};")
         L.append(f"{ind}let sq = {col} % {u(hw)};")
         oidx = _lin([("sn", G.c * hw), (f"(gi * {u(G.cg)} + {r})", hw), ("sq", 1)])
-        L.append(f"{ind}b2[{oidx}] = {store_value(acc, f32, out_dt)};")
+        L.append(f"{ind}{bd.name(2)}[{oidx}] = {store_value(acc, f32, out_dt)};")
 
     if (sh_, sw_) != (1, 1) and not k.naive:
-        return _input_grad_phases(k, t, sd, sw, out_dt)
-    A = _Operand("b1", op_dt, not (sw[1] == 1 and G.cg > 1), a_hoist, a_load)
-    B = _Operand("b0", op_dt, False, b_hoist, b_load)
+        return _input_grad_phases(k, t, sd, sw, out_dt, bd)
+    A = _Operand(bd.name(1), op_dt, not (sw[1] == 1 and G.cg > 1), a_hoist, a_load)
+    B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
     tile = choose_tile(M, N, k.tile)
     gm = _Gemm(name, M, N, K, G.groups, tile, A, B, gb_lines, None, store)
     body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
-    return _module(name, [op_dt, op_dt, out_dt], [], body, shared, nbytes, grid, helpers, t,
+    return _module(name, bd, [], body, shared, nbytes, grid, helpers, t,
                    {"archetype": "conv2d_input_grad", "tile": tile,
                     "flops": 2 * M * N * K * G.groups})
 
@@ -687,7 +691,7 @@ def _select(r: str, values, ty: str = "u") -> str:
     return expr
 
 
-def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt) -> KernelSpec:
+def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> KernelSpec:
     """Input gradient of a strided convolution, one GEMM per (group, phase): input positions
     with h ≡ rh (mod sh), w ≡ rw (mod sw) receive only the taps that land on them, so no K
     step reads the zeros a plain transposed convolution would (sh·sw× less work)."""
@@ -759,15 +763,15 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt) -> KernelSpe
         L.append(f"{ind}let sh = rh + {u(sh_)} * (sq / max(qw, 1u));")
         L.append(f"{ind}let sw = rw + {u(sw_)} * (sq % max(qw, 1u));")
         oidx = _lin([("sn", G.c * hw), (f"(gi * {u(G.cg)} + {r})", hw), ("sh", G.w), ("sw", 1)])
-        L.append(f"{ind}b2[{oidx}] = {store_value(acc, f32, out_dt)};")
+        L.append(f"{ind}{bd.name(2)}[{oidx}] = {store_value(acc, f32, out_dt)};")
 
-    A = _Operand("b1", op_dt, True, a_hoist, a_load)
-    B = _Operand("b0", op_dt, False, b_hoist, b_load)
+    A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
+    B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
     tile = choose_tile(M, N, k.tile)
     gm = _Gemm(name, M, N, None, G.groups * sh_ * sw_, tile, A, B, gb_lines, krange, store,
                n_bound="ncol")
     body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
-    return _module(name, [op_dt, op_dt, out_dt], [], body, shared, nbytes, grid, helpers, t,
+    return _module(name, bd, [], body, shared, nbytes, grid, helpers, t,
                    {"archetype": "conv2d_input_grad", "tile": tile, "phases": sh_ * sw_,
                     "flops": 2 * M * N * kmax * G.groups * sh_ * sw_})
 
@@ -775,7 +779,8 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt) -> KernelSpe
 # weight gradient
 
 
-def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None) -> KernelSpec:
+def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None,
+                     alias=None) -> KernelSpec:
     t = make_target(limits, features)
     name, G = k.name, k.geom
     G.check(name)
@@ -786,6 +791,7 @@ def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None) -> K
     if dy.dtype is not op_dt or not op_dt.is_float:
         raise CodegenError(f"kernel {name!r}: operands must share a float dtype")
     out_dt = k.out_dtype or op_dt
+    bd = Bindings([op_dt, op_dt, out_dt], alias)
     S = int(k.split)
     if S < 1:
         raise CodegenError(f"kernel {name!r}: split must be >= 1, got {S}")
@@ -833,18 +839,18 @@ def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None) -> K
 
     def store(L, ind, r, col, acc, helpers):
         oidx = _lin([("si", wsize), (f"(gi * {u(G.og)} + {r})", N), (col, 1)])
-        L.append(f"{ind}b2[{oidx}] = {store_value(acc, f32, out_dt)};")
+        L.append(f"{ind}{bd.name(2)}[{oidx}] = {store_value(acc, f32, out_dt)};")
 
     # neighbouring invocations walk (n, oh, ow): contiguous rows of dy and x
-    A = _Operand("b1", op_dt, True, a_hoist, a_load)
-    B = _Operand("b0", op_dt, True, b_hoist, b_load)
+    A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
+    B = _Operand(bd.name(0), op_dt, True, b_hoist, b_load)
     tile = choose_tile(M, N, k.tile)
     if S == 1:
         gm = _Gemm(name, M, N, KT, G.groups, tile, A, B, gb_lines, None, store)
     else:
         gm = _Gemm(name, M, N, None, G.groups * S, tile, A, B, gb_lines, krange, store)
     body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
-    return _module(name, [op_dt, op_dt, out_dt], [], body, shared, nbytes, grid, helpers, t,
+    return _module(name, bd, [], body, shared, nbytes, grid, helpers, t,
                    {"archetype": "conv2d_weight_grad", "tile": tile, "split": S,
                     "flops": 2 * M * N * KT * G.groups})
 
@@ -882,16 +888,7 @@ def _make_weight_grad(attrs, inputs, outputs):
     return Conv2dWeightGradKernel(geom, x, dy, int(attrs["split"]), out_dtype=outputs[0].dtype)
 
 
-def _register() -> None:
-    from .archetypes import register_archetype
-
-    # epilogue fusion: ReLU/SiLU/residual after a conv run inside the conv kernel
-    register_archetype("conv2d", Conv2dKernel, _make_forward, emit_forward,
-                       epilogue=conv2d_with_epilogue)
-    register_archetype("conv2d_input_grad", Conv2dInputGradKernel, _make_input_grad,
-                       emit_input_grad)
-    register_archetype("conv2d_weight_grad", Conv2dWeightGradKernel, _make_weight_grad,
-                       emit_weight_grad)
-
-
-_register()
+# epilogue fusion: ReLU/SiLU/residual after a conv run inside the conv kernel
+register("conv2d", Conv2dKernel, emit_forward, _make_forward, epilogue=conv2d_with_epilogue)
+register("conv2d_input_grad", Conv2dInputGradKernel, emit_input_grad, _make_input_grad)
+register("conv2d_weight_grad", Conv2dWeightGradKernel, emit_weight_grad, _make_weight_grad)

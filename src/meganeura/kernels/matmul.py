@@ -23,10 +23,11 @@ gemv 1×8192×8192 2.3 TB/s (k-contiguous weights, wgpu).
 from __future__ import annotations
 
 from ..dtypes import DType, f32
+from .archetypes import kernel_family
 from .common import (
+    Bindings,
     CodegenError,
     bcast_strides,
-    binding_decls,
     check_binding_size,
     check_bindings,
     check_dtypes,
@@ -76,7 +77,8 @@ def _norm(s, shape, what, name):
     return s, bcast_strides(s, shape, f"{name} {what}")
 
 
-def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
+@kernel_family("matmul", MatmulKernel)
+def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
     t = make_target(limits, features)
     name = k.name
     B, M, N, K = int(k.batch), int(k.m), int(k.n), int(k.k)
@@ -111,7 +113,8 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
     dts = [op_dt, op_dt] + [s.dtype for s in k.extra] + [out_dt]
     uses_f16 = check_dtypes(name, dts + [i.dtype for i in k.epilogue], t)
 
-    ctx = _Ctx(name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in)
+    bd = Bindings(dts, alias)
+    ctx = _Ctx(name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in, bd)
     if k.precision not in PRECISIONS:
         raise CodegenError(f"kernel {name!r}: precision must be one of {PRECISIONS}, "
                            f"got {k.precision!r}")
@@ -136,12 +139,12 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
         # per-subgroup fragment offsets (lid / 32) are not uniform across the workgroup
         lines[-1:-1] = ["enable chromium_experimental_subgroup_matrix;",
                         "diagnostic(off, chromium.subgroup_matrix_uniformity);"]
-    lines += binding_decls(dts)
+    lines += bd.decls()
     lines += shared[0]
     return KernelSpec(
         name=name,
         wgsl=module_source(lines, helpers, wg_size, body),
-        n_bindings=n_bind,
+        n_bindings=bd.n,
         workgroups=grid.workgroups,
         meta={
             "archetype": "matmul",
@@ -181,15 +184,15 @@ def choose_variant(B: int, M: int, N: int, K: int, forced: str = "", name: str =
 
 
 class _Ctx:
-    def __init__(self, name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in):
+    def __init__(self, name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in, bd):
         self.name, self.B, self.M, self.N, self.K = name, B, M, N, K
         self.a, self.sa, self.b, self.sb = a, sa, b, sb
         self.k, self.xs, self.op_dt, self.acc_t, self.out_dt = k, xs, op_dt, acc_t, out_dt
-        self.n_in = n_in
+        self.n_in, self.bd = n_in, bd
 
     def read(self, which: str, idx: str) -> str:
         """Operand element converted to the accumulator type."""
-        binding = "b0" if which == "a" else "b1"
+        binding = self.bd.name(0 if which == "a" else 1)
         v = load(binding, idx, self.op_dt)
         return v if self.op_dt is self.acc_t else f"{self.acc_t.wgsl}({v})"
 
@@ -205,7 +208,7 @@ class _Ctx:
         for i, st in self.xs.items():
             s = k.extra[i]
             idx = index_code([bi, row, col], st, s.offset)
-            lines.append(f"{i2}let e{i} = {load(f'b{2 + i}', idx, s.dtype)};")
+            lines.append(f"{i2}let e{i} = {load(self.bd.name(2 + i), idx, s.dtype)};")
             names[i] = (f"e{i}", s.dtype)
 
         def arg(a):
@@ -222,7 +225,7 @@ class _Ctx:
         else:
             v, vdt = acc, self.acc_t  # no epilogue: store from the accumulator, unrounded
         oidx = index_code([bi, row, col], (self.M * self.N, self.N, 1))
-        lines.append(f"{i2}b{self.n_in}[{oidx}] = {store_value(v, vdt, self.out_dt)};")
+        lines.append(f"{i2}{self.bd.name(self.n_in)}[{oidx}] = {store_value(v, vdt, self.out_dt)};")
         lines.append(f"{ind}}}")
 
 

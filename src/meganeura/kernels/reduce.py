@@ -19,11 +19,12 @@ linear index decomposed over the (merged) reduced dims.  f16 and f32 accumulate 
 from __future__ import annotations
 
 from ..dtypes import DType, bool_
+from .archetypes import kernel_family
 from .common import (
+    Bindings,
     CodegenError,
     acc_dtype,
     bcast_strides,
-    binding_decls,
     check_binding_size,
     check_bindings,
     check_dtypes,
@@ -64,7 +65,7 @@ def _extra_strides(s, shape, axes, out_shape, what):
 
 def _post_pass(k: ReduceKernel, L: list[str], ind: str, kshape, kpost, rshape, rpost,
                used_p, result, start: str, step: int, red_total: int, out_b: int,
-               helpers: set, kin, rin) -> None:
+               helpers: set, kin, rin, bd) -> None:
     """Each invocation of an output walks its share of the reduced elements again, computing
     the post instrs (inputs at the full shape, ``("ri", i)`` the reduction's own input ``i``,
     ``("r", 0)`` the result) and storing them."""
@@ -88,14 +89,14 @@ def _post_pass(k: ReduceKernel, L: list[str], ind: str, kshape, kpost, rshape, r
     for i in used_p:
         rel = index_code(rc, pr[i], 0)
         idx = f"pbase{i}" if rel == "0u" else f"pbase{i} + {rel}"
-        binding = f"b{len(k.inputs) + len(k.extra) + i}"
+        binding = bd.name(len(k.inputs) + len(k.extra) + i)
         L.append(f"{i2}let w{i} = {load(binding, idx, k.post_inputs[i].dtype)};")
         names[i] = (f"w{i}", k.post_inputs[i].dtype)
 
     for i in used_ri:
         rel = index_code(rc, rin[i], 0)
         idx = f"qbase{i}" if rel == "0u" else f"qbase{i} + {rel}"
-        L.append(f"{i2}let z{i} = {load(f'b{i}', idx, k.inputs[i].dtype)};")
+        L.append(f"{i2}let z{i} = {load(bd.name(i), idx, k.inputs[i].dtype)};")
         names[("ri", i)] = (f"z{i}", k.inputs[i].dtype)
 
     def arg(a):
@@ -113,7 +114,8 @@ def _post_pass(k: ReduceKernel, L: list[str], ind: str, kshape, kpost, rshape, r
     oidx = "obase" if rel == "0u" else f"obase + {rel}"
     for j, ins in enumerate(k.post_outputs):
         v, vdt = res[ins]
-        L.append(f"{i2}b{out_b + 1 + j}[{oidx}] = {store_value(v, vdt, k.post[ins].dtype)};")
+        L.append(f"{i2}{bd.name(out_b + 1 + j)}[{oidx}] = "
+                 f"{store_value(v, vdt, k.post[ins].dtype)};")
     L.append(f"{ind}}}")
 
 
@@ -128,7 +130,8 @@ def choose_layout(rshape, kept_contig: bool, red_total: int, out_total: int, max
     return 1, min(max_threads, pow2ceil(red_total))
 
 
-def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
+@kernel_family("reduce", ReduceKernel)
+def emit(k: ReduceKernel, limits=None, features=None, alias=None) -> KernelSpec:
     t = make_target(limits, features)
     name = k.name
     shape = tuple(int(n) for n in k.shape)
@@ -177,6 +180,7 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
     all_dtypes = bind_dtypes + [i.dtype for i in k.prologue] + [i.dtype for i in k.epilogue]
     all_dtypes += [i.dtype for i in k.post]
     uses_f16 = check_dtypes(name, all_dtypes, t)
+    bd = Bindings(bind_dtypes, alias)
     out_b = n_in + n_x + n_p  # binding of the reduced output
 
     used = sorted({i for ins in k.prologue for kind, i in ins.args if kind == "in"})
@@ -293,7 +297,7 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
         for i in used:
             rel = index_code(rc, rin[i], 0)
             idx = f"base{i}" if rel == "0u" else f"base{i} + {rel}"
-            body.append(f"{i3}let v{i}{tag} = {load(f'b{i}', idx, k.inputs[i].dtype)};")
+            body.append(f"{i3}let v{i}{tag} = {load(bd.name(i), idx, k.inputs[i].dtype)};")
             names[i] = (f"v{i}{tag}", k.inputs[i].dtype)
 
         def parg(a):
@@ -366,7 +370,7 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
         kc2 = coords_code("o", kshape, "ko", store_lines, i2)
         for i in used_x:
             idx = index_code(kc2, kx[i], k.extra[i].offset)
-            store_lines.append(f"{i2}let e{i} = {load(f'b{n_in + i}', idx, k.extra[i].dtype)};")
+            store_lines.append(f"{i2}let e{i} = {load(bd.name(n_in + i), idx, k.extra[i].dtype)};")
             xnames[i] = (f"e{i}", k.extra[i].dtype)
 
     def earg(a):
@@ -385,25 +389,25 @@ def emit(k: ReduceKernel, limits=None, features=None) -> KernelSpec:
     else:
         out_v, out_vdt = "accv", val_dtype
     oidx = f"cb * {u(out_total)} + o" if split > 1 else "o"
-    store = f"b{out_b}[{oidx}] = {store_value(out_v, out_vdt, out_dtype)};"
+    store = f"{bd.name(out_b)}[{oidx}] = {store_value(out_v, out_vdt, out_dtype)};"
     if n_po and ty > 1:
         store_lines.append(f"{i2}if (y == 0u) {{ {store} }}")
     else:
         store_lines.append(f"{i2}{store}")
     if n_po:
         _post_pass(k, store_lines, i2, kshape, kpost, rshape, rpost, used_p, (out_v, out_vdt),
-                   "y" if ty > 1 else "0u", ty, red_total, out_b, helpers, kin, rin)
+                   "y" if ty > 1 else "0u", ty, red_total, out_b, helpers, kin, rin, bd)
     body += store_lines
     body.append(f"{ind}}}")
 
     lines = module_header(uses_f16)
-    lines += binding_decls(bind_dtypes)
+    lines += bd.decls()
     if ty > 1:
         lines.append(f"var<workgroup> red: array<{acc_t.wgsl}, {wg}>;")
     return KernelSpec(
         name=name,
         wgsl=module_source(lines, helpers, wg, body),
-        n_bindings=n_bind,
+        n_bindings=bd.n,
         workgroups=grid.workgroups,
         meta={
             "archetype": "reduce",
