@@ -14,11 +14,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from plan_memory import H200_LIMITS  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
-from meganeura import optim  # noqa: E402
+from meganeura import (
+    kernels,  # noqa: E402
+    optim,  # noqa: E402
+)
 from meganeura.compile.passes import run_pipeline  # noqa: E402
 from meganeura.compile.schedule import NO_GROUPS, PlannedCopy, find_leaf_groups, make_plan  # noqa: E402
 from meganeura.program import build_program  # noqa: E402
-from meganeura import kernels  # noqa: E402
 
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
