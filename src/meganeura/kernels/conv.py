@@ -43,6 +43,7 @@ from .common import (
     check_invocations,
     check_workgroup_storage,
     emit_instrs,
+    i32_lit,
     load,
     make_grid,
     make_target,
@@ -51,6 +52,7 @@ from .common import (
     pow2ceil,
     store_value,
     u,
+    view4,
 )
 from .ir import Instr, KernelSpec, Strided
 
@@ -197,10 +199,6 @@ def _mul(e: str, k: int) -> str:
     return e if k == 1 else f"{e} * {u(k)}"
 
 
-def _i(n: int) -> str:
-    return f"{int(n)}i"
-
-
 def _spatial(base: str, e: str, k: int, sign: str, p: str, lines, ind) -> str:
     """i32 coordinate ``base sign e·k`` as a new let; returns its name."""
     m = _mul(e, k)
@@ -213,14 +211,6 @@ def _spatial(base: str, e: str, k: int, sign: str, p: str, lines, ind) -> str:
 def _read(binding: str, idx: str, dt: DType) -> str:
     v = load(binding, idx, dt)
     return v if dt is f32 else f"f32({v})"
-
-
-def _view(s: Strided, shape, what: str, name: str, t):
-    if len(s.shape) != 4:
-        raise CodegenError(f"kernel {name!r}: {what} must be a 4-D view, got shape {s.shape}")
-    st = bcast_strides(s, shape, f"{name} {what}")
-    check_extent(name, what, s, shape, st, t)
-    return st
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,165 +269,188 @@ TILES = {(8, 32): 8, (8, 64): 8, (8, 128): 8}
 TILES.update({(tm, tn): 16 for tm in TILE_SIZES for tn in TILE_SIZES})
 
 
-def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
-    TM, TN = gm.tile
-    nth = THREADS * THREADS
-    TY = TILES[(TM, TN)]
-    TX = nth // TY
-    RM, RN = TM // TY, TN // TX
-    mt, nt = -(-gm.M // TM), -(-gm.N // TN)
-    grid = make_grid(gm.name, mt * nt * gm.GB, t)
-    ind, i2 = "    ", "        "
-    L: list[str] = []
-    L.append(f"{ind}let wg = {grid.wg_expr};")
-    L.append(f"{ind}let tn = wg % {u(nt)};")
-    L.append(f"{ind}let tq = wg / {u(nt)};")
-    L.append(f"{ind}let tm = tq % {u(mt)};")
-    L.append(f"{ind}let gb = tq / {u(mt)};")
-    live = "" if grid.exact else "live"
-    if live:
-        L.append(f"{ind}let live = gb < {u(gm.GB)};")
-        L.append(f"{ind}let gbc = min(gb, {u(gm.GB - 1)});")
-    else:
-        L.append(f"{ind}let gbc = gb;")
-    gm.gb_lines(L, ind)
-    L.append(f"{ind}let tx = lid % {u(TX)};")
-    L.append(f"{ind}let ty = lid / {u(TX)};")
-    L.append(f"{ind}let row0 = tm * {u(TM)};")
-    L.append(f"{ind}let col0 = tn * {u(TN)};")
+class _GemmGen:
+    """The implicit-GEMM kernel of ``gm`` in steps: tile head, hoisted staging maps, K steps
+    (stage both operands, multiply-accumulate from workgroup memory), K loop, stores."""
 
-    # staging maps (independent of k0): hoist what depends on the staged row/column only
-    stage_plan = []
-    for which, op, T, lim in (("a", gm.A, TM, u(gm.M)),
-                              ("b", gm.B, TN, gm.n_bound or u(gm.N))):
-        n_el = T * BK
-        for l in range(-(-n_el // nth)):
-            e = f"(lid + {u(l * nth)})" if l else "lid"
-            rn, kn = f"s{which}r{l}", f"s{which}k{l}"
-            if op.k_fast:
-                L.append(f"{ind}let {kn} = {e} % {u(BK)};")
-                L.append(f"{ind}let {rn} = {e} / {u(BK)};")
-            else:
-                L.append(f"{ind}let {rn} = {e} % {u(T)};")
-                L.append(f"{ind}let {kn} = {e} / {u(T)};")
-            base = "row0" if which == "a" else "col0"
-            tag = f"{which}{l}"
-            L.append(f"{ind}let g{tag} = {base} + {rn};")
-            op.hoist(f"g{tag}", tag, L, ind)
-            cond = f"g{tag} < {lim}"
-            if live:
-                cond += " && live"
-            L.append(f"{ind}let ok{tag} = {cond};")
-            partial = (l + 1) * nth > n_el  # the last round stages fewer elements than threads
-            stage_plan.append((which, l, rn, kn, op, T, partial, n_el))
+    def __init__(self, gm: _Gemm, t):
+        self.gm = gm
+        self.TM, self.TN = gm.tile
+        self.nth = THREADS * THREADS
+        self.TY = TILES[(self.TM, self.TN)]
+        self.TX = self.nth // self.TY
+        self.RM, self.RN = self.TM // self.TY, self.TN // self.TX
+        self.mt, self.nt = -(-gm.M // self.TM), -(-gm.N // self.TN)
+        self.grid = make_grid(gm.name, self.mt * self.nt * gm.GB, t)
+        self.live = "" if self.grid.exact else "live"
+        self.vec_a, self.vec_b = self.RM % 4 == 0, self.RN % 4 == 0
 
-    for i in range(RM):
-        for j in range(RN):
-            L.append(f"{ind}var acc{i}_{j}: f32 = 0.0;")
-    vec_a, vec_b = RM % 4 == 0, RN % 4 == 0
+    def head(self, L: list[str], ind: str) -> None:
+        gm = self.gm
+        L.append(f"{ind}let wg = {self.grid.wg_expr};")
+        L.append(f"{ind}let tn = wg % {u(self.nt)};")
+        L.append(f"{ind}let tq = wg / {u(self.nt)};")
+        L.append(f"{ind}let tm = tq % {u(self.mt)};")
+        L.append(f"{ind}let gb = tq / {u(self.mt)};")
+        if self.live:
+            L.append(f"{ind}let live = gb < {u(gm.GB)};")
+            L.append(f"{ind}let gbc = min(gb, {u(gm.GB - 1)});")
+        else:
+            L.append(f"{ind}let gbc = gb;")
+        gm.gb_lines(L, ind)
+        L.append(f"{ind}let tx = lid % {u(self.TX)};")
+        L.append(f"{ind}let ty = lid / {u(self.TX)};")
+        L.append(f"{ind}let row0 = tm * {u(self.TM)};")
+        L.append(f"{ind}let col0 = tn * {u(self.TN)};")
 
-    def sh(arr: str, T: int, vec: bool, k: str, x: str) -> str:
+    def staging_maps(self, L: list[str], ind: str) -> None:
+        """What staging needs that is independent of k0, hoisted: each invocation's staged
+        rows/columns (and the operand's lets depending on them only) and their validity."""
+        gm, nth = self.gm, self.nth
+        self.plan = []
+        for which, op, T, lim in (("a", gm.A, self.TM, u(gm.M)),
+                                  ("b", gm.B, self.TN, gm.n_bound or u(gm.N))):
+            n_el = T * BK
+            for l in range(-(-n_el // nth)):
+                e = f"(lid + {u(l * nth)})" if l else "lid"
+                rn, kn = f"s{which}r{l}", f"s{which}k{l}"
+                if op.k_fast:
+                    L.append(f"{ind}let {kn} = {e} % {u(BK)};")
+                    L.append(f"{ind}let {rn} = {e} / {u(BK)};")
+                else:
+                    L.append(f"{ind}let {rn} = {e} % {u(T)};")
+                    L.append(f"{ind}let {kn} = {e} / {u(T)};")
+                tag = f"{which}{l}"
+                L.append(f"{ind}let g{tag} = {'row0' if which == 'a' else 'col0'} + {rn};")
+                op.hoist(f"g{tag}", tag, L, ind)
+                L.append(f"{ind}let ok{tag} = g{tag} < {lim}{' && live' if self.live else ''};")
+                partial = (l + 1) * nth > n_el  # the last round stages fewer elements
+                self.plan.append((which, l, rn, kn, op, T, partial, n_el))
+
+    @staticmethod
+    def _sh(arr: str, T: int, vec: bool, k: str, x: str) -> str:
         if vec:
             return f"{arr}[{k} * {u(T // 4)} + {x} / 4u][{x} % 4u]"
         return f"{arr}[{k} * {u(T)} + {x}]"
 
-    def step(out: list[str], ii: str, check_k: bool, kend: str) -> None:
-        for which, l, rn, kn, op, T, partial, n_el in stage_plan:
-            tag = f"{which}{l}"
+    def _stage(self, out: list[str], ii: str, check_k: bool, kend: str) -> None:
+        """Copy step k0's slices of both operands into workgroup memory (zero outside)."""
+        for which, l, rn, kn, op, T, partial, n_el in self.plan:
+            tag, jj = f"{which}{l}", ii
             kv = f"k{tag}"
-            jj = ii
             if partial:
-                out.append(f"{ii}if (lid + {u(l * nth)} < {u(n_el)}) {{")
-                jj = ii + ind
+                out.append(f"{ii}if (lid + {u(l * self.nth)} < {u(n_el)}) {{")
+                jj = ii + "    "
             out.append(f"{jj}let {kv} = k0 + {kn};")
-            body: list[str] = []
-            cond, idx = op.load(kv, tag, body, jj)
-            out += body
+            cond, idx = op.load(kv, tag, out, jj)
             conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
                 [cond] if cond else [])
-            arr = "As" if which == "a" else "Bs"
             out.append(f"{jj}var v{tag}: f32 = 0.0;")
             out.append(f"{jj}if ({' && '.join(conds)}) {{")
             out.append(f"{jj}    v{tag} = {_read(op.binding, idx, op.dtype)};")
             out.append(f"{jj}}}")
-            vec = vec_a if which == "a" else vec_b
-            out.append(f"{jj}{sh(arr, T, vec, kn, rn)} = v{tag};")
+            arr, vec = ("As", self.vec_a) if which == "a" else ("Bs", self.vec_b)
+            out.append(f"{jj}{self._sh(arr, T, vec, kn, rn)} = v{tag};")
             if partial:
                 out.append(f"{ii}}}")
-        out.append(f"{ii}workgroupBarrier();")
-        jj = ii + ind
+
+    def _mma(self, out: list[str], ii: str) -> None:
+        """acc += As·Bs over the staged BK-deep slices (vec4 reads where possible)."""
+        jj = ii + "    "
         out.append(f"{ii}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
-        comp = "xyzw"
-        for arr, R, T, vec, who, th in (("As", RM, TM, vec_a, "ra", "ty"),
-                                        ("Bs", RN, TN, vec_b, "rb", "tx")):
+        for arr, R, T, vec, who, th in (("As", self.RM, self.TM, self.vec_a, "ra", "ty"),
+                                        ("Bs", self.RN, self.TN, self.vec_b, "rb", "tx")):
             if vec:
                 for q in range(R // 4):
                     out.append(f"{jj}let {who}4_{q} = {arr}[kk * {u(T // 4)} + {th} * "
                                f"{u(R // 4)} + {u(q)}];")
                 for i in range(R):
-                    out.append(f"{jj}let {who}{i} = {who}4_{i // 4}.{comp[i % 4]};")
+                    out.append(f"{jj}let {who}{i} = {who}4_{i // 4}.{'xyzw'[i % 4]};")
             else:
                 for i in range(R):
                     off = f"{th} * {u(R)} + {u(i)}" if R > 1 else th
                     out.append(f"{jj}let {who}{i} = {arr}[kk * {u(T)} + {off}];")
-        for i in range(RM):
-            for j in range(RN):
+        for i in range(self.RM):
+            for j in range(self.RN):
                 out.append(f"{jj}acc{i}_{j} = fma(ra{i}, rb{j}, acc{i}_{j});")
         out.append(f"{ii}}}")
+
+    def step(self, out: list[str], ii: str, check_k: bool, kend: str) -> None:
+        self._stage(out, ii, check_k, kend)
+        out.append(f"{ii}workgroupBarrier();")
+        self._mma(out, ii)
         out.append(f"{ii}workgroupBarrier();")
 
-    if gm.K is not None:
-        K = gm.K
-        kf = K - K % BK
-        if kf:
-            L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(BK)}) {{")
-            step(L, i2, False, u(K))
-            L.append(f"{ind}}}")
-        if kf != K:
-            L.append(f"{ind}{{")
-            L.append(f"{i2}let k0 = {u(kf)};")
-            step(L, i2, True, u(K))
-            L.append(f"{ind}}}")
-    else:
+    def k_loop(self, L: list[str], ind: str) -> None:
+        """Whole BK steps unguarded in k, then one guarded tail step; the K range is
+        constant, or ``kbeg``/``kend`` from ``krange`` (split chunks, phases)."""
+        gm, i2 = self.gm, ind + "    "
+        if gm.K is not None:
+            K = gm.K
+            kf = K - K % BK
+            if kf:
+                L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(BK)}) {{")
+                self.step(L, i2, False, u(K))
+                L.append(f"{ind}}}")
+            if kf != K:
+                L.append(f"{ind}{{")
+                L.append(f"{i2}let k0 = {u(kf)};")
+                self.step(L, i2, True, u(K))
+                L.append(f"{ind}}}")
+            return
         gm.krange(L, ind)  # defines kbeg, kend (uniform)
         L.append(f"{ind}var k0: u32 = kbeg;")
         L.append(f"{ind}loop {{")
         L.append(f"{i2}if (k0 + {u(BK)} > kend) {{")
         L.append(f"{i2}    break;")
         L.append(f"{i2}}}")
-        step(L, i2, False, "kend")
+        self.step(L, i2, False, "kend")
         L.append(f"{i2}k0 = k0 + {u(BK)};")
         L.append(f"{ind}}}")
         L.append(f"{ind}if (k0 < kend) {{")
-        step(L, i2, True, "kend")
+        self.step(L, i2, True, "kend")
         L.append(f"{ind}}}")
 
+    def stores(self, L: list[str], ind: str, helpers: set) -> None:
+        gm = self.gm
+        for i in range(self.RM):
+            L.append(f"{ind}let r{i} = row0 + ty * {u(self.RM)} + {u(i)};")
+        for j in range(self.RN):
+            L.append(f"{ind}let n{j} = col0 + tx * {u(self.RN)} + {u(j)};")
+        for i in range(self.RM):
+            for j in range(self.RN):
+                conds = [f"r{i} < {u(gm.M)}"] if gm.M % self.TM else []
+                if gm.n_bound:
+                    conds.append(f"n{j} < {gm.n_bound}")
+                elif gm.N % self.TN:
+                    conds.append(f"n{j} < {u(gm.N)}")
+                if self.live:
+                    conds.append("live")
+                L.append(f"{ind}if ({' && '.join(conds)}) {{" if conds else f"{ind}{{")
+                gm.store(L, ind + "    ", f"r{i}", f"n{j}", f"acc{i}_{j}", helpers)
+                L.append(f"{ind}}}")
+
+
+def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
+    ind = "    "
+    g = _GemmGen(gm, t)
+    L: list[str] = []
+    g.head(L, ind)
+    g.staging_maps(L, ind)
+    for i in range(g.RM):
+        for j in range(g.RN):
+            L.append(f"{ind}var acc{i}_{j}: f32 = 0.0;")
+    g.k_loop(L, ind)
     helpers: set[str] = set()
-    for i in range(RM):
-        L.append(f"{ind}let r{i} = row0 + ty * {u(RM)} + {u(i)};")
-    for j in range(RN):
-        L.append(f"{ind}let n{j} = col0 + tx * {u(RN)} + {u(j)};")
-    for i in range(RM):
-        for j in range(RN):
-            conds = []
-            if gm.M % TM:
-                conds.append(f"r{i} < {u(gm.M)}")
-            if gm.n_bound:
-                conds.append(f"n{j} < {gm.n_bound}")
-            elif gm.N % TN:
-                conds.append(f"n{j} < {u(gm.N)}")
-            if live:
-                conds.append("live")
-            L.append(f"{ind}if ({' && '.join(conds)}) {{" if conds else f"{ind}{{")
-            gm.store(L, i2, f"r{i}", f"n{j}", f"acc{i}_{j}", helpers)
-            L.append(f"{ind}}}")
-    ta = f"array<vec4<f32>, {BK * TM // 4}>" if vec_a else f"array<f32, {BK * TM}>"
-    tb = f"array<vec4<f32>, {BK * TN // 4}>" if vec_b else f"array<f32, {BK * TN}>"
+    g.stores(L, ind, helpers)
+    TM, TN = gm.tile
+    ta = f"array<vec4<f32>, {BK * TM // 4}>" if g.vec_a else f"array<f32, {BK * TM}>"
+    tb = f"array<vec4<f32>, {BK * TN // 4}>" if g.vec_b else f"array<f32, {BK * TN}>"
     shared = [f"var<workgroup> As: {ta};", f"var<workgroup> Bs: {tb};"]
     nbytes = 4 * BK * (TM + TN)
     check_workgroup_storage(gm.name, nbytes, t)
-    check_invocations(gm.name, nth, t)
-    return L, shared, nbytes, grid, helpers
+    check_invocations(gm.name, g.nth, t)
+    return L, shared, nbytes, g.grid, helpers
 
 
 def _module(name, bd, extra_dts, body, shared, nbytes, grid, helpers, t, meta) -> KernelSpec:
@@ -462,13 +475,29 @@ def _range_check(e: str, lo: int, hi: int, size: int) -> str:
 # forward
 
 
-def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> KernelSpec:
-    t = make_target(limits, features)
+def _input_at(G: ConvGeom, sx, tag: str, eh: str, mh: int, ew: str, mw: int, lead,
+              L: list[str], ind: str) -> tuple[str, str]:
+    """(bounds condition, index) of the input element at (``ih{tag} + eh·mh``,
+    ``iw{tag} + ew·mw``), ``lead`` the (coordinate, stride) of its n or c."""
+    sh_, sw_ = G.stride
+    dh, dw = G.dilation
+    pt, pl = G.pad[0][0], G.pad[1][0]
+    ih = _spatial(f"ih{tag}", eh, mh, "+", f"y{tag}", L, ind)
+    iw = _spatial(f"iw{tag}", ew, mw, "+", f"z{tag}", L, ind)
+    conds = [c for c in (
+        _range_check(ih, -pt, (G.oh - 1) * sh_ - pt + (G.kh - 1) * dh, G.h),
+        _range_check(iw, -pl, (G.ow - 1) * sw_ - pl + (G.kw - 1) * dw, G.w)) if c]
+    idx = _lin([lead, (f"u32({ih})", sx[2]), (f"u32({iw})", sx[3])], f"xb{tag}")
+    return " && ".join(conds), idx
+
+
+def _forward_checks(k: Conv2dKernel, t):
+    """The operands' strides (x, w, bias, extra inputs) and the output dtype."""
     name, G = k.name, k.geom
     G.check(name)
     x, w = k.x, k.w
-    sx = _view(x, (G.n, G.c, G.h, G.w), "input", name, t)
-    sw = _view(w, (G.o, G.cg, G.kh, G.kw), "weight", name, t)
+    sx = view4(x, (G.n, G.c, G.h, G.w), "input", name, t)
+    sw = view4(w, (G.o, G.cg, G.kh, G.kw), "weight", name, t)
     op_dt = x.dtype
     if w.dtype is not op_dt or not op_dt.is_float:
         raise CodegenError(f"kernel {name!r}: operands must share a float dtype "
@@ -480,7 +509,6 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
             raise CodegenError(f"kernel {name!r}: bias must be {op_dt.name}[{G.o}]")
         sb = bcast_strides(k.bias, (G.o,), f"{name} bias")
         check_extent(name, "bias", k.bias, (G.o,), sb, t)
-    n_in = 2 + (k.bias is not None)
     xs = {}
     for i, s in enumerate(k.extra):
         st = bcast_strides(s, out_shape, f"{name} extra {i}")
@@ -491,15 +519,16 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
             if kind == "x" and i not in xs:
                 raise CodegenError(f"kernel {name!r}: epilogue reads extra input {i} of "
                                    f"{len(k.extra)}")
-    res_dt = k.epilogue[-1].dtype if k.epilogue else op_dt
-    out_dt = k.out_dtype or res_dt
-    bd = Bindings([op_dt, op_dt] + ([op_dt] if k.bias is not None else [])
-                  + [s.dtype for s in k.extra] + [out_dt], alias)
+    out_dt = k.out_dtype or (k.epilogue[-1].dtype if k.epilogue else op_dt)
     check_binding_size(name, "output", G.n * G.o * G.oh * G.ow, out_dt, t)
+    return sx, sw, sb, xs, op_dt, out_dt
+
+
+def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt) -> tuple[_Operand, _Operand]:
+    """A = the weight (rows o, k = (c, i, j)), B = the input (columns (n, oh, ow))."""
+    G, x, w = k.geom, k.x, k.w
     sh_, sw_ = G.stride
-    dh, dw = G.dilation
-    (pt, pb), (pl, pr) = G.pad
-    M, N, K = G.og, G.n * G.oh * G.ow, G.cg * G.kh * G.kw
+    pt, pl = G.pad[0][0], G.pad[1][0]
     ohw = G.oh * G.ow
     k_linear = (sw[1], sw[2], sw[3]) == (G.kh * G.kw, G.kw, 1)
 
@@ -515,23 +544,45 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
     def b_hoist(p, tag, L, ind):
         L.append(f"{ind}let pn{tag} = {p} / {u(ohw)};")
         L.append(f"{ind}let pq{tag} = {p} % {u(ohw)};")
-        L.append(f"{ind}let ih{tag} = i32((pq{tag} / {u(G.ow)}) * {u(sh_)}) - {_i(pt)};")
-        L.append(f"{ind}let iw{tag} = i32((pq{tag} % {u(G.ow)}) * {u(sw_)}) - {_i(pl)};")
+        L.append(f"{ind}let ih{tag} = i32((pq{tag} / {u(G.ow)}) * {u(sh_)}) - {i32_lit(pt)};")
+        L.append(f"{ind}let iw{tag} = i32((pq{tag} % {u(G.ow)}) * {u(sw_)}) - {i32_lit(pl)};")
         L.append(f"{ind}let xb{tag} = "
                  f"{_lin([(f'pn{tag}', sx[0]), (f'gi * {u(G.cg)}', sx[1])], x.offset)};")
 
     def b_load(kv, tag, L, ind):
         c, i, j = _split3(kv, (G.kh, G.kw), f"x{tag}", L, ind)
-        ih = _spatial(f"ih{tag}", i, dh, "+", f"y{tag}", L, ind)
-        iw = _spatial(f"iw{tag}", j, dw, "+", f"z{tag}", L, ind)
-        conds = [c for c in (
-            _range_check(ih, -pt, (G.oh - 1) * sh_ - pt + (G.kh - 1) * dh, G.h),
-            _range_check(iw, -pl, (G.ow - 1) * sw_ - pl + (G.kw - 1) * dw, G.w)) if c]
-        idx = _lin([(c, sx[1]), (f"u32({ih})", sx[2]), (f"u32({iw})", sx[3])], f"xb{tag}")
-        return " && ".join(conds), idx
+        return _input_at(G, sx, tag, i, G.dilation[0], j, G.dilation[1], (c, sx[1]), L, ind)
 
-    def gb_lines(L, ind):
-        L.append(f"{ind}let gi = gbc;")
+    return (_Operand(bd.name(1), op_dt, not (sw[0] == 1 and G.og > 1), a_hoist, a_load),
+            _Operand(bd.name(0), op_dt, False, b_hoist, b_load))
+
+
+def _forward_store(k: Conv2dKernel, bd: Bindings, sb, xs, op_dt, out_dt):
+    """Bias, the fused epilogue (extra inputs read at the output element) and the store."""
+    G = k.geom
+    ohw = G.oh * G.ow
+    n_in = 2 + (k.bias is not None)
+
+    def epilogue(L, ind, helpers):
+        conv = "accf" if op_dt is f32 else f"{op_dt.wgsl}(accf)"
+        L.append(f"{ind}let accv: {op_dt.wgsl} = {conv};")
+        names = {}
+        if xs:
+            L.append(f"{ind}let soh = sq / {u(G.ow)};")
+            L.append(f"{ind}let sow = sq % {u(G.ow)};")
+        for i, st in xs.items():
+            s = k.extra[i]
+            idx = _lin([("sn", st[0]), ("o", st[1]), ("soh", st[2]), ("sow", st[3])], s.offset)
+            L.append(f"{ind}let e{i} = {load(bd.name(n_in + i), idx, s.dtype)};")
+            names[("x", i)] = (f"e{i}", s.dtype)
+        names[("acc", 0)] = ("accv", op_dt)
+
+        def arg(a):
+            if a in names:
+                return names[a]
+            raise CodegenError(f"kernel {k.name!r}: epilogue operand {a!r}")
+
+        return emit_instrs(k.epilogue, arg, "q", L, ind, helpers)[-1]
 
     def store(L, ind, r, col, acc, helpers):
         L.append(f"{ind}let o = gi * {u(G.og)} + {r};")
@@ -541,39 +592,29 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
         if sb is not None:
             v = f"{acc} + {_read(bd.name(2), _lin([('o', sb[0])], k.bias.offset), op_dt)}"
         L.append(f"{ind}let accf: f32 = {v};")
-        val, vdt = "accf", f32
-        if k.epilogue:
-            conv = "accf" if op_dt is f32 else f"{op_dt.wgsl}(accf)"
-            L.append(f"{ind}let accv: {op_dt.wgsl} = {conv};")
-            names = {}
-            if xs:
-                L.append(f"{ind}let soh = sq / {u(G.ow)};")
-                L.append(f"{ind}let sow = sq % {u(G.ow)};")
-            for i, st in xs.items():
-                s = k.extra[i]
-                idx = _lin([("sn", st[0]), ("o", st[1]), ("soh", st[2]), ("sow", st[3])],
-                           s.offset)
-                L.append(f"{ind}let e{i} = {load(bd.name(n_in + i), idx, s.dtype)};")
-                names[i] = (f"e{i}", s.dtype)
-
-            def arg(a):
-                kind, i = a
-                if kind == "acc":
-                    return "accv", op_dt
-                if kind == "x":
-                    return names[i]
-                raise CodegenError(f"kernel {name!r}: epilogue operand {a!r}")
-
-            res = emit_instrs(k.epilogue, arg, "q", L, ind, helpers)
-            val, vdt = res[-1]
+        val, vdt = epilogue(L, ind, helpers) if k.epilogue else ("accf", f32)
         oidx = _lin([("sn", G.o * ohw), ("o", ohw), ("sq", 1)])
         L.append(f"{ind}{bd.name(n_in + len(k.extra))}[{oidx}] = "
                  f"{store_value(val, vdt, out_dt)};")
 
-    A = _Operand(bd.name(1), op_dt, not (sw[0] == 1 and G.og > 1), a_hoist, a_load)
-    B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
+    return store
+
+
+def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> KernelSpec:
+    t = make_target(limits, features)
+    name, G = k.name, k.geom
+    sx, sw, sb, xs, op_dt, out_dt = _forward_checks(k, t)
+    bd = Bindings([op_dt, op_dt] + ([op_dt] if k.bias is not None else [])
+                  + [s.dtype for s in k.extra] + [out_dt], alias)
+    M, N, K = G.og, G.n * G.oh * G.ow, G.cg * G.kh * G.kw
+
+    def gb_lines(L, ind):
+        L.append(f"{ind}let gi = gbc;")
+
+    A, B = _forward_operands(k, sx, sw, bd, op_dt)
     tile = choose_tile(M, N, k.tile)
-    gm = _Gemm(name, M, N, K, G.groups, tile, A, B, gb_lines, None, store)
+    gm = _Gemm(name, M, N, K, G.groups, tile, A, B, gb_lines, None,
+               _forward_store(k, bd, sb, xs, op_dt, out_dt))
     body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
     return _module(name, bd, [i.dtype for i in k.epilogue], body, shared, nbytes, grid,
                    helpers, t, {"archetype": "conv2d", "tile": tile,
@@ -590,8 +631,8 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
     name, G = k.name, k.geom
     G.check(name)
     dy, w = k.dy, k.w
-    sd = _view(dy, (G.n, G.o, G.oh, G.ow), "dy", name, t)
-    sw = _view(w, (G.o, G.cg, G.kh, G.kw), "weight", name, t)
+    sd = view4(dy, (G.n, G.o, G.oh, G.ow), "dy", name, t)
+    sw = view4(w, (G.o, G.cg, G.kh, G.kw), "weight", name, t)
     op_dt = dy.dtype
     if w.dtype is not op_dt or not op_dt.is_float:
         raise CodegenError(f"kernel {name!r}: operands must share a float dtype")
@@ -615,8 +656,8 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
     def b_hoist(p, tag, L, ind):
         L.append(f"{ind}let pn{tag} = {p} / {u(hw)};")
         L.append(f"{ind}let pq{tag} = {p} % {u(hw)};")
-        L.append(f"{ind}let th{tag} = i32(pq{tag} / {u(G.w)}) + {_i(pt)};")
-        L.append(f"{ind}let tw{tag} = i32(pq{tag} % {u(G.w)}) + {_i(pl)};")
+        L.append(f"{ind}let th{tag} = i32(pq{tag} / {u(G.w)}) + {i32_lit(pt)};")
+        L.append(f"{ind}let tw{tag} = i32(pq{tag} % {u(G.w)}) + {i32_lit(pl)};")
         L.append(f"{ind}let db{tag} = "
                  f"{_lin([(f'pn{tag}', sd[0]), (f'gi * {u(G.og)}', sd[1])], dy.offset)};")
 
@@ -785,8 +826,8 @@ def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None,
     name, G = k.name, k.geom
     G.check(name)
     x, dy = k.x, k.dy
-    sx = _view(x, (G.n, G.c, G.h, G.w), "input", name, t)
-    sd = _view(dy, (G.n, G.o, G.oh, G.ow), "dy", name, t)
+    sx = view4(x, (G.n, G.c, G.h, G.w), "input", name, t)
+    sd = view4(dy, (G.n, G.o, G.oh, G.ow), "dy", name, t)
     op_dt = x.dtype
     if dy.dtype is not op_dt or not op_dt.is_float:
         raise CodegenError(f"kernel {name!r}: operands must share a float dtype")
@@ -814,20 +855,14 @@ def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None,
 
     def b_hoist(q, tag, L, ind):
         c, i, j = _split3(q, (G.kh, G.kw), f"q{tag}", L, ind)
-        L.append(f"{ind}let ih{tag} = i32({_mul(i, dh)}) - {_i(pt)};")
-        L.append(f"{ind}let iw{tag} = i32({_mul(j, dw)}) - {_i(pl)};")
+        L.append(f"{ind}let ih{tag} = i32({_mul(i, dh)}) - {i32_lit(pt)};")
+        L.append(f"{ind}let iw{tag} = i32({_mul(j, dw)}) - {i32_lit(pl)};")
         L.append(f"{ind}let xb{tag} = "
                  f"{_lin([(f'(gi * {u(G.cg)} + {c})', sx[1])], x.offset)};")
 
     def b_load(kv, tag, L, ind):
         n, oh, ow = _split3(kv, (G.oh, G.ow), f"b{tag}", L, ind)
-        ih = _spatial(f"ih{tag}", oh, sh_, "+", f"y{tag}", L, ind)
-        iw = _spatial(f"iw{tag}", ow, sw_, "+", f"z{tag}", L, ind)
-        conds = [c for c in (
-            _range_check(ih, -pt, (G.oh - 1) * sh_ - pt + (G.kh - 1) * dh, G.h),
-            _range_check(iw, -pl, (G.ow - 1) * sw_ - pl + (G.kw - 1) * dw, G.w)) if c]
-        idx = _lin([(n, sx[0]), (f"u32({ih})", sx[2]), (f"u32({iw})", sx[3])], f"xb{tag}")
-        return " && ".join(conds), idx
+        return _input_at(G, sx, tag, oh, sh_, ow, sw_, (n, sx[0]), L, ind)
 
     def gb_lines(L, ind):
         L.append(f"{ind}let gi = gbc % {u(G.groups)};")
