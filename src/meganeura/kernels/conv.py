@@ -625,19 +625,57 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
 # input gradient
 
 
+def _grad_setup(k, t, alias, first, second):
+    """Strides of the two 4-D operands ((view, shape, what) each), their shared float dtype,
+    the output dtype and the bindings (first, second, output)."""
+    name = k.name
+    k.geom.check(name)
+    s1 = view4(*first, name, t)
+    s2 = view4(*second, name, t)
+    op_dt = first[0].dtype
+    if second[0].dtype is not op_dt or not op_dt.is_float:
+        raise CodegenError(f"kernel {name!r}: operands must share a float dtype")
+    out_dt = k.out_dtype or op_dt
+    return s1, s2, op_dt, out_dt, Bindings([op_dt, op_dt, out_dt], alias)
+
+
+def _weight_rows(G: ConvGeom, sw, w: Strided):
+    """The input gradient's A hoist: weight base of staged row (input channel) ``r``."""
+
+    def a_hoist(r, tag, L, ind):
+        L.append(f"{ind}let ab{tag} = "
+                 f"{_lin([(r, sw[1]), (f'gi * {u(G.og)}', sw[0])], w.offset)};")
+
+    return a_hoist
+
+
+def _dy_base(G: ConvGeom, sd, dy: Strided, tag: str, L: list[str], ind: str) -> None:
+    L.append(f"{ind}let db{tag} = "
+             f"{_lin([(f'pn{tag}', sd[0]), (f'gi * {u(G.og)}', sd[1])], dy.offset)};")
+
+
+def _dy_axis(base, e, d, s, size_out, lo, hi, tag, L, ind):
+    """(condition, output coordinate) for t = base - e·d: t % s == 0, 0 <= t/s < size."""
+    tv = _spatial(base, e, d, "-", f"u{tag}", L, ind)
+    conds = []
+    if s == 1:
+        c = _range_check(tv, lo, hi, size_out)
+        if c:
+            conds.append(c)
+        return conds, f"u32({tv})"
+    if not (lo >= 0 and hi < size_out * s):
+        conds.append(f"u32({tv}) < {u(size_out * s)}")
+    conds.append(f"u32({tv}) % {u(s)} == 0u")
+    return conds, f"(u32({tv}) / {u(s)})"
+
+
 def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
                     alias=None) -> KernelSpec:
     t = make_target(limits, features)
     name, G = k.name, k.geom
-    G.check(name)
     dy, w = k.dy, k.w
-    sd = view4(dy, (G.n, G.o, G.oh, G.ow), "dy", name, t)
-    sw = view4(w, (G.o, G.cg, G.kh, G.kw), "weight", name, t)
-    op_dt = dy.dtype
-    if w.dtype is not op_dt or not op_dt.is_float:
-        raise CodegenError(f"kernel {name!r}: operands must share a float dtype")
-    out_dt = k.out_dtype or op_dt
-    bd = Bindings([op_dt, op_dt, out_dt], alias)
+    sd, sw, op_dt, out_dt, bd = _grad_setup(k, t, alias, (dy, (G.n, G.o, G.oh, G.ow), "dy"),
+                                            (w, (G.o, G.cg, G.kh, G.kw), "weight"))
     check_binding_size(name, "output", G.n * G.c * G.h * G.w, out_dt, t)
     sh_, sw_ = G.stride
     dh, dw = G.dilation
@@ -645,9 +683,7 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
     hw = G.h * G.w
     M, N, K = G.cg, G.n * hw, G.og * G.kh * G.kw
 
-    def a_hoist(r, tag, L, ind):
-        L.append(f"{ind}let ab{tag} = "
-                 f"{_lin([(r, sw[1]), (f'gi * {u(G.og)}', sw[0])], w.offset)};")
+    a_hoist = _weight_rows(G, sw, w)
 
     def a_load(kv, tag, L, ind):
         o, i, j = _split3(kv, (G.kh, G.kw), f"w{tag}", L, ind)
@@ -658,28 +694,13 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
         L.append(f"{ind}let pq{tag} = {p} % {u(hw)};")
         L.append(f"{ind}let th{tag} = i32(pq{tag} / {u(G.w)}) + {i32_lit(pt)};")
         L.append(f"{ind}let tw{tag} = i32(pq{tag} % {u(G.w)}) + {i32_lit(pl)};")
-        L.append(f"{ind}let db{tag} = "
-                 f"{_lin([(f'pn{tag}', sd[0]), (f'gi * {u(G.og)}', sd[1])], dy.offset)};")
-
-    def axis(base, e, d, s, size_out, lo, hi, tag, L, ind):
-        """(condition, output coordinate) for t = base - e·d: t % s == 0, 0 <= t/s < size."""
-        tv = _spatial(base, e, d, "-", f"u{tag}", L, ind)
-        conds = []
-        if s == 1:
-            c = _range_check(tv, lo, hi, size_out)
-            if c:
-                conds.append(c)
-            return conds, f"u32({tv})"
-        if not (lo >= 0 and hi < size_out * s):
-            conds.append(f"u32({tv}) < {u(size_out * s)}")
-        conds.append(f"u32({tv}) % {u(s)} == 0u")
-        return conds, f"(u32({tv}) / {u(s)})"
+        _dy_base(G, sd, dy, tag, L, ind)
 
     def b_load(kv, tag, L, ind):
         o, i, j = _split3(kv, (G.kh, G.kw), f"d{tag}", L, ind)
-        c1, oh = axis(f"th{tag}", i, dh, sh_, G.oh, pt - (G.kh - 1) * dh, G.h - 1 + pt,
+        c1, oh = _dy_axis(f"th{tag}", i, dh, sh_, G.oh, pt - (G.kh - 1) * dh, G.h - 1 + pt,
                       f"h{tag}", L, ind)
-        c2, ow = axis(f"tw{tag}", j, dw, sw_, G.ow, pl - (G.kw - 1) * dw, G.w - 1 + pl,
+        c2, ow = _dy_axis(f"tw{tag}", j, dw, sw_, G.ow, pl - (G.kw - 1) * dw, G.w - 1 + pl,
                       f"w{tag}", L, ind)
         return " && ".join(c1 + c2), _lin([(o, sd[1]), (oh, sd[2]), (ow, sd[3])], f"db{tag}")
 
@@ -732,6 +753,32 @@ def _select(r: str, values, ty: str = "u") -> str:
     return expr
 
 
+def _phase_lines(G: ConvGeom, hrows, wrows, L: list[str], ind: str) -> None:
+    """Workgroup -> (group ``gi``, phase (rh, rw)) and that phase's positions, first tap, tap
+    count and first output offset per axis."""
+    L.append(f"{ind}let gi = gbc % {u(G.groups)};")
+    L.append(f"{ind}let ph = gbc / {u(G.groups)};")
+    L.append(f"{ind}let rh = ph / {u(G.stride[1])};")
+    L.append(f"{ind}let rw = ph % {u(G.stride[1])};")
+    for a, rows, rv in (("h", hrows, "rh"), ("w", wrows, "rw")):
+        L.append(f"{ind}let q{a} = {_select(rv, [r[0] for r in rows])};")
+        L.append(f"{ind}let i0{a} = {_select(rv, [r[1] for r in rows])};")
+        L.append(f"{ind}let nt{a} = {_select(rv, [r[2] for r in rows])};")
+        L.append(f"{ind}let d0{a} = {_select(rv, [r[3] for r in rows], 'i')};")
+    L.append(f"{ind}let qhw = max(qh * qw, 1u);")
+    L.append(f"{ind}let ntap = max(nth * ntw, 1u);")
+    L.append(f"{ind}let ncol = {u(G.n)} * qh * qw;")
+
+
+def _taps(kv: str, p: str, L: list[str], ind: str) -> tuple[str, str, str]:
+    """(o, tap along h, tap along w) of K index ``kv`` of a phase."""
+    L.append(f"{ind}let {p}o = {kv} / ntap;")
+    L.append(f"{ind}let {p}t = {kv} % ntap;")
+    L.append(f"{ind}let {p}a = {p}t / max(ntw, 1u);")
+    L.append(f"{ind}let {p}b = {p}t % max(ntw, 1u);")
+    return f"{p}o", f"{p}a", f"{p}b"
+
+
 def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> KernelSpec:
     """Input gradient of a strided convolution, one GEMM per (group, phase): input positions
     with h ≡ rh (mod sh), w ≡ rw (mod sw) receive only the taps that land on them, so no K
@@ -749,36 +796,16 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
     kmax = G.og * max(r[2] for r in hrows) * max(r[2] for r in wrows)
 
     def gb_lines(L, ind):
-        L.append(f"{ind}let gi = gbc % {u(G.groups)};")
-        L.append(f"{ind}let ph = gbc / {u(G.groups)};")
-        L.append(f"{ind}let rh = ph / {u(sw_)};")
-        L.append(f"{ind}let rw = ph % {u(sw_)};")
-        for a, rows, rv in (("h", hrows, "rh"), ("w", wrows, "rw")):
-            L.append(f"{ind}let q{a} = {_select(rv, [r[0] for r in rows])};")
-            L.append(f"{ind}let i0{a} = {_select(rv, [r[1] for r in rows])};")
-            L.append(f"{ind}let nt{a} = {_select(rv, [r[2] for r in rows])};")
-            L.append(f"{ind}let d0{a} = {_select(rv, [r[3] for r in rows], 'i')};")
-        L.append(f"{ind}let qhw = max(qh * qw, 1u);")
-        L.append(f"{ind}let ntap = max(nth * ntw, 1u);")
-        L.append(f"{ind}let ncol = {u(G.n)} * qh * qw;")
+        _phase_lines(G, hrows, wrows, L, ind)
 
     def krange(L, ind):
         L.append(f"{ind}let kbeg = 0u;")
         L.append(f"{ind}let kend = {u(G.og)} * nth * ntw;")
 
-    def taps(kv, p, L, ind):
-        L.append(f"{ind}let {p}o = {kv} / ntap;")
-        L.append(f"{ind}let {p}t = {kv} % ntap;")
-        L.append(f"{ind}let {p}a = {p}t / max(ntw, 1u);")
-        L.append(f"{ind}let {p}b = {p}t % max(ntw, 1u);")
-        return f"{p}o", f"{p}a", f"{p}b"
-
-    def a_hoist(r, tag, L, ind):
-        L.append(f"{ind}let ab{tag} = "
-                 f"{_lin([(r, sw[1]), (f'gi * {u(G.og)}', sw[0])], w.offset)};")
+    a_hoist = _weight_rows(G, sw, w)
 
     def a_load(kv, tag, L, ind):
-        o, ta, tb = taps(kv, f"w{tag}", L, ind)
+        o, ta, tb = _taps(kv, f"w{tag}", L, ind)
         i, j = f"(i0h + {_mul(ta, hstep)})", f"(i0w + {_mul(tb, wstep)})"
         return "", _lin([(o, sw[0]), (i, sw[2]), (j, sw[3])], f"ab{tag}")
 
@@ -787,11 +814,10 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
         L.append(f"{ind}let pq{tag} = {p} % qhw;")
         L.append(f"{ind}let oh{tag} = i32(pq{tag} / max(qw, 1u)) + d0h;")
         L.append(f"{ind}let ow{tag} = i32(pq{tag} % max(qw, 1u)) + d0w;")
-        L.append(f"{ind}let db{tag} = "
-                 f"{_lin([(f'pn{tag}', sd[0]), (f'gi * {u(G.og)}', sd[1])], dy.offset)};")
+        _dy_base(G, sd, dy, tag, L, ind)
 
     def b_load(kv, tag, L, ind):
-        o, ta, tb = taps(kv, f"d{tag}", L, ind)
+        o, ta, tb = _taps(kv, f"d{tag}", L, ind)
         L.append(f"{ind}let y{tag} = oh{tag} - i32({_mul(ta, hdo)});")
         L.append(f"{ind}let z{tag} = ow{tag} - i32({_mul(tb, wdo)});")
         cond = f"u32(y{tag}) < {u(G.oh)} && u32(z{tag}) < {u(G.ow)}"
@@ -824,15 +850,9 @@ def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None,
                      alias=None) -> KernelSpec:
     t = make_target(limits, features)
     name, G = k.name, k.geom
-    G.check(name)
     x, dy = k.x, k.dy
-    sx = view4(x, (G.n, G.c, G.h, G.w), "input", name, t)
-    sd = view4(dy, (G.n, G.o, G.oh, G.ow), "dy", name, t)
-    op_dt = x.dtype
-    if dy.dtype is not op_dt or not op_dt.is_float:
-        raise CodegenError(f"kernel {name!r}: operands must share a float dtype")
-    out_dt = k.out_dtype or op_dt
-    bd = Bindings([op_dt, op_dt, out_dt], alias)
+    sx, sd, op_dt, out_dt, bd = _grad_setup(k, t, alias, (x, (G.n, G.c, G.h, G.w), "input"),
+                                            (dy, (G.n, G.o, G.oh, G.ow), "dy"))
     S = int(k.split)
     if S < 1:
         raise CodegenError(f"kernel {name!r}: split must be >= 1, got {S}")
