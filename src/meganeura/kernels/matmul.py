@@ -92,18 +92,7 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
     acc_t = f32 if op_dt.is_float else op_dt
     check_extent(name, "operand a", a, (B, M, K), sa, t)
     check_extent(name, "operand b", b, (B, K, N), sb, t)
-    used_x = sorted({i for ins in k.epilogue for kind, i in ins.args if kind == "x"})
-    xs = {}
-    for i in used_x:
-        if i >= len(k.extra):
-            raise CodegenError(f"kernel {name!r}: epilogue reads extra input {i} of {len(k.extra)}")
-        s = k.extra[i]
-        if len(s.shape) < 3:
-            st = bcast_strides(s, (B, M, N), f"{name} extra {i}")
-        else:
-            _, st = _norm(s, (B, M, N), f"extra {i}", name)
-        check_extent(name, f"extra input {i}", s, (B, M, N), st, t)
-        xs[i] = st
+    xs = _extras(k, (B, M, N), t)
     res_dt = k.epilogue[-1].dtype if k.epilogue else op_dt
     out_dt: DType = k.out_dtype or res_dt
     check_binding_size(name, "output", B * M * N, out_dt, t)
@@ -115,14 +104,7 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
 
     bd = Bindings(dts, alias)
     ctx = _Ctx(name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in, bd)
-    if k.precision not in PRECISIONS:
-        raise CodegenError(f"kernel {name!r}: precision must be one of {PRECISIONS}, "
-                           f"got {k.precision!r}")
-    fast = k.precision == "fast" and op_dt.is_float and SG_FEATURE in t.features and t.has_f16
-    variant = choose_variant(B, M, N, K, getattr(k, "variant", ""), name, fast)
-    if variant in SGMAT and not (op_dt.is_float and SG_FEATURE in t.features):
-        raise CodegenError(f"kernel {name!r}: variant {variant!r} needs f16 subgroup matrices "
-                           f"(Dawn, feature {SG_FEATURE!r}) and float operands")
+    variant = _variant(k, ctx, t)
     if variant == "gemv":
         body, shared, wg_size, grid, helpers, variant = _gemv(ctx, t)
     elif variant in SGMAT:
@@ -155,6 +137,36 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
             "flops": 2 * B * M * N * K,
         },
     )
+
+
+def _extras(k: MatmulKernel, shape, t) -> dict[int, tuple[int, ...]]:
+    """Strides over (batch, M, N) of the extra inputs the epilogue reads."""
+    name, xs = k.name, {}
+    for i in sorted({i for ins in k.epilogue for kind, i in ins.args if kind == "x"}):
+        if i >= len(k.extra):
+            raise CodegenError(f"kernel {name!r}: epilogue reads extra input {i} of {len(k.extra)}")
+        s = k.extra[i]
+        if len(s.shape) < 3:
+            st = bcast_strides(s, shape, f"{name} extra {i}")
+        else:
+            _, st = _norm(s, shape, f"extra {i}", name)
+        check_extent(name, f"extra input {i}", s, shape, st, t)
+        xs[i] = st
+    return xs
+
+
+def _variant(k: MatmulKernel, c: _Ctx, t) -> str:
+    """The variant for this kernel, precision and device (tensor cores only for "fast")."""
+    name, op_dt = k.name, c.op_dt
+    if k.precision not in PRECISIONS:
+        raise CodegenError(f"kernel {name!r}: precision must be one of {PRECISIONS}, "
+                           f"got {k.precision!r}")
+    fast = k.precision == "fast" and op_dt.is_float and SG_FEATURE in t.features and t.has_f16
+    variant = choose_variant(c.B, c.M, c.N, c.K, getattr(k, "variant", ""), name, fast)
+    if variant in SGMAT and not (op_dt.is_float and SG_FEATURE in t.features):
+        raise CodegenError(f"kernel {name!r}: variant {variant!r} needs f16 subgroup matrices "
+                           f"(Dawn, feature {SG_FEATURE!r}) and float operands")
+    return variant
 
 
 def choose_variant(B: int, M: int, N: int, K: int, forced: str = "", name: str = "",
@@ -387,7 +399,7 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
     nthreads = 32 * nsg
     FM, FN = TM // SGM // 16, TN // SGN // 16  # fragments per subgroup
     astr, bstr = SG_BK + SG_PAD, TN + SG_PAD  # workgroup-memory row strides (f16 elements)
-    ind, i2, i3 = "    ", "        ", "            "
+    ind = "    "
     L: list[str] = [
         f"{ind}let sid = lid / 32u;",
         f"{ind}let lane = lid % 32u;",
@@ -435,6 +447,18 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
         guard.append(f"n < {u(N)}")
     if live_check:
         guard.append("live")
+    _sgmat_stores(c, L, FM, FN, guard, helpers)
+    nbytes = 2 * (TM * astr + SG_BK * bstr) + 4 * 256 * nsg
+    shared = ([f"var<workgroup> As: array<f16, {TM * astr}>;",
+               f"var<workgroup> Bs: array<f16, {SG_BK * bstr}>;",
+               f"var<workgroup> Cs: array<f32, {256 * nsg}>;"], nbytes)
+    return L, shared, nthreads, grid, helpers, f"sgmat{TM}"
+
+
+def _sgmat_stores(c: _Ctx, L: list[str], FM: int, FN: int, guard: list[str], helpers) -> None:
+    """Each fragment through this subgroup's 16x16 f32 scratch in workgroup memory, then 8
+    elements per invocation through the ordinary (bounds-checked) epilogue and store."""
+    ind, i2, i3 = "    ", "        ", "            "
     for i in range(FM):
         for j in range(FN):
             L.append(f"{ind}subgroupMatrixStore(&Cs, sid * 256u, c{i}_{j}, false, 16u);")
@@ -452,11 +476,6 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
                 c.store(L, i2, "bi", "r", "n", "v", helpers)
             L.append(f"{ind}}}")
             L.append(f"{ind}workgroupBarrier();")
-    nbytes = 2 * (TM * astr + SG_BK * bstr) + 4 * 256 * nsg
-    shared = ([f"var<workgroup> As: array<f16, {TM * astr}>;",
-               f"var<workgroup> Bs: array<f16, {SG_BK * bstr}>;",
-               f"var<workgroup> Cs: array<f32, {256 * nsg}>;"], nbytes)
-    return L, shared, nthreads, grid, helpers, f"sgmat{TM}"
 
 
 def _stage(c: _Ctx, out: list[str], ii: str, check_mn: bool, check_k: bool, TM: int, TN: int,
