@@ -78,30 +78,27 @@ def make_target(limits=None, features=None) -> Target:
     return Target(lim, frozenset(feats or ()))
 
 
+def _check_limit(t: Target, limit: str, n: int, message) -> None:
+    """LimitError ``message(device's value)`` when ``n`` exceeds ``limit``."""
+    if n > t.lim(limit):
+        raise LimitError(message(t.lim(limit)))
+
+
 def check_workgroup_storage(name: str, nbytes: int, t: Target) -> None:
-    maxs = t.lim("max_compute_workgroup_storage_size")
-    if nbytes > maxs:
-        raise LimitError(
-            f"kernel {name!r} needs {nbytes} bytes of workgroup storage; the device allows "
-            f"{maxs} (max_compute_workgroup_storage_size)"
-        )
+    _check_limit(t, "max_compute_workgroup_storage_size", nbytes, lambda m: (
+        f"kernel {name!r} needs {nbytes} bytes of workgroup storage; the device allows "
+        f"{m} (max_compute_workgroup_storage_size)"))
 
 
 def check_bindings(name: str, n: int, t: Target) -> None:
-    maxb = t.lim("max_storage_buffers_per_shader_stage")
-    if n > maxb:
-        raise LimitError(
-            f"kernel {name!r} needs {n} storage buffers; the device allows {maxb} per shader "
-            f"stage (max_storage_buffers_per_shader_stage): split the fused kernel"
-        )
+    _check_limit(t, "max_storage_buffers_per_shader_stage", n, lambda m: (
+        f"kernel {name!r} needs {n} storage buffers; the device allows {m} per shader "
+        f"stage (max_storage_buffers_per_shader_stage): split the fused kernel"))
 
 
 def check_invocations(name: str, n: int, t: Target) -> None:
-    maxi = t.lim("max_compute_invocations_per_workgroup")
-    if n > maxi:
-        raise LimitError(
-            f"kernel {name!r} uses workgroups of {n} invocations; the device allows {maxi}"
-        )
+    _check_limit(t, "max_compute_invocations_per_workgroup", n, lambda m: (
+        f"kernel {name!r} uses workgroups of {n} invocations; the device allows {m}"))
 
 
 def check_binding_size(name: str, what: str, n_elems: int, dt: DType, t: Target) -> None:
