@@ -20,17 +20,20 @@ class Runner:
     def __init__(self, dev):
         self.dev = dev
 
-    def __call__(self, desc, inputs, outputs, limits=None):
+    def __call__(self, desc, inputs, outputs, limits=None, alias=None):
         """Emit ``desc``, bind ``inputs`` (numpy arrays: the raw buffers, in binding order) and
-        fresh ``outputs`` ((shape, dtype) pairs), dispatch, return the outputs as numpy."""
+        fresh ``outputs`` ((shape, dtype) pairs), dispatch, return the outputs as numpy.
+        ``alias`` (``emit``'s): only each range's first slot is bound (aliased inputs must be
+        the same array)."""
         spec = codegen.emit(desc, self.dev.limits if limits is None else limits,
-                            self.dev.features)
+                            self.dev.features, alias=alias)
         bufs = [self.dev.upload(a) for a in inputs]
         for shape, dt in outputs:
             dt = as_dtype(dt)
             n = int(np.prod(shape, dtype=np.int64))
             bufs.append(self.dev.create_buffer(max(n, 1) * dt.gpu_itemsize))
-        self.dev.dispatch(spec, bufs)
+        kept = bufs if alias is None else [b for i, b in enumerate(bufs) if alias[i] == i]
+        self.dev.dispatch(spec, kept)
         res = []
         for buf, (shape, dt) in zip(bufs[len(inputs):], outputs, strict=True):
             dt = as_dtype(dt)

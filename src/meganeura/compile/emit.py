@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 
 from .. import kernels
-from ..kernels.archetypes import archetype_of
 from ..kernels.common import Target
-from .executable import Copy, Dispatch, Fetch, Loc, Stream
+from .executable import Copy, Dispatch, Fetch, Stream
 from .memory import CopyOp, Plan
 
 _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
@@ -29,9 +27,12 @@ def emit_kernel(desc, binds, target: Target, precision: str = "strict",
     """One kernel description with its bindings → a ``Dispatch``."""
     if precision != "strict" and isinstance(desc, kernels.MatmulKernel):
         desc = dataclasses.replace(desc, precision=precision)
-    arch = archetype_of(desc)
-    spec = (arch.emit if arch else kernels.emit)(desc, target.limits, target.features)
-    spec, binds = _share_bindings(spec, list(binds))
+    # several views of one tensor (RoPE halves, q/k/v of a fused projection) bind the same
+    # range: WebGPU forbids that for writable storage bindings (Dawn validates it), so the
+    # kernel is emitted with one binding per distinct range
+    alias = kernels.binding_aliases(binds)
+    spec = kernels.emit(desc, target.limits, target.features, alias=alias)
+    binds = [b for i, b in enumerate(binds) if alias[i] == i]
     if "wgsl" in _DEBUG:
         print(f"// ---- {label}\n{spec.wgsl}")
     return Dispatch(label, spec, tuple(binds))
@@ -74,30 +75,3 @@ def _fetch_layout(plan: Plan) -> tuple[Fetch, ...]:
         out.append(Fetch(name, loc, t, offset, n))
         offset += n
     return tuple(out)
-
-
-def _share_bindings(spec, binds: list[Loc]):
-    """Several views of one tensor (RoPE halves, q/k/v of a fused projection) would bind the
-    same buffer range more than once, which WebGPU forbids for writable storage bindings
-    (Dawn validates it): keep the first binding and point the others' reads at it."""
-    first: dict = {}
-    drop: dict[int, int] = {}
-    for i, loc in enumerate(binds):
-        if loc in first:
-            drop[i] = first[loc]
-        else:
-            first[loc] = i
-    if not drop:
-        return spec, binds
-    src = spec.wgsl
-    for j, i in drop.items():
-        src = re.sub(rf"^.*@binding\({j}\) var<storage, read_write> b{j}:.*\n", "", src,
-                     flags=re.M)
-        src = re.sub(rf"\bb{j}\[", f"b{i}[", src)
-        src = re.sub(rf"&b{j}\b", f"&b{i}", src)
-    keep = [i for i in range(len(binds)) if i not in drop]
-    for new, old in enumerate(keep):  # binding numbers must stay dense: 0..n-1
-        src = src.replace(f"@binding({old}) var", f"@binding(@{new}@) var")
-    src = re.sub(r"@binding\(@(\d+)@\) var", r"@binding(\1) var", src)
-    spec = dataclasses.replace(spec, wgsl=src, n_bindings=len(keep))
-    return spec, [binds[i] for i in keep]

@@ -1,14 +1,41 @@
-"""WGSL code generation: one emitter per kernel archetype (``ir.py`` describes them).
+"""WGSL code generation: one emitter per kernel family (``ir.py`` and the family modules
+describe them).
 
-``emit(desc, limits, features)`` turns a kernel description into a ``KernelSpec`` (WGSL source,
-binding count, workgroup grid).  ``limits`` is the device's limits dict (or a ``Device``, whose
-limits and features are then used; None means WebGPU's guaranteed minimums); ``features`` the
-device's feature names (``shader-f16`` enables f16 kernels).  Emitters never touch a device.
+``emit(desc, limits, features, alias)`` turns a kernel description into a ``KernelSpec`` (WGSL
+source, binding count, workgroup grid).  ``limits`` is the device's limits dict (or a
+``Device``, whose limits and features are then used; None means WebGPU's guaranteed minimums);
+``features`` the device's feature names (``shader-f16`` enables f16 kernels); ``alias`` says
+which binding slots share one buffer range (``binding_aliases(binds)``; those are declared
+once).  Emitters never touch a device.
+
+Adding a kernel family: one module here with
+  * a frozen dataclass describing one dispatch (its own type: the registry maps types to
+    families),
+  * ``emit(desc, limits=None, features=None, alias=None) -> KernelSpec``, declaring its
+    storage bindings with ``common.Bindings(dtypes, alias)`` (slot names from ``.name(i)``,
+    declarations from ``.decls()``, ``n_bindings=.n``),
+  * one registration, ``@kernel_family(name, DescType, make=…)`` on ``emit`` (or
+    ``archetypes.register(…)``), where ``make(attrs, inputs, outputs)`` builds the description
+    from a graph node an op lowers with ``lowering.Kernel(name)``; optional hooks:
+    ``contiguous_inputs``, ``epilogue``, ``in_place`` (see ``archetypes.Archetype``);
+and the module's name in the import list below (importing it registers the family).
 """
 
 from __future__ import annotations
 
-from .common import DEFAULT_LIMITS, CodegenError, Target, make_target
+from . import (  # noqa: F401  (importing a family module registers it)
+    attention,
+    concat,
+    conv,
+    gather,
+    matmul,
+    one_hot,
+    pointwise,
+    pool,
+    reduce,
+)
+from .archetypes import archetype, archetype_of, emit, families, kernel_family, register
+from .common import DEFAULT_LIMITS, Bindings, CodegenError, Target, binding_aliases, make_target
 from .ir import (
     Instr,
     KernelSpec,
@@ -21,6 +48,7 @@ from .ir import (
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "Bindings",
     "CodegenError",
     "Instr",
     "KernelSpec",
@@ -30,25 +58,12 @@ __all__ = [
     "ReduceKernel",
     "Strided",
     "Target",
+    "archetype",
+    "archetype_of",
+    "binding_aliases",
     "emit",
+    "families",
+    "kernel_family",
     "make_target",
+    "register",
 ]
-
-
-def emit(desc, limits=None, features=None) -> KernelSpec:
-    """The ``KernelSpec`` of one kernel description (dispatch on its type)."""
-    import importlib
-
-    modules = {
-        PointwiseKernel: "pointwise",
-        ReduceKernel: "reduce",
-        MatmulKernel: "matmul",
-        OneHotKernel: "one_hot",
-    }
-    mod = modules.get(type(desc))
-    if mod is None:
-        raise CodegenError(
-            f"no WGSL emitter for {type(desc).__name__}; known: "
-            f"{', '.join(t.__name__ for t in modules)}"
-        )
-    return importlib.import_module(f"{__name__}.{mod}").emit(desc, limits, features)

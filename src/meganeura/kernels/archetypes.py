@@ -1,11 +1,16 @@
-"""Registry of dedicated kernel archetypes (``lowering.Kernel(archetype, params)``).
+"""The one registry of kernel families: description type -> emitter (and, for families an op
+lowers to with ``lowering.Kernel(name)``, the ``make`` hook building the description).
 
-An op family that needs its own kernel (one_hot, conv2d, attention, gather…) registers here:
+A family registers once, in its own module, with ``@kernel_family(name, desc_type, make=…)`` on
+its emitter:
   make(attrs, inputs: list[Strided], outputs: list[TensorType]) -> a kernel description
-  emit(desc, limits, features) -> KernelSpec
+  emit(desc, limits=None, features=None, alias=None) -> KernelSpec
 The planner resolves the node's inputs to strided views (views folded in; with
 ``contiguous_inputs`` it copies them to contiguous buffers first), binds inputs then outputs in
-order, and never needs to know the archetype.  Descriptions are hashable dataclasses."""
+order, and never needs to know the family.  Descriptions are hashable dataclasses; each
+description type belongs to exactly one family (``archetype_of``), each name too (``archetype``),
+and registering either twice is an error.  Families the scheduler builds itself (pointwise,
+reduce, matmul, concat, pad_slice) have ``make=None``."""
 
 from __future__ import annotations
 
@@ -13,12 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .common import CodegenError
+
 
 @dataclass(frozen=True)
 class Archetype:
     name: str
     desc_type: type
-    make: Callable[..., Any]
+    make: Callable[..., Any] | None
     emit: Callable[..., Any]
     contiguous_inputs: bool = False
     # epilogue(desc, extra: Strided views over the output, instrs, out_dtype) -> desc | None:
@@ -33,17 +40,33 @@ _BY_NAME: dict[str, Archetype] = {}
 _BY_DESC: dict[type, Archetype] = {}
 
 
-def register_archetype(name: str, desc_type: type, make, emit,
-                       contiguous_inputs: bool = False, epilogue=None,
-                       in_place=None) -> Archetype:
+def register(name: str, desc_type: type, emit, make=None, contiguous_inputs: bool = False,
+             epilogue=None, in_place=None) -> Archetype:
+    """Add a family; a name or description type registered before is an error (one type
+    cannot stand for two families: ``archetype_of`` would pick one silently)."""
+    if name in _BY_NAME:
+        raise CodegenError(f"kernel family {name!r} is already registered")
+    if desc_type in _BY_DESC:
+        raise CodegenError(f"{desc_type.__name__} already belongs to kernel family "
+                           f"{_BY_DESC[desc_type].name!r}; {name!r} needs its own type")
     a = Archetype(name, desc_type, make, emit, contiguous_inputs, epilogue, in_place)
     _BY_NAME[name] = a
     _BY_DESC[desc_type] = a
     return a
 
 
+def kernel_family(name: str, desc_type: type, make=None, contiguous_inputs: bool = False,
+                  epilogue=None, in_place=None):
+    """Decorator registering the decorated emitter as family ``name`` (see ``register``)."""
+
+    def deco(emit):
+        register(name, desc_type, emit, make, contiguous_inputs, epilogue, in_place)
+        return emit
+
+    return deco
+
+
 def archetype(name: str) -> Archetype:
-    _load_builtin()
     try:
         return _BY_NAME[name]
     except KeyError:
@@ -52,30 +75,20 @@ def archetype(name: str) -> Archetype:
 
 
 def archetype_of(desc) -> Archetype | None:
-    _load_builtin()
     return _BY_DESC.get(type(desc))
 
 
-def emitter_for(desc) -> Callable | None:
-    _load_builtin()
+def families() -> dict[str, Archetype]:
+    """Every registered family by name."""
+    return dict(_BY_NAME)
+
+
+def emit(desc, limits=None, features=None, alias=None):
+    """The ``KernelSpec`` of one kernel description (its family's emitter).  ``alias``: one
+    entry per binding slot, the first slot bound to the same buffer range (identity = none
+    shared; see ``binding_aliases``)."""
     a = _BY_DESC.get(type(desc))
-    return a.emit if a else None
-
-
-_loaded = False
-
-
-def _load_builtin() -> None:
-    """Import the modules that register archetypes (once)."""
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    import importlib
-
-    for mod in ("one_hot_archetype", "concat", "conv", "pool", "attention", "gather"):
-        try:
-            importlib.import_module(f"{__package__}.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.{mod}":
-                raise
+    if a is None:
+        raise CodegenError(f"no WGSL emitter for {type(desc).__name__}; known: "
+                           f"{', '.join(sorted(t.__name__ for t in _BY_DESC))}")
+    return a.emit(desc, limits, features, alias)

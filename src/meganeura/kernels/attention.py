@@ -38,10 +38,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import DType, f16, f32
+from .archetypes import register
 from .common import (
+    Bindings,
     CodegenError,
     bcast_strides,
-    binding_decls,
     check_bindings,
     check_dtypes,
     check_extent,
@@ -83,6 +84,24 @@ class AttentionKernel:
     # fwd only: store the output as (B, Sq, Hq, Dv) instead of (B, Hq, Sq, Dv), the layout the
     # output projection reads (the planner then needs no transposing copy)
     out_bshd: bool = False
+
+
+# One description type per family (the registry maps types to families); ``kind`` still says
+# which kernel, so a plain ``AttentionKernel`` emits through ``attention.emit`` as well.
+class AttentionFwdKernel(AttentionKernel):
+    pass
+
+
+class AttentionGradDqKernel(AttentionKernel):
+    pass
+
+
+class AttentionGradDkdvKernel(AttentionKernel):
+    pass
+
+
+KIND_TYPES = {"fwd": AttentionFwdKernel, "dq": AttentionGradDqKernel,
+              "dkdv": AttentionGradDkdvKernel}
 
 
 def _f(x: float) -> str:
@@ -180,7 +199,7 @@ def keys_config(rows: int, skv: int, n_bh: int, D: int, Dv: int, storage: int,
 
 
 class _Gen:
-    def __init__(self, k: AttentionKernel, t):
+    def __init__(self, k: AttentionKernel, t, alias=None):
         self.k, self.t = k, t
         q, kk, v = k.q, k.k, k.v
         if len(q.shape) != 4 or len(kk.shape) != 4 or len(v.shape) != 4:
@@ -206,12 +225,10 @@ class _Gen:
             self.dost = bcast_strides(k.dout, (self.B, self.Hq, self.Sq, self.Dv), "dout")
             self.lst = bcast_strides(k.lse, (self.B, self.Hq, self.Sq), "lse")
             self.dlst = bcast_strides(k.delta, (self.B, self.Hq, self.Sq), "delta")
-        self.bind = {n: f"b{i}" for i, n in enumerate(names)}
-        n_in = len(names)
         outs = {"fwd": ["out", "lse_out"], "dq": ["dq"], "dkdv": ["dk", "dv"]}[k.kind]
-        for j, n in enumerate(outs):
-            self.bind[n] = f"b{n_in + j}"
         self.dts = dts + [self.dt] * len(outs)
+        self.bd = Bindings(self.dts, alias)
+        self.bind = {n: self.bd.name(i) for i, n in enumerate(names + outs)}
         self.wd, self.du, self.dp = _units(self.D)
         self.wv, self.vu, self.vp = _units(self.Dv)
 
@@ -272,46 +289,92 @@ class _Gen:
         return [f"let {prefix}i = {R} / {u(G)};", f"let {prefix}h = hkv * {u(G)} + {R} % {u(G)};"]
 
 
-def _shared(L, name, w, n_units):
-    L.append(f"var<workgroup> {name}: array<{_vt(w)}, {max(1, n_units)}>;")
+def _shared(S, name, w, n_units) -> int:
+    """Declare workgroup array ``name`` (``n_units`` units of width ``w``); its f32 words."""
+    S.append(f"var<workgroup> {name}: array<{_vt(w)}, {max(1, n_units)}>;")
+    return n_units * w
 
 
-def _rows_kernel(g: _Gen, t) -> tuple[list[str], int, object, dict]:
-    """Forward and dQ: blocks of packed query rows looping over key tiles."""
-    k = g.k
-    kind = k.kind
-    storage = t.lim("max_compute_workgroup_storage_size")
-    BQ, TPR, BK = rows_config(kind, g.rows, g.B * g.Hkv, g.D, g.Dv, storage, k.tiles)
-    g.wg = WG = BQ * TPR
-    NB = -(-g.rows // BQ)
-    total = NB * g.B * g.Hkv
-    grid = make_grid(k.name, total, t)
-    wd, du, dp = g.wd, g.du, g.dp
-    wv, vu, vp = g.wv, g.vu, g.vp
-    BKp = BK + 1
-    NS = BK // TPR
-    S = []
-    _shared(S, "Qs", wd, BQ * dp)
-    _shared(S, "Ks", wd, BK * dp + TPR)
-    _shared(S, "Vs", wv, BK * vp + TPR)
-    _shared(S, "Ss", 1, BQ * BKp)
-    if kind == "dq":
-        _shared(S, "Os", wv, BQ * vp)
-    else:
-        _shared(S, "Red", 1, WG)
-    words = BQ * dp * wd + (BK * dp + TPR) * wd + (BK * vp + TPR) * wv + BQ * BKp
-    words += BQ * vp * wv if kind == "dq" else WG
-    ind, i2, i3 = "    ", "        ", "            "
-    L = []
+def _col(j: int, tpr: int, var: str = "c") -> str:
+    """Column ``j`` of an invocation that owns every ``tpr``-th column from ``var``."""
+    return f"{var} + {u(j * tpr)}" if j else var
+
+
+def _pcol(j: int, tpr: int) -> str:
+    return f"({_col(j, tpr)})" if j else "c"
+
+
+def _grid_head(L, ind, grid, total, blk, nblk, head, nh) -> None:
+    """Workgroup -> (batch ``b``, head ``head``, block ``blk``)."""
     L.append(f"{ind}let wg = {grid.wg_expr};")
     if not grid.exact:
         L.append(f"{ind}if (wg >= {u(total)}) {{ return; }}")
-    L.append(f"{ind}let blk = wg % {u(NB)};")
-    L.append(f"{ind}let bh = wg / {u(NB)};")
-    L.append(f"{ind}let hkv = bh % {u(g.Hkv)};")
-    L.append(f"{ind}let b = bh / {u(g.Hkv)};")
-    L.append(f"{ind}let r = lid / {u(TPR)};")
-    L.append(f"{ind}let c = lid % {u(TPR)};")
+    L += [f"{ind}let {blk} = wg % {u(nblk)};", f"{ind}let bh = wg / {u(nblk)};",
+          f"{ind}let {head} = bh % {u(nh)};", f"{ind}let b = bh / {u(nh)};"]
+
+
+def _lanes(L, ind, lane, tpr) -> None:
+    L += [f"{ind}let {lane} = lid / {u(tpr)};", f"{ind}let c = lid % {u(tpr)};"]
+
+
+def _row_stats(g: _Gen, L, ind, h: str, i: str, lse: str, delta: str) -> None:
+    """``lse`` and ``delta`` of query row (``h``, ``i``)."""
+    k = g.k
+    li = index_code(["b", h, i], g.lst, k.lse.offset)
+    di = index_code(["b", h, i], g.dlst, k.delta.offset)
+    L.append(f"{ind}{lse} = {g.ld('lse', li, k.lse.dtype)};")
+    L.append(f"{ind}{delta} = {g.ld('delta', di, k.delta.dtype)};")
+
+
+def _store_acc(g: _Gen, L, ind, target, n_acc, tpr, units, w, dim, rbase, val) -> None:
+    """Store accumulators ``val(j)`` (units of width ``w``, columns ``c + j·tpr``) into row
+    ``rbase`` (of ``dim`` elements) of output ``target``."""
+    i2, i3 = ind + "    ", ind + "        "
+    for j in range(n_acc):
+        L.append(f"{ind}{{")
+        L.append(f"{i2}let cu = {_col(j, tpr)};")
+        guard = (j + 1) * tpr > units
+        ii = i3 if guard else i2
+        if guard:
+            L.append(f"{i2}if (cu < {u(units)}) {{")
+        L.append(f"{ii}let val = {val(j)};")
+        for comp in range(w):
+            e = f"val[{comp}]" if w == 4 else "val"
+            dst = (f"{rbase} * {u(dim)} + cu * {u(w)} + {u(comp)}" if w == 4 else
+                   f"{rbase} * {u(dim)} + cu")
+            L.append(f"{ii}{g.bind[target]}[{dst}] = {_store(e, g.dt)};")
+        if guard:
+            L.append(f"{i2}}}")
+        L.append(f"{ind}}}")
+
+
+# ------------------------------------------------------------------------------ fwd and dQ
+
+
+def _rows_shared(g: _Gen, t) -> tuple[list[str], int]:
+    """Tile configuration (on ``g``) and the workgroup arrays of the rows kernels."""
+    storage = t.lim("max_compute_workgroup_storage_size")
+    g.BQ, g.TPR, g.BK = rows_config(g.k.kind, g.rows, g.B * g.Hkv, g.D, g.Dv, storage,
+                                    g.k.tiles)
+    BQ, TPR, BK = g.BQ, g.TPR, g.BK
+    g.wg = BQ * TPR
+    S: list[str] = []
+    words = _shared(S, "Qs", g.wd, BQ * g.dp)
+    words += _shared(S, "Ks", g.wd, BK * g.dp + TPR)
+    words += _shared(S, "Vs", g.wv, BK * g.vp + TPR)
+    words += _shared(S, "Ss", 1, BQ * (BK + 1))
+    if g.k.kind == "dq":
+        words += _shared(S, "Os", g.wv, BQ * g.vp)
+    else:
+        words += _shared(S, "Red", 1, g.wg)
+    return S, words
+
+
+def _rows_head(g: _Gen, L, ind, grid, total) -> None:
+    """Block of packed rows, the key range it can see, this invocation's row."""
+    k, BQ = g.k, g.BQ
+    _grid_head(L, ind, grid, total, "blk", -(-g.rows // BQ), "hkv", g.Hkv)
+    _lanes(L, ind, "r", g.TPR)
     L.append(f"{ind}let R0 = blk * {u(BQ)};")
     L.append(f"{ind}let Rn = min(R0 + {u(BQ)}, {u(g.rows)});")
     L.append(f"{ind}let i_first = i32(R0 / {u(g.G)});")
@@ -326,54 +389,54 @@ def _rows_kernel(g: _Gen, t) -> tuple[list[str], int, object, dict]:
     L.append(f"{ind}let row_ok = R < {u(g.rows)};")
     L += [ind + x for x in g.packed("R", "q")]
     L.append(f"{ind}let pos = i32(qi) + {_i(k.q_offset)};")
-    # stage Q (pre-scaled) and, for dQ, dO
+
+
+def _rows_stage(g: _Gen, L, ind) -> tuple[int, int, int]:
+    """Stage Q (pre-scaled) and, for dQ, dO and the row's lse/delta; declare the running
+    state and the accumulators.  Returns (accumulators, their width, units per row)."""
+    k, i2, BQ = g.k, ind + "    ", g.BQ
     pre = lambda rr: [f"let RR = R0 + {rr};"] + g.packed("RR", "s")  # noqa: E731
-    g.stage(L, ind, "Qs", BQ, g.D, wd, dp, pre, f"RR < {u(g.rows)}",
+    g.stage(L, ind, "Qs", BQ, g.D, g.wd, g.dp, pre, f"RR < {u(g.rows)}",
             lambda dd: g.ld("q", g.qidx("b", "sh", "si", dd), k.q.dtype), k.scale)
-    if kind == "dq":
-        g.stage(L, ind, "Os", BQ, g.Dv, wv, vp, pre, f"RR < {u(g.rows)}",
+    if k.kind == "dq":
+        g.stage(L, ind, "Os", BQ, g.Dv, g.wv, g.vp, pre, f"RR < {u(g.rows)}",
                 lambda dd: g.ld("dout", index_code(["b", "sh", "si", dd], g.dost, k.dout.offset),
                                 k.dout.dtype))
         L.append(f"{ind}var lse_r: f32 = 0.0;")
         L.append(f"{ind}var delta_r: f32 = 0.0;")
         L.append(f"{ind}if (row_ok) {{")
-        L.append(f"{i2}lse_r = {g.ld('lse', index_code(['b', 'qh', 'qi'], g.lst, k.lse.offset), k.lse.dtype)};")  # noqa: E501
-        L.append(f"{i2}delta_r = {g.ld('delta', index_code(['b', 'qh', 'qi'], g.dlst, k.delta.offset), k.delta.dtype)};")  # noqa: E501
+        _row_stats(g, L, i2, "qh", "qi", "lse_r", "delta_r")
         L.append(f"{ind}}}")
         L.append(f"{ind}let row_has = row_ok && !(lse_r < -{FLT_MAX});")
         L.append(f"{ind}let lse_s = select(0.0, lse_r, row_has);")
-        n_acc, acc_w, acc_u = -(-du // TPR), wd, du
+        n_acc, acc_w, acc_u = -(-g.du // g.TPR), g.wd, g.du
     else:
         L.append(f"{ind}var m: f32 = -{FLT_MAX};")
         L.append(f"{ind}var l: f32 = 0.0;")
-        n_acc, acc_w, acc_u = -(-vu // TPR), wv, vu
+        n_acc, acc_w, acc_u = -(-g.vu // g.TPR), g.wv, g.vu
     for j in range(n_acc):
         L.append(f"{ind}var acc{j}: {_vt(acc_w)} = {_vt(acc_w)}(0.0);")
-    # key tiles
-    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(BK)}) {{")
-    pre_k = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
-    g.stage(L, i2, "Ks", BK, g.D, wd, dp, pre_k, "jj < kv_hi",
-            lambda dd: g.ld("k", g.kvidx("k", "b", "hkv", "u32(jj)", dd), k.k.dtype))
-    g.stage(L, i2, "Vs", BK, g.Dv, wv, vp, pre_k, "jj < kv_hi",
-            lambda dd: g.ld("v", g.kvidx("v", "b", "hkv", "u32(jj)", dd), k.v.dtype))
-    L.append(f"{i2}workgroupBarrier();")
-    # scores for this invocation's columns c + TPR * n
+    return n_acc, acc_w, acc_u
+
+
+def _rows_scores(g: _Gen, L, i2) -> None:
+    """This invocation's scores of the key tile (columns c + TPR·n): q·k (and for dQ dO·v),
+    masked; fwd keeps them in registers (and their max in ``Red``), dQ stores dS in ``Ss``."""
+    k, kind, TPR, i3 = g.k, g.k.kind, g.TPR, i2 + "    "
+    NS = g.BK // TPR
     for n in range(NS):
         L.append(f"{i2}var s{n}: f32 = 0.0;")
         if kind == "dq":
             L.append(f"{i2}var p{n}: f32 = 0.0;")
-    L.append(f"{i2}for (var d: u32 = 0u; d < {u(du)}; d = d + 1u) {{")
-    L.append(f"{i3}let qv = Qs[r * {u(dp)} + d];")
-    for n in range(NS):
-        col = f"(c + {u(n * TPR)})" if n else "c"
-        L.append(f"{i3}s{n} = s{n} + {g_dot(wd, 'qv', f'Ks[{col} * {u(dp)} + d]')};")
-    L.append(f"{i2}}}")
-    if kind == "dq":
-        L.append(f"{i2}for (var d: u32 = 0u; d < {u(vu)}; d = d + 1u) {{")
-        L.append(f"{i3}let ov = Os[r * {u(vp)} + d];")
+    for acc, w, units, pad, arr, tile, row in (("s", g.wd, g.du, g.dp, "Ks", "Qs", "qv"),
+                                                ("p", g.wv, g.vu, g.vp, "Vs", "Os", "ov")):
+        if acc == "p" and kind != "dq":
+            continue
+        L.append(f"{i2}for (var d: u32 = 0u; d < {u(units)}; d = d + 1u) {{")
+        L.append(f"{i3}let {row} = {tile}[r * {u(pad)} + d];")
         for n in range(NS):
-            col = f"(c + {u(n * TPR)})" if n else "c"
-            L.append(f"{i3}p{n} = p{n} + {g_dot(wv, 'ov', f'Vs[{col} * {u(vp)} + d]')};")
+            col = _pcol(n, TPR)
+            L.append(f"{i3}{acc}{n} = {acc}{n} + {_dot(w, row, f'{arr}[{col} * {u(pad)} + d]')};")
         L.append(f"{i2}}}")
     if kind == "fwd":
         L.append(f"{i2}var lm: f32 = -{FLT_MAX};")
@@ -381,13 +444,13 @@ def _rows_kernel(g: _Gen, t) -> tuple[list[str], int, object, dict]:
         if kind == "fwd":
             L.append(f"{i2}var x{n}: f32;")
         L.append(f"{i2}{{")
-        col = f"(c + {u(n * TPR)})" if n else "c"
-        L.append(f"{i3}let col = {col};")
+        L.append(f"{i3}let col = {_pcol(n, TPR)};")
         L.append(f"{i3}let j = kt + i32(col);")
         L.append(f"{i3}var x = s{n};")
         L.append(f"{i3}let inb = row_ok && j < kv_hi;")
         if k.mask is not None:
-            L.append(f"{i3}if (inb) {{ x = x + {g.ld('mask', g.midx('b', 'qh', 'qi', 'u32(j)'), k.mask.dtype)}; }}")  # noqa: E501
+            mv = g.ld("mask", g.midx("b", "qh", "qi", "u32(j)"), k.mask.dtype)
+            L.append(f"{i3}if (inb) {{ x = x + {mv}; }}")
         vis = " && ".join(["inb"] + g.vis_terms("j", "pos"))
         if kind == "fwd":
             L.append(f"{i3}x{n} = select(-mn_inf(), x, {vis});")
@@ -395,124 +458,128 @@ def _rows_kernel(g: _Gen, t) -> tuple[list[str], int, object, dict]:
         else:
             L.append(f"{i3}let ok = {vis} && row_has && !(x < -{FLT_MAX});")
             L.append(f"{i3}let p = select(0.0, exp(select(0.0, x - lse_s, ok)), ok);")
-            L.append(f"{i3}Ss[r * {u(BKp)} + col] = p * (p{n} - delta_r);")
+            L.append(f"{i3}Ss[r * {u(g.BK + 1)} + col] = p * (p{n} - delta_r);")
         L.append(f"{i2}}}")
     if kind == "fwd":
         L.append(f"{i2}Red[lid] = lm;")
     L.append(f"{i2}workgroupBarrier();")
-    if kind == "fwd":
-        # row max from the per-invocation maxima, then each invocation turns its own scores
-        # into probabilities (one exp per score); the row sum is taken in the P·V loop
-        L.append(f"{i2}var mt = m;")
-        L.append(f"{i2}for (var cc: u32 = 0u; cc < {u(TPR)}; cc = cc + 1u) {{")
-        L.append(f"{i3}mt = max(mt, Red[r * {u(TPR)} + cc]);")
-        L.append(f"{i2}}}")
-        for n in range(NS):
-            col = f"(c + {u(n * TPR)})" if n else "c"
-            L.append(f"{i2}Ss[r * {u(BKp)} + {col}] = select(exp(x{n} - mt), 0.0, "
-                     f"x{n} < -{FLT_MAX});")
-        L.append(f"{i2}workgroupBarrier();")
-        L.append(f"{i2}let alpha = exp(m - mt);")
-        L.append(f"{i2}l = l * alpha;")
-        for j in range(n_acc):
-            L.append(f"{i2}acc{j} = acc{j} * alpha;")
-        L.append(f"{i2}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
-        L.append(f"{i3}let p = Ss[r * {u(BKp)} + kk];")
-        L.append(f"{i3}l = l + p;")
-        for j in range(n_acc):
-            col = f"c + {u(j * TPR)}" if j else "c"
-            L.append(f"{i3}acc{j} = acc{j} + p * Vs[kk * {u(vp)} + {col}];")
-        L.append(f"{i2}}}")
-        L.append(f"{i2}m = mt;")
+
+
+def _rows_softmax_pv(g: _Gen, L, i2, n_acc) -> None:
+    """fwd: row max from the per-invocation maxima, then each invocation turns its own scores
+    into probabilities (one exp per score); the row sum is taken in the P·V loop."""
+    TPR, BKp, i3 = g.TPR, g.BK + 1, i2 + "    "
+    L.append(f"{i2}var mt = m;")
+    L.append(f"{i2}for (var cc: u32 = 0u; cc < {u(TPR)}; cc = cc + 1u) {{")
+    L.append(f"{i3}mt = max(mt, Red[r * {u(TPR)} + cc]);")
+    L.append(f"{i2}}}")
+    for n in range(g.BK // TPR):
+        L.append(f"{i2}Ss[r * {u(BKp)} + {_pcol(n, TPR)}] = select(exp(x{n} - mt), 0.0, "
+                 f"x{n} < -{FLT_MAX});")
+    L.append(f"{i2}workgroupBarrier();")
+    L.append(f"{i2}let alpha = exp(m - mt);")
+    L.append(f"{i2}l = l * alpha;")
+    for j in range(n_acc):
+        L.append(f"{i2}acc{j} = acc{j} * alpha;")
+    _tile_products(g, L, i2, BKp, "p", ["l = l + p;"], n_acc, "Vs", g.vp)
+    L.append(f"{i2}m = mt;")
+
+
+def _tile_products(g: _Gen, L, i2, BKp, var, extra, n_acc, arr, pad) -> None:
+    """acc_j += Ss[r][kk] · arr[kk][c + j·TPR] over the key tile."""
+    i3 = i2 + "    "
+    L.append(f"{i2}for (var kk: u32 = 0u; kk < {u(g.BK)}; kk = kk + 1u) {{")
+    L.append(f"{i3}let {var} = Ss[r * {u(BKp)} + kk];")
+    L += [i3 + x for x in extra]
+    for j in range(n_acc):
+        L.append(f"{i3}acc{j} = acc{j} + {var} * {arr}[kk * {u(pad)} + {_col(j, g.TPR)}];")
+    L.append(f"{i2}}}")
+
+
+def _rows_kernel(g: _Gen, t) -> tuple[list[str], int, object, dict, int]:
+    """Forward and dQ: blocks of packed query rows looping over key tiles."""
+    k, ind, i2 = g.k, "    ", "        "
+    S, words = _rows_shared(g, t)
+    total = -(-g.rows // g.BQ) * g.B * g.Hkv
+    grid = make_grid(k.name, total, t)
+    L: list[str] = []
+    _rows_head(g, L, ind, grid, total)
+    n_acc, acc_w, acc_u = _rows_stage(g, L, ind)
+    # key tiles
+    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.BK)}) {{")
+    pre_k = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
+    g.stage(L, i2, "Ks", g.BK, g.D, g.wd, g.dp, pre_k, "jj < kv_hi",
+            lambda dd: g.ld("k", g.kvidx("k", "b", "hkv", "u32(jj)", dd), k.k.dtype))
+    g.stage(L, i2, "Vs", g.BK, g.Dv, g.wv, g.vp, pre_k, "jj < kv_hi",
+            lambda dd: g.ld("v", g.kvidx("v", "b", "hkv", "u32(jj)", dd), k.v.dtype))
+    L.append(f"{i2}workgroupBarrier();")
+    _rows_scores(g, L, i2)
+    if k.kind == "fwd":
+        _rows_softmax_pv(g, L, i2, n_acc)
     else:
-        L.append(f"{i2}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
-        L.append(f"{i3}let x = Ss[r * {u(BKp)} + kk];")
-        for j in range(n_acc):
-            col = f"c + {u(j * TPR)}" if j else "c"
-            L.append(f"{i3}acc{j} = acc{j} + x * Ks[kk * {u(dp)} + {col}];")
-        L.append(f"{i2}}}")
+        _tile_products(g, L, i2, g.BK + 1, "x", [], n_acc, "Ks", g.dp)
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
-    # store
+    _rows_store(g, L, ind, n_acc, acc_u)
+    meta = {"tiles": (g.BQ, g.TPR, g.BK), "workgroup_storage": 4 * words}
+    return S + L, g.wg, grid, meta, 4 * words
+
+
+def _rows_store(g: _Gen, L, ind, n_acc, acc_u) -> None:
+    k = g.k
     L.append(f"{ind}if (!row_ok) {{ return; }}")
     obase = f"((b * {u(g.Hq)} + qh) * {u(g.Sq)} + qi)"
     rbase = obase  # row of the stored output
-    if kind == "fwd":
+    if k.kind == "fwd":
         L.append(f"{ind}let inv = select(1.0 / l, 0.0, l == 0.0);")
-        dim, target, w, scale = g.Dv, "out", wv, "inv"
+        dim, target, w, scale = g.Dv, "out", g.wv, "inv"
         if k.out_bshd:
             rbase = f"((b * {u(g.Sq)} + qi) * {u(g.Hq)} + qh)"
     else:
-        dim, target, w, scale = g.D, "dq", wd, _f(k.scale)
-    for j in range(n_acc):
-        col = f"c + {u(j * TPR)}" if j else "c"
-        L.append(f"{ind}{{")
-        L.append(f"{i2}let cu = {col};")
-        guard = (j + 1) * TPR > acc_u
-        ii = i3 if guard else i2
-        if guard:
-            L.append(f"{i2}if (cu < {u(acc_u)}) {{")
-        L.append(f"{ii}let val = acc{j} * {scale};")
-        for comp in range(w):
-            e = f"val[{comp}]" if w == 4 else "val"
-            dst = f"{rbase} * {u(dim)} + cu * {u(w)} + {u(comp)}" if w == 4 else \
-                f"{rbase} * {u(dim)} + cu"
-            L.append(f"{ii}{g.bind[target]}[{dst}] = {_store(e, g.dt)};")
-        if guard:
-            L.append(f"{i2}}}")
-        L.append(f"{ind}}}")
-    if kind == "fwd":
+        dim, target, w, scale = g.D, "dq", g.wd, _f(k.scale)
+    _store_acc(g, L, ind, target, n_acc, g.TPR, acc_u, w, dim, rbase,
+               lambda j: f"acc{j} * {scale}")
+    if k.kind == "fwd":
         L.append(f"{ind}if (c == 0u) {{")
-        L.append(f"{i2}{g.bind['lse_out']}[{obase}] = "
+        L.append(f"{ind}    {g.bind['lse_out']}[{obase}] = "
                  f"{_store('select(m + log(l), -mn_inf(), l == 0.0)', g.dt)};")
         L.append(f"{ind}}}")
-    meta = {"tiles": (BQ, TPR, BK), "workgroup_storage": 4 * words}
-    return S + L, WG, grid, meta, 4 * words
 
 
-def _keys_kernel(g: _Gen, t):
-    """dK/dV: blocks of keys looping over packed query rows."""
+# ------------------------------------------------------------------------------ dK/dV
+
+
+def _keys_shared(g: _Gen, t) -> tuple[list[str], int]:
     k = g.k
     storage = t.lim("max_compute_workgroup_storage_size")
-    split = k.split_heads
-    NH = g.Hq if split else g.Hkv  # heads of the work items
-    P = 1 if split else g.G  # packed rows per query position
-    BKV, TPR, BQ = keys_config(g.Sq * P, g.Skv, g.B * NH, g.D, g.Dv, storage, k.tiles)
-    g.wg = WG = BKV * TPR
-    NKB = -(-g.Skv // BKV)
-    total = NKB * g.B * NH
-    grid = make_grid(k.name, total, t)
-    wd, du, dp = g.wd, g.du, g.dp
-    wv, vu, vp = g.wv, g.vu, g.vp
-    BQp = BQ + 1
-    NSQ = BQ // TPR
-    S = []
-    _shared(S, "Ks", wd, BKV * dp)
-    _shared(S, "Vs", wv, BKV * vp)
-    _shared(S, "Qs", wd, BQ * dp + TPR)
-    _shared(S, "Os", wv, BQ * vp + TPR)
-    _shared(S, "Ls", 1, BQ)
-    _shared(S, "Dl", 1, BQ)
-    _shared(S, "Ps", 1, BKV * BQp)
-    _shared(S, "Ds", 1, BKV * BQp)
-    words = (BKV * dp * wd + BKV * vp * wv + (BQ * dp + TPR) * wd + (BQ * vp + TPR) * wv
-             + 2 * BQ + 2 * BKV * BQp)
-    ind, i2, i3 = "    ", "        ", "            "
-    L = []
-    L.append(f"{ind}let wg = {grid.wg_expr};")
-    if not grid.exact:
-        L.append(f"{ind}if (wg >= {u(total)}) {{ return; }}")
-    L.append(f"{ind}let kb = wg % {u(NKB)};")
-    L.append(f"{ind}let bh = wg / {u(NKB)};")
-    L.append(f"{ind}let hw = bh % {u(NH)};")
-    L.append(f"{ind}let b = bh / {u(NH)};")
-    if split:
+    g.NH = g.Hq if k.split_heads else g.Hkv  # heads of the work items
+    g.P = 1 if k.split_heads else g.G  # packed rows per query position
+    g.BKV, g.TPR, g.BQ = keys_config(g.Sq * g.P, g.Skv, g.B * g.NH, g.D, g.Dv, storage, k.tiles)
+    BKV, TPR, BQ = g.BKV, g.TPR, g.BQ
+    g.wg = BKV * TPR
+    S: list[str] = []
+    words = _shared(S, "Ks", g.wd, BKV * g.dp)
+    words += _shared(S, "Vs", g.wv, BKV * g.vp)
+    words += _shared(S, "Qs", g.wd, BQ * g.dp + TPR)
+    words += _shared(S, "Os", g.wv, BQ * g.vp + TPR)
+    words += _shared(S, "Ls", 1, BQ)
+    words += _shared(S, "Dl", 1, BQ)
+    words += _shared(S, "Ps", 1, BKV * (BQ + 1))
+    words += _shared(S, "Ds", 1, BKV * (BQ + 1))
+    return S, words
+
+
+def _keys_head(g: _Gen, L, ind, grid, total) -> None:
+    """Block of keys, this invocation's key, the packed query rows that can see the block;
+    stage K (pre-scaled) and V."""
+    k, BKV = g.k, g.BKV
+    _grid_head(L, ind, grid, total, "kb", -(-g.Skv // BKV), "hw", g.NH)
+    if k.split_heads:
         L.append(f"{ind}let hq_w = hw;")
         L.append(f"{ind}let hkv = hw / {u(g.G)};")
     else:
         L.append(f"{ind}let hkv = hw;")
-    L.append(f"{ind}let kr = lid / {u(TPR)};")
-    L.append(f"{ind}let c = lid % {u(TPR)};")
+    _lanes(L, ind, "kr", g.TPR)
     L.append(f"{ind}let j0 = kb * {u(BKV)};")
     L.append(f"{ind}let j1 = min(j0 + {u(BKV)}, {u(g.Skv)});")
     L.append(f"{ind}let jk = j0 + kr;")
@@ -525,24 +592,22 @@ def _keys_kernel(g: _Gen, t):
     if k.window:
         L.append(f"{ind}i_hi = clamp(i32(j1) - 1i + {_i(k.window)} - {_i(k.q_offset)}, 0i, "
                  f"{_i(g.Sq)});")
-    L.append(f"{ind}let R_lo = u32(i_lo) * {u(P)};")
-    L.append(f"{ind}let R_hi = u32(max(i_hi, i_lo)) * {u(P)};")
+    L.append(f"{ind}let R_lo = u32(i_lo) * {u(g.P)};")
+    L.append(f"{ind}let R_hi = u32(max(i_hi, i_lo)) * {u(g.P)};")
     pre_k = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
-    g.stage(L, ind, "Ks", BKV, g.D, wd, dp, pre_k, f"jj < {u(g.Skv)}",
+    g.stage(L, ind, "Ks", BKV, g.D, g.wd, g.dp, pre_k, f"jj < {u(g.Skv)}",
             lambda dd: g.ld("k", g.kvidx("k", "b", "hkv", "jj", dd), k.k.dtype), k.scale)
-    g.stage(L, ind, "Vs", BKV, g.Dv, wv, vp, pre_k, f"jj < {u(g.Skv)}",
+    g.stage(L, ind, "Vs", BKV, g.Dv, g.wv, g.vp, pre_k, f"jj < {u(g.Skv)}",
             lambda dd: g.ld("v", g.kvidx("v", "b", "hkv", "jj", dd), k.v.dtype))
-    n_dk, n_dv = -(-du // TPR), -(-vu // TPR)
-    for j in range(n_dk):
-        L.append(f"{ind}var dk{j}: {_vt(wd)} = {_vt(wd)}(0.0);")
-    for j in range(n_dv):
-        L.append(f"{ind}var dv{j}: {_vt(wv)} = {_vt(wv)}(0.0);")
-    L.append(f"{ind}for (var R0: u32 = R_lo; R0 < R_hi; R0 = R0 + {u(BQ)}) {{")
-    L.append(f"{i2}workgroupBarrier();")
+
+
+def _keys_stage_rows(g: _Gen, L, i2) -> None:
+    """Stage a chunk of BQ packed query rows: Q, dO, lse and delta."""
+    k, BQ, i3 = g.k, g.BQ, i2 + "    "
     pre = lambda rr: [f"let RR = R0 + {rr};"] + g.packed("RR", "s")  # noqa: E731
-    g.stage(L, i2, "Qs", BQ, g.D, wd, dp, pre, "RR < R_hi",
+    g.stage(L, i2, "Qs", BQ, g.D, g.wd, g.dp, pre, "RR < R_hi",
             lambda dd: g.ld("q", g.qidx("b", "sh", "si", dd), k.q.dtype))
-    g.stage(L, i2, "Os", BQ, g.Dv, wv, vp, pre, "RR < R_hi",
+    g.stage(L, i2, "Os", BQ, g.Dv, g.wv, g.vp, pre, "RR < R_hi",
             lambda dd: g.ld("dout", index_code(["b", "sh", "si", dd], g.dost, k.dout.offset),
                             k.dout.dtype))
     L.append(f"{i2}if (lid < {u(BQ)}) {{")
@@ -551,33 +616,38 @@ def _keys_kernel(g: _Gen, t):
     L.append(f"{i3}var lv: f32 = 0.0;")
     L.append(f"{i3}var dv_: f32 = 0.0;")
     L.append(f"{i3}if (RR < R_hi) {{")
-    L.append(f"{i3}    lv = {g.ld('lse', index_code(['b', 'sh', 'si'], g.lst, k.lse.offset), k.lse.dtype)};")  # noqa: E501
-    L.append(f"{i3}    dv_ = {g.ld('delta', index_code(['b', 'sh', 'si'], g.dlst, k.delta.offset), k.delta.dtype)};")  # noqa: E501
+    _row_stats(g, L, i3 + "    ", "sh", "si", "lv", "dv_")
     L.append(f"{i3}}}")
     L.append(f"{i3}Ls[lid] = lv;")
     L.append(f"{i3}Dl[lid] = dv_;")
     L.append(f"{i2}}}")
-    if BQ > WG:
-        raise CodegenError(f"kernel {k.name!r}: BQ {BQ} > workgroup {WG}")
+    if BQ > g.wg:
+        raise CodegenError(f"kernel {k.name!r}: BQ {BQ} > workgroup {g.wg}")
     L.append(f"{i2}workgroupBarrier();")
-    for n in range(NSQ):
-        qq = f"(c + {u(n * TPR)})" if n else "c"
+
+
+def _keys_p_ds(g: _Gen, L, i2) -> None:
+    """P and dS of this invocation's (key, row) pairs into ``Ps``/``Ds``."""
+    k, TPR, BQp, i3 = g.k, g.TPR, g.BQ + 1, i2 + "    "
+    dp, vp = g.dp, g.vp
+    for n in range(g.BQ // TPR):
         L.append(f"{i2}{{")
-        L.append(f"{i3}let qq = {qq};")
+        L.append(f"{i3}let qq = {_pcol(n, TPR)};")
         L.append(f"{i3}let RR = R0 + qq;")
         L += [i3 + x for x in g.packed("RR", "s")]
         L.append(f"{i3}let pos = i32(si) + {_i(k.q_offset)};")
-        L.append(f"{i3}var s: f32 = 0.0;")
-        L.append(f"{i3}for (var d: u32 = 0u; d < {u(du)}; d = d + 1u) {{")
-        L.append(f"{i3}    s = s + {g_dot(wd, f'Ks[kr * {u(dp)} + d]', f'Qs[qq * {u(dp)} + d]')};")
-        L.append(f"{i3}}}")
-        L.append(f"{i3}var dp_: f32 = 0.0;")
-        L.append(f"{i3}for (var d: u32 = 0u; d < {u(vu)}; d = d + 1u) {{")
-        L.append(f"{i3}    dp_ = dp_ + {g_dot(wv, f'Vs[kr * {u(vp)} + d]', f'Os[qq * {u(vp)} + d]')};")  # noqa: E501
-        L.append(f"{i3}}}")
+        for var, units, w, a, b in (("s", g.du, g.wd, f"Ks[kr * {u(dp)} + d]",
+                                     f"Qs[qq * {u(dp)} + d]"),
+                                    ("dp_", g.vu, g.wv, f"Vs[kr * {u(vp)} + d]",
+                                     f"Os[qq * {u(vp)} + d]")):
+            L.append(f"{i3}var {var}: f32 = 0.0;")
+            L.append(f"{i3}for (var d: u32 = 0u; d < {u(units)}; d = d + 1u) {{")
+            L.append(f"{i3}    {var} = {var} + {_dot(w, a, b)};")
+            L.append(f"{i3}}}")
         L.append(f"{i3}let inb = key_ok && RR < R_hi;")
         if k.mask is not None:
-            L.append(f"{i3}if (inb) {{ s = s + {g.ld('mask', g.midx('b', 'sh', 'si', 'jk'), k.mask.dtype)}; }}")  # noqa: E501
+            mv = g.ld("mask", g.midx("b", "sh", "si", "jk"), k.mask.dtype)
+            L.append(f"{i3}if (inb) {{ s = s + {mv}; }}")
         L.append(f"{i3}let lq = Ls[qq];")
         vis = " && ".join(["inb"] + g.vis_terms("j", "pos")
                           + [f"!(lq < -{FLT_MAX})", f"!(s < -{FLT_MAX})"])
@@ -587,53 +657,51 @@ def _keys_kernel(g: _Gen, t):
         L.append(f"{i3}Ds[kr * {u(BQp)} + qq] = p * (dp_ - Dl[qq]);")
         L.append(f"{i2}}}")
     L.append(f"{i2}workgroupBarrier();")
-    L.append(f"{i2}for (var qq: u32 = 0u; qq < {u(BQ)}; qq = qq + 1u) {{")
+
+
+def _keys_kernel(g: _Gen, t):
+    """dK/dV: blocks of keys looping over packed query rows."""
+    k, ind, i2, i3 = g.k, "    ", "        ", "            "
+    S, words = _keys_shared(g, t)
+    TPR, BQp = g.TPR, g.BQ + 1
+    total = -(-g.Skv // g.BKV) * g.B * g.NH
+    grid = make_grid(k.name, total, t)
+    L: list[str] = []
+    _keys_head(g, L, ind, grid, total)
+    n_dk, n_dv = -(-g.du // TPR), -(-g.vu // TPR)
+    for j in range(n_dk):
+        L.append(f"{ind}var dk{j}: {_vt(g.wd)} = {_vt(g.wd)}(0.0);")
+    for j in range(n_dv):
+        L.append(f"{ind}var dv{j}: {_vt(g.wv)} = {_vt(g.wv)}(0.0);")
+    L.append(f"{ind}for (var R0: u32 = R_lo; R0 < R_hi; R0 = R0 + {u(g.BQ)}) {{")
+    L.append(f"{i2}workgroupBarrier();")
+    _keys_stage_rows(g, L, i2)
+    _keys_p_ds(g, L, i2)
+    L.append(f"{i2}for (var qq: u32 = 0u; qq < {u(g.BQ)}; qq = qq + 1u) {{")
     L.append(f"{i3}let p = Ps[kr * {u(BQp)} + qq];")
     L.append(f"{i3}let ds = Ds[kr * {u(BQp)} + qq];")
     for j in range(n_dv):
-        col = f"c + {u(j * TPR)}" if j else "c"
-        L.append(f"{i3}dv{j} = dv{j} + p * Os[qq * {u(vp)} + {col}];")
+        L.append(f"{i3}dv{j} = dv{j} + p * Os[qq * {u(g.vp)} + {_col(j, TPR)}];")
     for j in range(n_dk):
-        col = f"c + {u(j * TPR)}" if j else "c"
-        L.append(f"{i3}dk{j} = dk{j} + ds * Qs[qq * {u(dp)} + {col}];")
+        L.append(f"{i3}dk{j} = dk{j} + ds * Qs[qq * {u(g.dp)} + {_col(j, TPR)}];")
     L.append(f"{i2}}}")
     L.append(f"{ind}}}")
     L.append(f"{ind}if (!key_ok) {{ return; }}")
-    obase = f"((b * {u(NH)} + hw) * {u(g.Skv)} + jk)"
-    for name, n_acc, w, units, dim, acc, scale in (
-            ("dk", n_dk, wd, du, g.D, "dk", _f(k.scale)), ("dv", n_dv, wv, vu, g.Dv, "dv", None)):
-        for j in range(n_acc):
-            col = f"c + {u(j * TPR)}" if j else "c"
-            L.append(f"{ind}{{")
-            L.append(f"{i2}let cu = {col};")
-            guard = (j + 1) * TPR > units
-            ii = i3 if guard else i2
-            if guard:
-                L.append(f"{i2}if (cu < {u(units)}) {{")
-            L.append(f"{ii}let val = {acc}{j}" + (f" * {scale};" if scale else ";"))
-            for comp in range(w):
-                e = f"val[{comp}]" if w == 4 else "val"
-                dst = f"{obase} * {u(dim)} + cu * {u(w)} + {u(comp)}" if w == 4 else \
-                    f"{obase} * {u(dim)} + cu"
-                L.append(f"{ii}{g.bind[name]}[{dst}] = {_store(e, g.dt)};")
-            if guard:
-                L.append(f"{i2}}}")
-            L.append(f"{ind}}}")
-    meta = {"tiles": (BKV, TPR, BQ), "workgroup_storage": 4 * words}
-    return S + L, WG, grid, meta, 4 * words
-
-
-def g_dot(w, a, b):
-    return _dot(w, a, b)
+    obase = f"((b * {u(g.NH)} + hw) * {u(g.Skv)} + jk)"
+    scale = _f(k.scale)
+    _store_acc(g, L, ind, "dk", n_dk, TPR, g.du, g.wd, g.D, obase, lambda j: f"dk{j} * {scale}")
+    _store_acc(g, L, ind, "dv", n_dv, TPR, g.vu, g.wv, g.Dv, obase, lambda j: f"dv{j}")
+    meta = {"tiles": (g.BKV, TPR, g.BQ), "workgroup_storage": 4 * words}
+    return S + L, g.wg, grid, meta, 4 * words
 
 
 def _store(e: str, dt: DType) -> str:
     return e if dt is f32 else f"{dt.wgsl}({e})"
 
 
-def emit(k: AttentionKernel, limits=None, features=None) -> KernelSpec:
+def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSpec:
     t = make_target(limits, features)
-    g = _Gen(k, t)
+    g = _Gen(k, t, alias)
     if g.dt not in (f32, f16):
         raise CodegenError(f"kernel {k.name!r}: attention of {g.dt.name} tensors")
     n_bind = len(g.dts)
@@ -649,13 +717,13 @@ def emit(k: AttentionKernel, limits=None, features=None) -> KernelSpec:
     check_workgroup_storage(k.name, words, t)
     shared = [x for x in lines if x.startswith("var<workgroup>")]
     body = [x for x in lines if not x.startswith("var<workgroup>")]
-    src = module_source(module_header(uses_f16) + binding_decls(g.dts) + shared, {"mn_inf"},
+    src = module_source(module_header(uses_f16) + g.bd.decls() + shared, {"mn_inf"},
                         wg, body)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)
     meta.update({"archetype": f"attention_{k.kind}", "workgroup_size": wg,
                  "binding_dtypes": tuple(g.dts), "flops": flops})
-    return KernelSpec(k.name, src, n_bind, grid.workgroups, meta=meta)
+    return KernelSpec(k.name, src, g.bd.n, grid.workgroups, meta=meta)
 
 
 # ------------------------------------------------------------------------------ registration
@@ -668,20 +736,14 @@ def _make(kind):
         mask = ins[3] if has_mask else None
         rest = ins[3 + int(has_mask):]
         dout, lse, delta = rest if kind != "fwd" else (None, None, None)
-        return AttentionKernel(kind, q, kk, v, mask, dout, lse, delta, attrs["causal"],
-                               attrs["scale"], attrs["window"], attrs["q_offset"],
-                               name=f"attention_{kind}",
-                               split_heads=bool(attrs.get("split_heads", False)))
+        return KIND_TYPES[kind](kind, q, kk, v, mask, dout, lse, delta, attrs["causal"],
+                                attrs["scale"], attrs["window"], attrs["q_offset"],
+                                name=f"attention_{kind}",
+                                split_heads=bool(attrs.get("split_heads", False)))
 
     return make
 
 
-def _register() -> None:
-    from .archetypes import register_archetype
-
-    register_archetype("attention_fwd", AttentionKernel, _make("fwd"), emit)
-    register_archetype("attention_grad_dq", AttentionKernel, _make("dq"), emit)
-    register_archetype("attention_grad_dkdv", AttentionKernel, _make("dkdv"), emit)
-
-
-_register()
+for _kind, _family in (("fwd", "attention_fwd"), ("dq", "attention_grad_dq"),
+                      ("dkdv", "attention_grad_dkdv")):
+    register(_family, KIND_TYPES[_kind], emit, make=_make(_kind))

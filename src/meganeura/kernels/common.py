@@ -33,6 +33,9 @@ DEFAULT_LIMITS = {
 }
 
 
+WG = 256  # invocations per workgroup of the one-invocation-per-element kernels
+
+
 class CodegenError(MeganeuraError, ValueError):
     """A kernel description is inconsistent (a bug in the planner or an op's lowering)."""
 
@@ -75,30 +78,27 @@ def make_target(limits=None, features=None) -> Target:
     return Target(lim, frozenset(feats or ()))
 
 
+def _check_limit(t: Target, limit: str, n: int, message) -> None:
+    """LimitError ``message(device's value)`` when ``n`` exceeds ``limit``."""
+    if n > t.lim(limit):
+        raise LimitError(message(t.lim(limit)))
+
+
 def check_workgroup_storage(name: str, nbytes: int, t: Target) -> None:
-    maxs = t.lim("max_compute_workgroup_storage_size")
-    if nbytes > maxs:
-        raise LimitError(
-            f"kernel {name!r} needs {nbytes} bytes of workgroup storage; the device allows "
-            f"{maxs} (max_compute_workgroup_storage_size)"
-        )
+    _check_limit(t, "max_compute_workgroup_storage_size", nbytes, lambda m: (
+        f"kernel {name!r} needs {nbytes} bytes of workgroup storage; the device allows "
+        f"{m} (max_compute_workgroup_storage_size)"))
 
 
 def check_bindings(name: str, n: int, t: Target) -> None:
-    maxb = t.lim("max_storage_buffers_per_shader_stage")
-    if n > maxb:
-        raise LimitError(
-            f"kernel {name!r} needs {n} storage buffers; the device allows {maxb} per shader "
-            f"stage (max_storage_buffers_per_shader_stage): split the fused kernel"
-        )
+    _check_limit(t, "max_storage_buffers_per_shader_stage", n, lambda m: (
+        f"kernel {name!r} needs {n} storage buffers; the device allows {m} per shader "
+        f"stage (max_storage_buffers_per_shader_stage): split the fused kernel"))
 
 
 def check_invocations(name: str, n: int, t: Target) -> None:
-    maxi = t.lim("max_compute_invocations_per_workgroup")
-    if n > maxi:
-        raise LimitError(
-            f"kernel {name!r} uses workgroups of {n} invocations; the device allows {maxi}"
-        )
+    _check_limit(t, "max_compute_invocations_per_workgroup", n, lambda m: (
+        f"kernel {name!r} uses workgroups of {n} invocations; the device allows {m}"))
 
 
 def check_binding_size(name: str, what: str, n_elems: int, dt: DType, t: Target) -> None:
@@ -243,6 +243,15 @@ def check_extent(name: str, what: str, s: Strided, shape, strides, t: Target) ->
     check_binding_size(name, what, max(s.extent, hi + 1), s.dtype, t)
 
 
+def view4(s: Strided, shape, what: str, name: str, t: Target) -> tuple[int, ...]:
+    """Strides of the 4-D view ``s`` broadcast to ``shape``, checked against its binding."""
+    if len(s.shape) != 4:
+        raise CodegenError(f"kernel {name!r}: {what} must be a 4-D view, got shape {s.shape}")
+    st = bcast_strides(s, shape, f"{name} {what}")
+    check_extent(name, what, s, shape, st, t)
+    return st
+
+
 def merge_dims(shape: Sequence[int], stride_lists: Sequence[Sequence[int]]):
     """Drop size-1 dims and merge neighbours that every stride list walks contiguously.
     Returns (shape, [strides…]) with the same index map."""
@@ -344,8 +353,9 @@ def pow2ceil(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-def pow2floor(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n).bit_length() - 1)
+def i32_lit(n: int) -> str:
+    """An i32 literal."""
+    return f"{int(n)}i"
 
 
 def prod(xs) -> int:
@@ -396,19 +406,54 @@ def emit_instrs(
     return res
 
 
-def instr_dtypes(instrs: Sequence[Instr]) -> list[DType]:
-    return [i.dtype for i in instrs]
-
-
 def module_header(uses_f16: bool) -> list[str]:
     return ["enable f16;", ""] if uses_f16 else []
 
 
-def binding_decls(dtypes: Sequence[DType]) -> list[str]:
-    return [
-        f"@group(0) @binding({i}) var<storage, read_write> b{i}: array<{store_type(dt)}>;"
-        for i, dt in enumerate(dtypes)
-    ]
+class Bindings:
+    """The storage bindings of one kernel, slot ``i`` holding ``dtypes[i]``.  ``alias[i]`` is
+    the first slot bound to the same buffer range as slot ``i`` (``binding_aliases``; None: no
+    sharing).  WebGPU forbids binding one range twice as writable storage (Dawn validates it),
+    so only canonical slots (``alias[i] == i``) are declared, numbered densely in slot order,
+    and an aliased slot reads and writes through its canonical slot's variable ``b{alias[i]}``
+    (variables keep their slot number; only ``@binding`` is renumbered)."""
+
+    def __init__(self, dtypes: Sequence[DType], alias=None):
+        self.dtypes = list(dtypes)
+        n = len(self.dtypes)
+        self.alias = tuple(range(n)) if alias is None else tuple(int(a) for a in alias)
+        if len(self.alias) != n or any(
+                not 0 <= a <= i or self.alias[a] != a for i, a in enumerate(self.alias)):
+            raise CodegenError(f"binding alias {self.alias} does not fit {n} bindings (each "
+                               "entry: the first slot of its range, at or before its own)")
+        self.kept = [i for i, a in enumerate(self.alias) if a == i]
+
+    def name(self, i: int) -> str:
+        """WGSL variable of slot ``i``."""
+        return f"b{self.alias[i]}"
+
+    @property
+    def n(self) -> int:
+        """Bindings the pipeline layout has (canonical slots)."""
+        return len(self.kept)
+
+    def decls(self) -> list[str]:
+        return [f"@group(0) @binding({j}) var<storage, read_write> b{i}: "
+                f"array<{store_type(self.dtypes[i])}>;" for j, i in enumerate(self.kept)]
+
+
+def binding_aliases(binds: Sequence) -> tuple[int, ...]:
+    """For each element of ``binds`` the index of its first equal element (the ``alias``
+    argument of ``emit`` for a kernel whose slots are bound to ``binds``)."""
+    first: dict = {}
+    return tuple(first.setdefault(b, i) for i, b in enumerate(binds))
+
+
+def flat_index(grid: Grid, total: int, ind: str = "    ") -> list[str]:
+    """Body lines of a one-invocation-per-element kernel: linear index ``i``, and return past
+    ``total``."""
+    return [f"{ind}let i = ({grid.wg_expr}) * {u(WG)} + lid;", f"{ind}if (i >= {u(total)}) {{",
+            f"{ind}    return;", f"{ind}}}"]
 
 
 def module_source(lines: list[str], helpers, workgroup_size, body: list[str]) -> str:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import DType, f16
+from .archetypes import kernel_family
+from .common import WG, Bindings
 from .ir import KernelSpec, Strided
-
-WG = 256
 
 
 @dataclass(frozen=True)
@@ -36,16 +36,8 @@ class PadSliceKernel:
     name: str = "pad_slice"
 
 
-def _storage(dt: DType) -> str:
-    return "u32" if dt.name == "bool" else dt.wgsl
-
-
-def _header(dt: DType, n_in: int) -> str:
-    lines = ["enable f16;"] if dt is f16 else []
-    for i in range(n_in + 1):
-        lines.append(f"@group(0) @binding({i}) var<storage, read_write> b{i}: "
-                     f"array<{_storage(dt)}>;")
-    return "\n".join(lines)
+def _header(dt: DType, bd: Bindings) -> str:
+    return "\n".join((["enable f16;"] if dt is f16 else []) + bd.decls())
 
 
 def _grid(total: int) -> tuple[tuple[int, int, int], int]:
@@ -81,10 +73,12 @@ def _main(total: int, gx: int, body: list[str]) -> str:
     ])
 
 
-def emit_concat(k: ConcatKernel, limits=None, features=None) -> KernelSpec:
+@kernel_family("concat", ConcatKernel)
+def emit_concat(k: ConcatKernel, limits=None, features=None, alias=None) -> KernelSpec:
     total = max(1, _size(k.shape))
     grid, gx = _grid(total)
     n = len(k.inputs)
+    bd = Bindings([k.dtype] * (n + 1), alias)
     body = _coords(k.shape)
     out_shape = k.out_shape or k.shape
     out_strides = Strided.contiguous(k.dtype, out_shape).strides
@@ -98,16 +92,18 @@ def emit_concat(k: ConcatKernel, limits=None, features=None) -> KernelSpec:
         cond = f"c{k.axis} < {start + d}u"
         kw = "if" if j == 0 else "else if"
         if j == n - 1:
-            body.append(f"  else {{ b{n}[o] = b{j}[{_addr(s, coord)}]; }}" if n > 1 else
-                        f"  b{n}[o] = b{j}[{_addr(s, coord)}];")
+            copy = f"{bd.name(n)}[o] = {bd.name(j)}[{_addr(s, coord)}];"
+            body.append(f"  else {{ {copy} }}" if n > 1 else f"  {copy}")
         else:
-            body.append(f"  {kw} ({cond}) {{ b{n}[o] = b{j}[{_addr(s, coord)}]; }}")
+            body.append(f"  {kw} ({cond}) {{ {bd.name(n)}[o] = {bd.name(j)}[{_addr(s, coord)}]; }}")
         start += d
-    src = _header(k.dtype, n) + "\n" + _main(total, gx, body)
-    return KernelSpec(k.name, src, n + 1, grid)
+    src = _header(k.dtype, bd) + "\n" + _main(total, gx, body)
+    return KernelSpec(k.name, src, bd.n, grid)
 
 
-def emit_pad_slice(k: PadSliceKernel, limits=None, features=None) -> KernelSpec:
+@kernel_family("pad_slice", PadSliceKernel)
+def emit_pad_slice(k: PadSliceKernel, limits=None, features=None, alias=None) -> KernelSpec:
+    bd = Bindings([k.dtype, k.dtype], alias)
     total = max(1, _size(k.shape))
     grid, gx = _grid(total)
     body = _coords(k.shape)
@@ -118,10 +114,10 @@ def emit_pad_slice(k: PadSliceKernel, limits=None, features=None) -> KernelSpec:
         coord.append(f"((c{a} - {st}u) / {step}u)")
     zero = "0u" if k.dtype.name == "bool" else f"{k.dtype.wgsl}(0)"
     cond = " && ".join(f"({c})" for c in conds) or "true"
-    body.append(f"  if ({cond}) {{ b1[i] = b0[{_addr(k.input, coord)}]; }} "
-                f"else {{ b1[i] = {zero}; }}")
-    src = _header(k.dtype, 1) + "\n" + _main(total, gx, body)
-    return KernelSpec(k.name, src, 2, grid)
+    out, src = bd.name(1), bd.name(0)
+    body.append(f"  if ({cond}) {{ {out}[i] = {src}[{_addr(k.input, coord)}]; }} "
+                f"else {{ {out}[i] = {zero}; }}")
+    return KernelSpec(k.name, _header(k.dtype, bd) + "\n" + _main(total, gx, body), bd.n, grid)
 
 
 def _size(shape) -> int:
@@ -129,13 +125,3 @@ def _size(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _register() -> None:
-    from .archetypes import register_archetype
-
-    register_archetype("concat", ConcatKernel, None, emit_concat)
-    register_archetype("pad_slice", PadSliceKernel, None, emit_pad_slice)
-
-
-_register()

@@ -23,10 +23,11 @@ gemv 1×8192×8192 2.3 TB/s (k-contiguous weights, wgpu).
 from __future__ import annotations
 
 from ..dtypes import DType, f32
+from .archetypes import kernel_family
 from .common import (
+    Bindings,
     CodegenError,
     bcast_strides,
-    binding_decls,
     check_binding_size,
     check_bindings,
     check_dtypes,
@@ -76,7 +77,8 @@ def _norm(s, shape, what, name):
     return s, bcast_strides(s, shape, f"{name} {what}")
 
 
-def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
+@kernel_family("matmul", MatmulKernel)
+def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
     t = make_target(limits, features)
     name = k.name
     B, M, N, K = int(k.batch), int(k.m), int(k.n), int(k.k)
@@ -90,18 +92,7 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
     acc_t = f32 if op_dt.is_float else op_dt
     check_extent(name, "operand a", a, (B, M, K), sa, t)
     check_extent(name, "operand b", b, (B, K, N), sb, t)
-    used_x = sorted({i for ins in k.epilogue for kind, i in ins.args if kind == "x"})
-    xs = {}
-    for i in used_x:
-        if i >= len(k.extra):
-            raise CodegenError(f"kernel {name!r}: epilogue reads extra input {i} of {len(k.extra)}")
-        s = k.extra[i]
-        if len(s.shape) < 3:
-            st = bcast_strides(s, (B, M, N), f"{name} extra {i}")
-        else:
-            _, st = _norm(s, (B, M, N), f"extra {i}", name)
-        check_extent(name, f"extra input {i}", s, (B, M, N), st, t)
-        xs[i] = st
+    xs = _extras(k, (B, M, N), t)
     res_dt = k.epilogue[-1].dtype if k.epilogue else op_dt
     out_dt: DType = k.out_dtype or res_dt
     check_binding_size(name, "output", B * M * N, out_dt, t)
@@ -111,15 +102,9 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
     dts = [op_dt, op_dt] + [s.dtype for s in k.extra] + [out_dt]
     uses_f16 = check_dtypes(name, dts + [i.dtype for i in k.epilogue], t)
 
-    ctx = _Ctx(name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in)
-    if k.precision not in PRECISIONS:
-        raise CodegenError(f"kernel {name!r}: precision must be one of {PRECISIONS}, "
-                           f"got {k.precision!r}")
-    fast = k.precision == "fast" and op_dt.is_float and SG_FEATURE in t.features and t.has_f16
-    variant = choose_variant(B, M, N, K, getattr(k, "variant", ""), name, fast)
-    if variant in SGMAT and not (op_dt.is_float and SG_FEATURE in t.features):
-        raise CodegenError(f"kernel {name!r}: variant {variant!r} needs f16 subgroup matrices "
-                           f"(Dawn, feature {SG_FEATURE!r}) and float operands")
+    bd = Bindings(dts, alias)
+    ctx = _Ctx(name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in, bd)
+    variant = _variant(k, ctx, t)
     if variant == "gemv":
         body, shared, wg_size, grid, helpers, variant = _gemv(ctx, t)
     elif variant in SGMAT:
@@ -136,12 +121,12 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
         # per-subgroup fragment offsets (lid / 32) are not uniform across the workgroup
         lines[-1:-1] = ["enable chromium_experimental_subgroup_matrix;",
                         "diagnostic(off, chromium.subgroup_matrix_uniformity);"]
-    lines += binding_decls(dts)
+    lines += bd.decls()
     lines += shared[0]
     return KernelSpec(
         name=name,
         wgsl=module_source(lines, helpers, wg_size, body),
-        n_bindings=n_bind,
+        n_bindings=bd.n,
         workgroups=grid.workgroups,
         meta={
             "archetype": "matmul",
@@ -152,6 +137,36 @@ def emit(k: MatmulKernel, limits=None, features=None) -> KernelSpec:
             "flops": 2 * B * M * N * K,
         },
     )
+
+
+def _extras(k: MatmulKernel, shape, t) -> dict[int, tuple[int, ...]]:
+    """Strides over (batch, M, N) of the extra inputs the epilogue reads."""
+    name, xs = k.name, {}
+    for i in sorted({i for ins in k.epilogue for kind, i in ins.args if kind == "x"}):
+        if i >= len(k.extra):
+            raise CodegenError(f"kernel {name!r}: epilogue reads extra input {i} of {len(k.extra)}")
+        s = k.extra[i]
+        if len(s.shape) < 3:
+            st = bcast_strides(s, shape, f"{name} extra {i}")
+        else:
+            _, st = _norm(s, shape, f"extra {i}", name)
+        check_extent(name, f"extra input {i}", s, shape, st, t)
+        xs[i] = st
+    return xs
+
+
+def _variant(k: MatmulKernel, c: _Ctx, t) -> str:
+    """The variant for this kernel, precision and device (tensor cores only for "fast")."""
+    name, op_dt = k.name, c.op_dt
+    if k.precision not in PRECISIONS:
+        raise CodegenError(f"kernel {name!r}: precision must be one of {PRECISIONS}, "
+                           f"got {k.precision!r}")
+    fast = k.precision == "fast" and op_dt.is_float and SG_FEATURE in t.features and t.has_f16
+    variant = choose_variant(c.B, c.M, c.N, c.K, getattr(k, "variant", ""), name, fast)
+    if variant in SGMAT and not (op_dt.is_float and SG_FEATURE in t.features):
+        raise CodegenError(f"kernel {name!r}: variant {variant!r} needs f16 subgroup matrices "
+                           f"(Dawn, feature {SG_FEATURE!r}) and float operands")
+    return variant
 
 
 def choose_variant(B: int, M: int, N: int, K: int, forced: str = "", name: str = "",
@@ -181,15 +196,15 @@ def choose_variant(B: int, M: int, N: int, K: int, forced: str = "", name: str =
 
 
 class _Ctx:
-    def __init__(self, name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in):
+    def __init__(self, name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in, bd):
         self.name, self.B, self.M, self.N, self.K = name, B, M, N, K
         self.a, self.sa, self.b, self.sb = a, sa, b, sb
         self.k, self.xs, self.op_dt, self.acc_t, self.out_dt = k, xs, op_dt, acc_t, out_dt
-        self.n_in = n_in
+        self.n_in, self.bd = n_in, bd
 
     def read(self, which: str, idx: str) -> str:
         """Operand element converted to the accumulator type."""
-        binding = "b0" if which == "a" else "b1"
+        binding = self.bd.name(0 if which == "a" else 1)
         v = load(binding, idx, self.op_dt)
         return v if self.op_dt is self.acc_t else f"{self.acc_t.wgsl}({v})"
 
@@ -205,7 +220,7 @@ class _Ctx:
         for i, st in self.xs.items():
             s = k.extra[i]
             idx = index_code([bi, row, col], st, s.offset)
-            lines.append(f"{i2}let e{i} = {load(f'b{2 + i}', idx, s.dtype)};")
+            lines.append(f"{i2}let e{i} = {load(self.bd.name(2 + i), idx, s.dtype)};")
             names[i] = (f"e{i}", s.dtype)
 
         def arg(a):
@@ -222,7 +237,7 @@ class _Ctx:
         else:
             v, vdt = acc, self.acc_t  # no epilogue: store from the accumulator, unrounded
         oidx = index_code([bi, row, col], (self.M * self.N, self.N, 1))
-        lines.append(f"{i2}b{self.n_in}[{oidx}] = {store_value(v, vdt, self.out_dt)};")
+        lines.append(f"{i2}{self.bd.name(self.n_in)}[{oidx}] = {store_value(v, vdt, self.out_dt)};")
         lines.append(f"{ind}}}")
 
 
@@ -286,10 +301,47 @@ def _k_steps(c: _Ctx, L: list[str], ind: str, bk: int, edges: bool, stage, compu
         L.append(f"{ind}}}")
 
 
+def _tiled_compute(c: _Ctx, out: list[str], ii: str, TILE: int, vec: bool) -> None:
+    """c_ij += A·B over the staged BK slice: PER x PER results per invocation, rows
+    ty·PER + i (vec: read as vec4) or ty + 16 i."""
+    PER, T4, jj = TILE // THREADS, TILE // 4, ii + "    "
+    out.append(f"{ii}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
+    if vec:
+        for q in range(PER // 4):
+            out.append(f"{jj}let a4{q} = As[kk * {u(T4)} + ty * {u(PER // 4)} + {u(q)}];")
+            out.append(f"{jj}let b4{q} = Bs[kk * {u(T4)} + tx * {u(PER // 4)} + {u(q)}];")
+        for i in range(PER):
+            out.append(f"{jj}let a{i} = a4{i // 4}.{'xyzw'[i % 4]};")
+        for j in range(PER):
+            out.append(f"{jj}let b{j} = b4{j // 4}.{'xyzw'[j % 4]};")
+    else:
+        for i in range(PER):
+            out.append(f"{jj}let a{i} = As[kk * {u(TILE)} + ty + {u(THREADS * i)}];")
+        for j in range(PER):
+            out.append(f"{jj}let b{j} = Bs[kk * {u(TILE)} + tx + {u(THREADS * j)}];")
+    for i in range(PER):
+        for j in range(PER):
+            out.append(f"{jj}c{i}{j} = {_fma(c.acc_t, f'a{i}', f'b{j}', f'c{i}{j}')};")
+    out.append(f"{ii}}}")
+
+
+def _tiled_stores(c: _Ctx, out: list[str], ii: str, PER: int, checks, helpers) -> None:
+    """Epilogue and store of every result; ``checks`` (row and column bounds) guard them."""
+    for i in range(PER):
+        for j in range(PER):
+            conds = [x for x, ok in ((f"r{i} < {u(c.M)}", checks[0]),
+                                     (f"n{j} < {u(c.N)}", checks[1])) if ok]
+            if conds:
+                out.append(f"{ii}if ({' && '.join(conds)}) {{")
+                c.store(out, ii + "    ", "bi", f"r{i}", f"n{j}", f"c{i}{j}", helpers)
+                out.append(f"{ii}}}")
+            else:
+                c.store(out, ii, "bi", f"r{i}", f"n{j}", f"c{i}{j}", helpers)
+
+
 def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
     PER = TILE // THREADS
     T4 = TILE // 4
-    M, N = c.M, c.N
     acc = c.acc_t.wgsl
     ind, i2 = "    ", "        "
     L: list[str] = [f"{ind}let tx = lid % {u(THREADS)};", f"{ind}let ty = lid / {u(THREADS)};"]
@@ -311,30 +363,8 @@ def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
         _stage(c, out, ii, check_mn, check_k, TILE, TILE, BK, nthreads, live_check, sh,
                lambda v: v)
 
-    def compute(out: list[str], ii: str) -> None:
-        jj = ii + ind
-        out.append(f"{ii}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
-        if vec:
-            comp = "xyzw"
-            for q in range(PER // 4):
-                out.append(f"{jj}let a4{q} = As[kk * {u(T4)} + ty * {u(PER // 4)} + {u(q)}];")
-                out.append(f"{jj}let b4{q} = Bs[kk * {u(T4)} + tx * {u(PER // 4)} + {u(q)}];")
-            for i in range(PER):
-                out.append(f"{jj}let a{i} = a4{i // 4}.{comp[i % 4]};")
-            for j in range(PER):
-                out.append(f"{jj}let b{j} = b4{j // 4}.{comp[j % 4]};")
-        else:
-            for i in range(PER):
-                out.append(f"{jj}let a{i} = As[kk * {u(TILE)} + ty + {u(THREADS * i)}];")
-            for j in range(PER):
-                out.append(f"{jj}let b{j} = Bs[kk * {u(TILE)} + tx + {u(THREADS * j)}];")
-        for i in range(PER):
-            for j in range(PER):
-                out.append(f"{jj}c{i}{j} = {_fma(c.acc_t, f'a{i}', f'b{j}', f'c{i}{j}')};")
-        out.append(f"{ii}}}")
-
-    _k_steps(c, L, ind, BK, edges, stage, compute)
-
+    _k_steps(c, L, ind, BK, edges, stage,
+             lambda out, ii: _tiled_compute(c, out, ii, TILE, vec))
     helpers: set[str] = set()
     for i in range(PER):
         r = f"ty * {u(PER)} + {u(i)}" if vec else f"ty + {u(THREADS * i)}"
@@ -342,29 +372,14 @@ def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
     for j in range(PER):
         n = f"tx * {u(PER)} + {u(j)}" if vec else f"tx + {u(THREADS * j)}"
         L.append(f"{ind}let n{j} = col0 + {n};")
-
-    def stores(out: list[str], ii: str, checked: bool) -> None:
-        for i in range(PER):
-            for j in range(PER):
-                conds = []
-                if checked:
-                    conds = ([] if full_m else [f"r{i} < {u(M)}"])
-                    conds += ([] if full_n else [f"n{j} < {u(N)}"])
-                if conds:
-                    out.append(f"{ii}if ({' && '.join(conds)}) {{")
-                    c.store(out, ii + ind, "bi", f"r{i}", f"n{j}", f"c{i}{j}", helpers)
-                    out.append(f"{ii}}}")
-                else:
-                    c.store(out, ii, "bi", f"r{i}", f"n{j}", f"c{i}{j}", helpers)
-
     if edges:
         L.append(f"{ind}if (interior) {{")
-        stores(L, i2, False)
+        _tiled_stores(c, L, i2, PER, (False, False), helpers)
         L.append(f"{ind}}} else if ({'live' if live_check else 'true'}) {{")
-        stores(L, i2, True)
+        _tiled_stores(c, L, i2, PER, (not full_m, not full_n), helpers)
         L.append(f"{ind}}}")
     else:
-        stores(L, ind, False)
+        _tiled_stores(c, L, ind, PER, (False, False), helpers)
     nbytes = 2 * BK * TILE * 4
     et, n = (f"vec4<{acc}>", BK * T4) if vec else (acc, BK * TILE)
     shared = (
@@ -384,7 +399,7 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
     nthreads = 32 * nsg
     FM, FN = TM // SGM // 16, TN // SGN // 16  # fragments per subgroup
     astr, bstr = SG_BK + SG_PAD, TN + SG_PAD  # workgroup-memory row strides (f16 elements)
-    ind, i2, i3 = "    ", "        ", "            "
+    ind = "    "
     L: list[str] = [
         f"{ind}let sid = lid / 32u;",
         f"{ind}let lane = lid % 32u;",
@@ -432,6 +447,18 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
         guard.append(f"n < {u(N)}")
     if live_check:
         guard.append("live")
+    _sgmat_stores(c, L, FM, FN, guard, helpers)
+    nbytes = 2 * (TM * astr + SG_BK * bstr) + 4 * 256 * nsg
+    shared = ([f"var<workgroup> As: array<f16, {TM * astr}>;",
+               f"var<workgroup> Bs: array<f16, {SG_BK * bstr}>;",
+               f"var<workgroup> Cs: array<f32, {256 * nsg}>;"], nbytes)
+    return L, shared, nthreads, grid, helpers, f"sgmat{TM}"
+
+
+def _sgmat_stores(c: _Ctx, L: list[str], FM: int, FN: int, guard: list[str], helpers) -> None:
+    """Each fragment through this subgroup's 16x16 f32 scratch in workgroup memory, then 8
+    elements per invocation through the ordinary (bounds-checked) epilogue and store."""
+    ind, i2, i3 = "    ", "        ", "            "
     for i in range(FM):
         for j in range(FN):
             L.append(f"{ind}subgroupMatrixStore(&Cs, sid * 256u, c{i}_{j}, false, 16u);")
@@ -449,11 +476,6 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
                 c.store(L, i2, "bi", "r", "n", "v", helpers)
             L.append(f"{ind}}}")
             L.append(f"{ind}workgroupBarrier();")
-    nbytes = 2 * (TM * astr + SG_BK * bstr) + 4 * 256 * nsg
-    shared = ([f"var<workgroup> As: array<f16, {TM * astr}>;",
-               f"var<workgroup> Bs: array<f16, {SG_BK * bstr}>;",
-               f"var<workgroup> Cs: array<f32, {256 * nsg}>;"], nbytes)
-    return L, shared, nthreads, grid, helpers, f"sgmat{TM}"
 
 
 def _stage(c: _Ctx, out: list[str], ii: str, check_mn: bool, check_k: bool, TM: int, TN: int,
@@ -501,101 +523,113 @@ def _stage(c: _Ctx, out: list[str], ii: str, check_mn: bool, check_k: bool, TM: 
                 out.append(f"{ii}{sh(arr, kx, x)} = {conv(val)};")
 
 
-def _gemv(c: _Ctx, t):
-    """One of M, N is small (S ≤ 4): parallel over the long dim P and over K."""
-    B, M, N, K = c.B, c.M, c.N, c.K
-    sab, sam, sak = c.sa
-    sbb, sbk, sbn = c.sb
+def _gemv_layout(c: _Ctx):
+    """Which operand is the vector (S ≤ 4 rows or columns), the matrix's strides along the
+    long dim P and K, and the invocations along P (tp) and K (tk)."""
+    M, N, K = c.M, c.N, c.K
+    _, sam, sak = c.sa
+    _, sbk, sbn = c.sb
     if M <= N:
         # vector = rows of A (s = m), matrix = B indexed (p = n, k)
-        S, P = M, N
-        vec, vst_s, vst_k = "a", sam, sak
-        mat, mst_p, mst_k = "b", sbn, sbk
+        lay = dict(S=M, P=N, vec="a", vst_s=sam, vst_k=sak, mat="b", mst_p=sbn, mst_k=sbk)
     else:
-        S, P = N, M
-        vec, vst_s, vst_k = "b", sbn, sbk
-        mat, mst_p, mst_k = "a", sam, sak
-    k_fast = mst_k == 1 and mst_p != 1  # the matrix is contiguous along k
-    nth = GEMV_THREADS
+        lay = dict(S=N, P=M, vec="b", vst_s=sbn, vst_k=sbk, mat="a", mst_p=sam, mst_k=sak)
+    k_fast = lay["mst_k"] == 1 and lay["mst_p"] != 1  # the matrix is contiguous along k
     if k_fast:
         tk = min(32, pow2ceil(K))
-        tp = nth // tk
+        tp = GEMV_THREADS // tk
     else:
-        tp = min(32, pow2ceil(P))
-        tk = nth // tp
-    tk = max(1, min(tk, pow2ceil(K)))
-    wg_size = tp * tk
-    pt = -(-P // tp)
-    grid = make_grid(c.name, pt * B, t)
-    acc = c.acc_t.wgsl
-    ind, i2, i3 = "    ", "        ", "            "
-    L: list[str] = []
-    L.append(f"{ind}let wg = {grid.wg_expr};")
-    L.append(f"{ind}let tpi = wg % {u(pt)};")
-    L.append(f"{ind}let bi = wg / {u(pt)};")
-    if k_fast:
-        L.append(f"{ind}let kl = lid % {u(tk)};")
-        L.append(f"{ind}let pl = lid / {u(tk)};")
-        kstep = 1
-    else:
-        L.append(f"{ind}let pl = lid % {u(tp)};")
-        L.append(f"{ind}let kl = lid / {u(tp)};")
-        kstep = tp
-    L.append(f"{ind}let p = tpi * {u(tp)} + pl;")
-    L.append(f"{ind}let valid = p < {u(P)} && bi < {u(B)};")
-    for s in range(S):
-        L.append(f"{ind}var s{s}: {acc} = {acc}(0);")
-    vb, mb = (c.a, c.b) if vec == "a" else (c.b, c.a)
-    vsb, msb = (sab, sbb) if vec == "a" else (sbb, sab)
-    L.append(f"{ind}if (valid) {{")
-    L.append(f"{i2}let mbase = {index_code(['bi', 'p'], [msb, mst_p], mb.offset)};")
-    L.append(f"{i2}let vbase = {index_code(['bi'], [vsb], vb.offset)};")
-    def step(kk: str, tag: str, loads_first: bool) -> list[str]:
+        tp = min(32, pow2ceil(lay["P"]))
+        tk = GEMV_THREADS // tp
+    lay.update(k_fast=k_fast, tp=tp, tk=max(1, min(tk, pow2ceil(K))))
+    return lay
+
+
+def _gemv_loop(c: _Ctx, L: list[str], lay) -> None:
+    """Each invocation folds its share of K (every tk-th element), GEMV_UNROLL matrix loads
+    in flight while whole groups remain (same summation order)."""
+    i2, i3 = "        ", "            "
+    S, tk, K, mst_k = lay["S"], lay["tk"], c.K, lay["mst_k"]
+
+    def step(kk: str, tag: str) -> tuple[list[str], list[str]]:
         midx = "mbase" + ("" if mst_k == 0 else " + " + index_code([kk], [mst_k]))
-        ld = [f"{i3}let mv{tag} = {c.read(mat, midx)};"]
+        ld = [f"{i3}let mv{tag} = {c.read(lay['mat'], midx)};"]
         fm = []
         for s in range(S):
-            vidx = "vbase + " + index_code([u(s), kk], [vst_s, vst_k])
+            vidx = "vbase + " + index_code([u(s), kk], [lay["vst_s"], lay["vst_k"]])
             if vidx.endswith("+ 0u"):
                 vidx = "vbase"
-            fm.append(f"{i3}s{s} = {_fma(c.acc_t, c.read(vec, vidx), f'mv{tag}', f's{s}')};")
-        return ld + fm if not loads_first else (ld, fm)
+            fm.append(f"{i3}s{s} = "
+                      f"{_fma(c.acc_t, c.read(lay['vec'], vidx), f'mv{tag}', f's{s}')};")
+        return ld, fm
 
     L.append(f"{i2}var kk: u32 = kl;")
     if -(-K // tk) >= 2 * GEMV_UNROLL:
-        # several independent matrix loads in flight per invocation (same summation order)
         L.append(f"{i2}for (; kk + {u((GEMV_UNROLL - 1) * tk)} < {u(K)}; "
                  f"kk = kk + {u(GEMV_UNROLL * tk)}) {{")
         loads, fmas = [], []
         for j in range(GEMV_UNROLL):
-            kj = "kk" if j == 0 else f"(kk + {u(j * tk)})"
-            ld, fm = step(kj, str(j), True)
+            ld, fm = step("kk" if j == 0 else f"(kk + {u(j * tk)})", str(j))
             loads += ld
             fmas += fm
         L += loads + fmas
         L.append(f"{i2}}}")
     L.append(f"{i2}for (; kk < {u(K)}; kk = kk + {u(tk)}) {{")
-    L += step("kk", "", False)
+    ld, fm = step("kk", "")
+    L += ld + fm
     L.append(f"{i2}}}")
+
+
+def _gemv_tree(L: list[str], S: int, wg_size: int, tk: int, kstep: int) -> None:
+    """Add the tk partial sums of each output in workgroup memory (a fixed tree)."""
+    ind, i2 = "    ", "        "
+    for s in range(S):
+        L.append(f"{ind}red[{u(s * wg_size)} + lid] = s{s};")
+    L.append(f"{ind}workgroupBarrier();")
+    h = tk // 2
+    while h >= 1:
+        L.append(f"{ind}if (kl < {u(h)}) {{")
+        for s in range(S):
+            o = s * wg_size
+            L.append(f"{i2}red[{u(o)} + lid] = red[{u(o)} + lid] + "
+                     f"red[{u(o)} + lid + {u(h * kstep)}];")
+        L.append(f"{ind}}}")
+        L.append(f"{ind}workgroupBarrier();")
+        h //= 2
+    for s in range(S):
+        L.append(f"{ind}s{s} = red[{u(s * wg_size)} + lid];")
+
+
+def _gemv(c: _Ctx, t):
+    """One of M, N is small (S ≤ 4): parallel over the long dim P and over K."""
+    lay = _gemv_layout(c)
+    S, P, vec, tp, tk = lay["S"], lay["P"], lay["vec"], lay["tp"], lay["tk"]
+    wg_size = tp * tk
+    pt = -(-P // tp)
+    grid = make_grid(c.name, pt * c.B, t)
+    acc = c.acc_t.wgsl
+    ind, i2 = "    ", "        "
+    L: list[str] = [f"{ind}let wg = {grid.wg_expr};", f"{ind}let tpi = wg % {u(pt)};",
+                    f"{ind}let bi = wg / {u(pt)};"]
+    if lay["k_fast"]:
+        L += [f"{ind}let kl = lid % {u(tk)};", f"{ind}let pl = lid / {u(tk)};"]
+        kstep = 1
+    else:
+        L += [f"{ind}let pl = lid % {u(tp)};", f"{ind}let kl = lid / {u(tp)};"]
+        kstep = tp
+    L.append(f"{ind}let p = tpi * {u(tp)} + pl;")
+    L.append(f"{ind}let valid = p < {u(P)} && bi < {u(c.B)};")
+    for s in range(S):
+        L.append(f"{ind}var s{s}: {acc} = {acc}(0);")
+    ops = {"a": (c.a, c.sa[0]), "b": (c.b, c.sb[0])}  # view, batch stride
+    (vb, vsb), (mb, msb) = ops[vec], ops[lay["mat"]]
+    L.append(f"{ind}if (valid) {{")
+    L.append(f"{i2}let mbase = {index_code(['bi', 'p'], [msb, lay['mst_p']], mb.offset)};")
+    L.append(f"{i2}let vbase = {index_code(['bi'], [vsb], vb.offset)};")
+    _gemv_loop(c, L, lay)
     L.append(f"{ind}}}")
     if tk > 1:
-        for s in range(S):
-            L.append(f"{ind}red[{u(s * wg_size)} + lid] = s{s};")
-        L.append(f"{ind}workgroupBarrier();")
-        h = tk // 2
-        while h >= 1:
-            L.append(f"{ind}if (kl < {u(h)}) {{")
-            for s in range(S):
-                o = s * wg_size
-                L.append(
-                    f"{i2}red[{u(o)} + lid] = red[{u(o)} + lid] + "
-                    f"red[{u(o)} + lid + {u(h * kstep)}];"
-                )
-            L.append(f"{ind}}}")
-            L.append(f"{ind}workgroupBarrier();")
-            h //= 2
-        for s in range(S):
-            L.append(f"{ind}s{s} = red[{u(s * wg_size)} + lid];")
+        _gemv_tree(L, S, wg_size, tk, kstep)
     helpers: set[str] = set()
     L.append(f"{ind}if (valid && kl == 0u) {{")
     for s in range(S):

@@ -9,10 +9,12 @@ indexes every operand with the thread id alone.  Grids past 65,535 workgroups wr
 from __future__ import annotations
 
 from ..dtypes import DType
+from .archetypes import kernel_family
 from .common import (
+    WG,
+    Bindings,
     CodegenError,
     bcast_strides,
-    binding_decls,
     check_binding_size,
     check_bindings,
     check_dtypes,
@@ -20,6 +22,7 @@ from .common import (
     check_invocations,
     coords_code,
     emit_instrs,
+    flat_index,
     index_code,
     load,
     make_grid,
@@ -31,28 +34,18 @@ from .common import (
     store_value,
     u,
 )
-from .ir import KernelSpec, PointwiseKernel
-
-WORKGROUP = 256
+from .ir import KernelSpec, PointwiseKernel, contiguous_strides
 
 
-def emit(k: PointwiseKernel, limits=None, features=None) -> KernelSpec:
-    t = make_target(limits, features)
-    name = k.name
-    shape = tuple(int(n) for n in k.shape)
-    total = prod(shape)
+def _check(k: PointwiseKernel, shape, t) -> tuple[list[DType], list[int], dict]:
+    """Output dtypes, the inputs the instrs read and their strides over ``shape``."""
+    name, total = k.name, prod(shape)
     if not k.outputs:
         raise CodegenError(f"kernel {name!r} has no outputs")
     for o in k.outputs:
         if not 0 <= o < len(k.instrs):
             raise CodegenError(f"kernel {name!r}: output refers to instr {o} of {len(k.instrs)}")
     out_dtypes: list[DType] = [k.instrs[o].dtype for o in k.outputs]
-    in_dtypes = [s.dtype for s in k.inputs]
-    n_bind = len(k.inputs) + len(k.outputs)
-    check_bindings(name, n_bind, t)
-    check_invocations(name, WORKGROUP, t)
-    uses_f16 = check_dtypes(name, in_dtypes + out_dtypes + [i.dtype for i in k.instrs], t)
-
     used = sorted({i for ins in k.instrs for kind, i in ins.args if kind == "in"})
     for i in used:
         if i >= len(k.inputs):
@@ -62,40 +55,50 @@ def emit(k: PointwiseKernel, limits=None, features=None) -> KernelSpec:
         check_extent(name, f"input {i}", k.inputs[i], shape, strides[i], t)
     for j, dt in enumerate(out_dtypes):
         check_binding_size(name, f"output {j}", total, dt, t)
+    return out_dtypes, used, strides
 
-    contiguous = []
-    acc = 1
-    for n in reversed(shape):
-        contiguous.append(acc)
-        acc *= n
-    contiguous = tuple(reversed(contiguous))
-    mshape, mstrides = merge_dims(shape, [contiguous] + [strides[i] for i in used])
+
+def _loads(k: PointwiseKernel, shape, used, strides, bd: Bindings, body, ind) -> dict[int, str]:
+    """Load every input read at element ``i``; an input that walks like the (contiguous)
+    output is indexed by the thread id itself, the others through coordinates."""
+    mshape, mstrides = merge_dims(shape, [contiguous_strides(shape)]
+                                  + [strides[i] for i in used])
     in_strides = dict(zip(used, mstrides[1:], strict=False))
-
-    grid = make_grid(name, -(-total // WORKGROUP), t)
-    lines = module_header(uses_f16)
-    lines += binding_decls(in_dtypes + out_dtypes)
-    body: list[str] = []
-    ind = "    "
-    body.append(f"{ind}let i = ({grid.wg_expr}) * {u(WORKGROUP)} + lid;")
-    body.append(f"{ind}if (i >= {u(total)}) {{")
-    body.append(f"{ind}    return;")
-    body.append(f"{ind}}}")
     clines: list[str] = []
     coords = coords_code("i", mshape, "c", clines, ind)
     need_coords = False
     names: dict[int, str] = {}
     for i in used:
         s = k.inputs[i]
-        if in_strides[i] == mstrides[0]:  # walks like the output: the thread id is the index
+        if in_strides[i] == mstrides[0]:
             idx = "i" if s.offset == 0 else f"i + {u(s.offset)}"
         else:
             idx = index_code(coords, in_strides[i], s.offset)
             if not need_coords:
                 need_coords = True
                 body += clines
-        body.append(f"{ind}let x{i} = {load(f'b{i}', idx, s.dtype)};")
+        body.append(f"{ind}let x{i} = {load(bd.name(i), idx, s.dtype)};")
         names[i] = f"x{i}"
+    return names
+
+
+@kernel_family("pointwise", PointwiseKernel)
+def emit(k: PointwiseKernel, limits=None, features=None, alias=None) -> KernelSpec:
+    t = make_target(limits, features)
+    name = k.name
+    shape = tuple(int(n) for n in k.shape)
+    total = prod(shape)
+    out_dtypes, used, strides = _check(k, shape, t)
+    in_dtypes = [s.dtype for s in k.inputs]
+    bd = Bindings(in_dtypes + out_dtypes, alias)
+    check_bindings(name, len(bd.dtypes), t)
+    check_invocations(name, WG, t)
+    uses_f16 = check_dtypes(name, in_dtypes + out_dtypes + [i.dtype for i in k.instrs], t)
+
+    grid = make_grid(name, -(-total // WG), t)
+    ind = "    "
+    body = flat_index(grid, total, ind)
+    names = _loads(k, shape, used, strides, bd, body, ind)
 
     def arg(a):
         kind, i = a
@@ -107,18 +110,18 @@ def emit(k: PointwiseKernel, limits=None, features=None) -> KernelSpec:
     res = emit_instrs(k.instrs, arg, "t", body, ind, helpers)
     for j, o in enumerate(k.outputs):
         v, dt = res[o]
-        body.append(f"{ind}b{len(k.inputs) + j}[i] = {store_value(v, dt, out_dtypes[j])};")
+        body.append(f"{ind}{bd.name(len(k.inputs) + j)}[i] = {store_value(v, dt, out_dtypes[j])};")
 
     return KernelSpec(
         name=name,
-        wgsl=module_source(lines, helpers, WORKGROUP, body),
-        n_bindings=n_bind,
+        wgsl=module_source(module_header(uses_f16) + bd.decls(), helpers, WG, body),
+        n_bindings=bd.n,
         workgroups=grid.workgroups,
         meta={
             "archetype": "pointwise",
-            "workgroup_size": WORKGROUP,
+            "workgroup_size": WG,
             "workgroup_storage": 0,
-            "binding_dtypes": tuple(in_dtypes + out_dtypes),
+            "binding_dtypes": tuple(bd.dtypes),
             "elements": total,
         },
     )

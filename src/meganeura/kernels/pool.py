@@ -15,24 +15,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import DType, f32, i32
+from .archetypes import register
 from .common import (
+    WG,
+    Bindings,
     CodegenError,
-    bcast_strides,
-    binding_decls,
     check_binding_size,
     check_bindings,
     check_dtypes,
-    check_extent,
+    flat_index,
     load,
     make_grid,
     make_target,
     module_header,
+    module_source,
     store_value,
     u,
+    view4,
 )
 from .ir import KernelSpec, Strided
-
-WORKGROUP = 256
 
 
 @dataclass(frozen=True)
@@ -103,32 +104,16 @@ def _idx(terms, offset=0) -> str:
     return " + ".join(out) or "0u"
 
 
-def _view(s: Strided, shape, what, name, t):
-    if len(s.shape) != 4:
-        raise CodegenError(f"kernel {name!r}: {what} must be a 4-D view, got {s.shape}")
-    st = bcast_strides(s, shape, f"{name} {what}")
-    check_extent(name, what, s, shape, st, t)
-    return st
-
-
-def _module(name, dts, total, body, t, meta) -> KernelSpec:
-    check_bindings(name, len(dts), t)
-    uses_f16 = check_dtypes(name, dts, t)
-    grid = make_grid(name, -(-total // WORKGROUP), t)
-    L = module_header(uses_f16) + binding_decls(dts) + [""]
-    L.append(f"@compute @workgroup_size({WORKGROUP})")
-    L.append("fn main(@builtin(workgroup_id) wid: vec3<u32>, "
-             "@builtin(local_invocation_index) lid: u32) {")
-    L.append(f"    let i = ({grid.wg_expr}) * {u(WORKGROUP)} + lid;")
-    L.append(f"    if (i >= {u(total)}) {{")
-    L.append("        return;")
-    L.append("    }")
-    L += body
-    L.append("}")
-    return KernelSpec(name=name, wgsl="\n".join(L) + "\n", n_bindings=len(dts),
-                      workgroups=grid.workgroups,
-                      meta=dict(meta, workgroup_size=WORKGROUP, workgroup_storage=0,
-                                binding_dtypes=tuple(dts)))
+def _module(name, bd: Bindings, total, body, t, meta) -> KernelSpec:
+    check_bindings(name, len(bd.dtypes), t)
+    uses_f16 = check_dtypes(name, bd.dtypes, t)
+    grid = make_grid(name, -(-total // WG), t)
+    body = flat_index(grid, total) + body
+    return KernelSpec(name=name, wgsl=module_source(module_header(uses_f16) + bd.decls(), (), WG,
+                                                    body),
+                      n_bindings=bd.n, workgroups=grid.workgroups,
+                      meta=dict(meta, workgroup_size=WG, workgroup_storage=0,
+                                binding_dtypes=tuple(bd.dtypes)))
 
 
 def _f(v: str, dt: DType) -> str:
@@ -149,78 +134,106 @@ def _window_range(G: PoolGeom, axis: int, coord: str, L, ind) -> tuple[str, str]
     return f"lo{a}", f"hi{a}"
 
 
-# ---------------------------------------------------------------------------------------------
-
-
-def emit_max_pool(k: MaxPoolKernel, limits=None, features=None) -> KernelSpec:
-    t = make_target(limits, features)
-    G, name = k.geom, k.name
-    sx = _view(k.x, (G.n, G.c, G.h, G.w), "input", name, t)
-    total = G.n * G.c * G.oh * G.ow
-    check_binding_size(name, "output", total, k.out_dtype, t)
+def _forward(G: PoolGeom, x: Strided, sx, src: str, acc: list[str], inner,
+             dilated: bool) -> list[str]:
+    """One invocation per output element: declare ``acc``, then scan the window row by row;
+    rows outside the input are skipped, ``inner(lines, ind, value)`` folds element ``(ih, iw)``
+    (its own bounds check on ``iw``)."""
     ind, i2, i3 = "    ", "        ", "            "
     L: list[str] = []
     _coords((G.n, G.c, G.oh, G.ow), ["n", "c", "oh", "ow"], L, ind)
-    L.append(f"{ind}let base = {_idx([('n', sx[0]), ('c', sx[1])], k.x.offset)};")
+    L.append(f"{ind}let base = {_idx([('n', sx[0]), ('c', sx[1])], x.offset)};")
     L.append(f"{ind}let h0 = i32(oh * {u(G.stride[0])}) - {G.pad[0]}i;")
     L.append(f"{ind}let w0 = i32(ow * {u(G.stride[1])}) - {G.pad[1]}i;")
-    L.append(f"{ind}var best: f32 = 0.0;")
-    L.append(f"{ind}var bi: i32 = -1i;")
+    L += [ind + a for a in acc]
+    dh, dw = (f" * {u(G.dilation[0])}", f" * {u(G.dilation[1])}") if dilated else ("", "")
     L.append(f"{ind}for (var a: u32 = 0u; a < {u(G.kh)}; a = a + 1u) {{")
-    L.append(f"{i2}let ih = h0 + i32(a * {u(G.dilation[0])});")
+    L.append(f"{i2}let ih = h0 + i32(a{dh});")
     L.append(f"{i2}if (u32(ih) >= {u(G.h)}) {{")
     L.append(f"{i2}    continue;")
     L.append(f"{i2}}}")
     L.append(f"{i2}for (var b: u32 = 0u; b < {u(G.kw)}; b = b + 1u) {{")
-    L.append(f"{i3}let iw = w0 + i32(b * {u(G.dilation[1])});")
-    L.append(f"{i3}if (u32(iw) >= {u(G.w)}) {{")
-    L.append(f"{i3}    continue;")
-    L.append(f"{i3}}}")
+    L.append(f"{i3}let iw = w0 + i32(b{dw});")
     idx = _idx([("u32(ih)", sx[2]), ("u32(iw)", sx[3])])
-    L.append(f"{i3}let v = {_f(load('b0', f'base + {idx}', k.x.dtype), k.x.dtype)};")
-    L.append(f"{i3}if (bi < 0i || v > best || v != v) {{")
-    L.append(f"{i3}    best = v;")
-    L.append(f"{i3}    bi = ih * {G.w}i + iw;")
-    L.append(f"{i3}}}")
+    inner(L, i3, _f(load(src, f"base + {idx}", x.dtype), x.dtype))
     L.append(f"{i2}}}")
     L.append(f"{ind}}}")
-    L.append(f"{ind}b1[i] = {store_value('best', f32, k.out_dtype)};")
-    L.append(f"{ind}b2[i] = bi;")
-    return _module(name, [k.x.dtype, k.out_dtype, i32], total, L, t,
-                   {"archetype": "max_pool2d"})
+    return L
 
 
-def emit_max_pool_grad(k: MaxPoolGradKernel, limits=None, features=None) -> KernelSpec:
-    t = make_target(limits, features)
-    G, name = k.geom, k.name
-    oshape = (G.n, G.c, G.oh, G.ow)
-    sd = _view(k.dy, oshape, "dy", name, t)
-    si = _view(k.idx, oshape, "indices", name, t)
-    if k.idx.dtype is not i32:
-        raise CodegenError(f"kernel {name!r}: indices must be i32")
-    total = G.n * G.c * G.h * G.w
-    check_binding_size(name, "output", total, k.out_dtype, t)
+def _gather(G: PoolGeom, dy: Strided, sd, src: str, inner, before=(), after=()) -> list[str]:
+    """One invocation per input element: ``acc`` sums over the output positions whose window
+    covers it (in a fixed order); ``before``/``after``: lines around the lets of dy's base,
+    ``inner(lines, ind, dy_value)`` the term of output ``(oh, ow)``."""
     ind, i2, i3 = "    ", "        ", "            "
     L: list[str] = []
     _coords((G.n, G.c, G.h, G.w), ["n", "c", "ih", "iw"], L, ind)
     loh, hih = _window_range(G, 0, "ih", L, ind)
     low, hiw = _window_range(G, 1, "iw", L, ind)
-    L.append(f"{ind}let me = i32(ih * {u(G.w)} + iw);")
-    L.append(f"{ind}let db = {_idx([('n', sd[0]), ('c', sd[1])], k.dy.offset)};")
-    L.append(f"{ind}let ib = {_idx([('n', si[0]), ('c', si[1])], k.idx.offset)};")
+    L += [ind + x for x in before]
+    L.append(f"{ind}let db = {_idx([('n', sd[0]), ('c', sd[1])], dy.offset)};")
+    L += [ind + x for x in after]
     L.append(f"{ind}var acc: f32 = 0.0;")
     L.append(f"{ind}for (var oh: i32 = {loh}; oh <= {hih}; oh = oh + 1i) {{")
     L.append(f"{i2}for (var ow: i32 = {low}; ow <= {hiw}; ow = ow + 1i) {{")
-    L.append(f"{i3}let j = ib + {_idx([('u32(oh)', si[2]), ('u32(ow)', si[3])])};")
-    L.append(f"{i3}if (b1[j] == me) {{")
     dyi = f"db + {_idx([('u32(oh)', sd[2]), ('u32(ow)', sd[3])])}"
-    L.append(f"{i3}    acc = acc + {_f(load('b0', dyi, k.dy.dtype), k.dy.dtype)};")
-    L.append(f"{i3}}}")
+    inner(L, i3, _f(load(src, dyi, dy.dtype), dy.dtype))
     L.append(f"{i2}}}")
     L.append(f"{ind}}}")
-    L.append(f"{ind}b2[i] = {store_value('acc', f32, k.out_dtype)};")
-    return _module(name, [k.dy.dtype, i32, k.out_dtype], total, L, t,
-                   {"archetype": "max_pool2d_grad"})
+    return L
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def emit_max_pool(k: MaxPoolKernel, limits=None, features=None, alias=None) -> KernelSpec:
+    t = make_target(limits, features)
+    G, name = k.geom, k.name
+    bd = Bindings([k.x.dtype, k.out_dtype, i32], alias)
+    sx = view4(k.x, (G.n, G.c, G.h, G.w), "input", name, t)
+    total = G.n * G.c * G.oh * G.ow
+    check_binding_size(name, "output", total, k.out_dtype, t)
+
+    def inner(L, ind, v):
+        L.append(f"{ind}if (u32(iw) >= {u(G.w)}) {{")
+        L.append(f"{ind}    continue;")
+        L.append(f"{ind}}}")
+        L.append(f"{ind}let v = {v};")
+        L.append(f"{ind}if (bi < 0i || v > best || v != v) {{")
+        L.append(f"{ind}    best = v;")
+        L.append(f"{ind}    bi = ih * {G.w}i + iw;")
+        L.append(f"{ind}}}")
+
+    L = _forward(G, k.x, sx, bd.name(0), ["var best: f32 = 0.0;", "var bi: i32 = -1i;"], inner,
+                 True)
+    L.append(f"    {bd.name(1)}[i] = {store_value('best', f32, k.out_dtype)};")
+    L.append(f"    {bd.name(2)}[i] = bi;")
+    return _module(name, bd, total, L, t, {"archetype": "max_pool2d"})
+
+
+def emit_max_pool_grad(k: MaxPoolGradKernel, limits=None, features=None,
+                       alias=None) -> KernelSpec:
+    t = make_target(limits, features)
+    G, name = k.geom, k.name
+    bd = Bindings([k.dy.dtype, i32, k.out_dtype], alias)
+    oshape = (G.n, G.c, G.oh, G.ow)
+    sd = view4(k.dy, oshape, "dy", name, t)
+    si = view4(k.idx, oshape, "indices", name, t)
+    if k.idx.dtype is not i32:
+        raise CodegenError(f"kernel {name!r}: indices must be i32")
+    total = G.n * G.c * G.h * G.w
+    check_binding_size(name, "output", total, k.out_dtype, t)
+
+    def inner(L, ind, dy):
+        L.append(f"{ind}let j = ib + {_idx([('u32(oh)', si[2]), ('u32(ow)', si[3])])};")
+        L.append(f"{ind}if ({bd.name(1)}[j] == me) {{")
+        L.append(f"{ind}    acc = acc + {dy};")
+        L.append(f"{ind}}}")
+
+    L = _gather(G, k.dy, sd, bd.name(0), inner, [f"let me = i32(ih * {u(G.w)} + iw);"],
+                [f"let ib = {_idx([('n', si[0]), ('c', si[1])], k.idx.offset)};"])
+    L.append(f"    {bd.name(2)}[i] = {store_value('acc', f32, k.out_dtype)};")
+    return _module(name, bd, total, L, t, {"archetype": "max_pool2d_grad"})
 
 
 def _divisor(G: PoolGeom, cip: bool, oh: str, ow: str, L, ind) -> str:
@@ -233,64 +246,43 @@ def _divisor(G: PoolGeom, cip: bool, oh: str, ow: str, L, ind) -> str:
     return "f32(nh * nw)"
 
 
-def emit_avg_pool(k: AvgPoolKernel, limits=None, features=None) -> KernelSpec:
+def emit_avg_pool(k: AvgPoolKernel, limits=None, features=None, alias=None) -> KernelSpec:
     t = make_target(limits, features)
     G, name = k.geom, k.name
     if G.dilation != (1, 1):
         raise CodegenError(f"kernel {name!r}: avg_pool2d has no dilation")
-    sx = _view(k.x, (G.n, G.c, G.h, G.w), "input", name, t)
+    bd = Bindings([k.x.dtype, k.out_dtype], alias)
+    sx = view4(k.x, (G.n, G.c, G.h, G.w), "input", name, t)
     total = G.n * G.c * G.oh * G.ow
     check_binding_size(name, "output", total, k.out_dtype, t)
-    ind, i2, i3 = "    ", "        ", "            "
-    L: list[str] = []
-    _coords((G.n, G.c, G.oh, G.ow), ["n", "c", "oh", "ow"], L, ind)
-    L.append(f"{ind}let base = {_idx([('n', sx[0]), ('c', sx[1])], k.x.offset)};")
-    L.append(f"{ind}let h0 = i32(oh * {u(G.stride[0])}) - {G.pad[0]}i;")
-    L.append(f"{ind}let w0 = i32(ow * {u(G.stride[1])}) - {G.pad[1]}i;")
-    L.append(f"{ind}var acc: f32 = 0.0;")
-    L.append(f"{ind}for (var a: u32 = 0u; a < {u(G.kh)}; a = a + 1u) {{")
-    L.append(f"{i2}let ih = h0 + i32(a);")
-    L.append(f"{i2}if (u32(ih) >= {u(G.h)}) {{")
-    L.append(f"{i2}    continue;")
-    L.append(f"{i2}}}")
-    L.append(f"{i2}for (var b: u32 = 0u; b < {u(G.kw)}; b = b + 1u) {{")
-    L.append(f"{i3}let iw = w0 + i32(b);")
-    L.append(f"{i3}if (u32(iw) < {u(G.w)}) {{")
-    idx = _idx([("u32(ih)", sx[2]), ("u32(iw)", sx[3])])
-    L.append(f"{i3}    acc = acc + {_f(load('b0', f'base + {idx}', k.x.dtype), k.x.dtype)};")
-    L.append(f"{i3}}}")
-    L.append(f"{i2}}}")
-    L.append(f"{ind}}}")
-    div = _divisor(G, k.count_include_pad, "oh", "ow", L, ind)
-    L.append(f"{ind}b1[i] = {store_value(f'(acc / {div})', f32, k.out_dtype)};")
-    return _module(name, [k.x.dtype, k.out_dtype], total, L, t, {"archetype": "avg_pool2d"})
+
+    def inner(L, ind, v):
+        L.append(f"{ind}if (u32(iw) < {u(G.w)}) {{")
+        L.append(f"{ind}    acc = acc + {v};")
+        L.append(f"{ind}}}")
+
+    L = _forward(G, k.x, sx, bd.name(0), ["var acc: f32 = 0.0;"], inner, False)
+    div = _divisor(G, k.count_include_pad, "oh", "ow", L, "    ")
+    L.append(f"    {bd.name(1)}[i] = {store_value(f'(acc / {div})', f32, k.out_dtype)};")
+    return _module(name, bd, total, L, t, {"archetype": "avg_pool2d"})
 
 
-def emit_avg_pool_grad(k: AvgPoolGradKernel, limits=None, features=None) -> KernelSpec:
+def emit_avg_pool_grad(k: AvgPoolGradKernel, limits=None, features=None,
+                       alias=None) -> KernelSpec:
     t = make_target(limits, features)
     G, name = k.geom, k.name
-    sd = _view(k.dy, (G.n, G.c, G.oh, G.ow), "dy", name, t)
+    bd = Bindings([k.dy.dtype, k.out_dtype], alias)
+    sd = view4(k.dy, (G.n, G.c, G.oh, G.ow), "dy", name, t)
     total = G.n * G.c * G.h * G.w
     check_binding_size(name, "output", total, k.out_dtype, t)
-    ind, i2, i3 = "    ", "        ", "            "
-    L: list[str] = []
-    _coords((G.n, G.c, G.h, G.w), ["n", "c", "ih", "iw"], L, ind)
-    loh, hih = _window_range(G, 0, "ih", L, ind)
-    low, hiw = _window_range(G, 1, "iw", L, ind)
-    L.append(f"{ind}let db = {_idx([('n', sd[0]), ('c', sd[1])], k.dy.offset)};")
-    L.append(f"{ind}var acc: f32 = 0.0;")
-    L.append(f"{ind}for (var oh: i32 = {loh}; oh <= {hih}; oh = oh + 1i) {{")
-    L.append(f"{i2}for (var ow: i32 = {low}; ow <= {hiw}; ow = ow + 1i) {{")
-    inner: list[str] = []
-    div = _divisor(G, k.count_include_pad, "oh", "ow", inner, i3)
-    L += inner
-    dyi = f"db + {_idx([('u32(oh)', sd[2]), ('u32(ow)', sd[3])])}"
-    L.append(f"{i3}acc = acc + {_f(load('b0', dyi, k.dy.dtype), k.dy.dtype)} / {div};")
-    L.append(f"{i2}}}")
-    L.append(f"{ind}}}")
-    L.append(f"{ind}b1[i] = {store_value('acc', f32, k.out_dtype)};")
-    return _module(name, [k.dy.dtype, k.out_dtype], total, L, t,
-                   {"archetype": "avg_pool2d_grad"})
+
+    def inner(L, ind, dy):
+        div = _divisor(G, k.count_include_pad, "oh", "ow", L, ind)
+        L.append(f"{ind}acc = acc + {dy} / {div};")
+
+    L = _gather(G, k.dy, sd, bd.name(0), inner)
+    L.append(f"    {bd.name(1)}[i] = {store_value('acc', f32, k.out_dtype)};")
+    return _module(name, bd, total, L, t, {"archetype": "avg_pool2d_grad"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,13 +319,7 @@ def _make_avg_grad(attrs, inputs, outputs):
                              bool(attrs["count_include_pad"]), outputs[0].dtype)
 
 
-def _register() -> None:
-    from .archetypes import register_archetype
-
-    register_archetype("max_pool2d", MaxPoolKernel, _make_max, emit_max_pool)
-    register_archetype("max_pool2d_grad", MaxPoolGradKernel, _make_max_grad, emit_max_pool_grad)
-    register_archetype("avg_pool2d", AvgPoolKernel, _make_avg, emit_avg_pool)
-    register_archetype("avg_pool2d_grad", AvgPoolGradKernel, _make_avg_grad, emit_avg_pool_grad)
-
-
-_register()
+register("max_pool2d", MaxPoolKernel, emit_max_pool, _make_max)
+register("max_pool2d_grad", MaxPoolGradKernel, emit_max_pool_grad, _make_max_grad)
+register("avg_pool2d", AvgPoolKernel, emit_avg_pool, _make_avg)
+register("avg_pool2d_grad", AvgPoolGradKernel, emit_avg_pool_grad, _make_avg_grad)
