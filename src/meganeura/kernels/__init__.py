@@ -34,7 +34,15 @@ from . import (  # noqa: F401  (importing a family module registers it)
     pool,
     reduce,
 )
-from .archetypes import archetype, archetype_of, emit, families, kernel_family, register
+from .archetypes import (
+    archetype,
+    archetype_of,
+    candidates,
+    emit,
+    families,
+    kernel_family,
+    register,
+)
 from .common import DEFAULT_LIMITS, Bindings, CodegenError, Target, binding_aliases, make_target
 from .ir import (
     Instr,

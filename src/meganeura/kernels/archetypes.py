@@ -34,6 +34,11 @@ class Archetype:
     # in_place(desc) -> desc | None: a variant whose output is input 0's own buffer (the
     # planner binds both to one range), writing only what changes (KV-cache updates)
     in_place: Callable[..., Any] | None = None
+    # candidates(desc, target: Target) -> list[desc]: the configurations worth timing for this
+    # description (the same computation, tuning fields set: tiles, split, variant), the
+    # heuristic default first.  The tuner (compile/tune.py) times them on the device and keeps
+    # the fastest in its cache; families without the hook are never tuned.
+    candidates: Callable[..., Any] | None = None
 
 
 _BY_NAME: dict[str, Archetype] = {}
@@ -41,7 +46,7 @@ _BY_DESC: dict[type, Archetype] = {}
 
 
 def register(name: str, desc_type: type, emit, make=None, contiguous_inputs: bool = False,
-             epilogue=None, in_place=None) -> Archetype:
+             epilogue=None, in_place=None, candidates=None) -> Archetype:
     """Add a family; a name or description type registered before is an error (one type
     cannot stand for two families: ``archetype_of`` would pick one silently)."""
     if name in _BY_NAME:
@@ -49,18 +54,19 @@ def register(name: str, desc_type: type, emit, make=None, contiguous_inputs: boo
     if desc_type in _BY_DESC:
         raise CodegenError(f"{desc_type.__name__} already belongs to kernel family "
                            f"{_BY_DESC[desc_type].name!r}; {name!r} needs its own type")
-    a = Archetype(name, desc_type, make, emit, contiguous_inputs, epilogue, in_place)
+    a = Archetype(name, desc_type, make, emit, contiguous_inputs, epilogue, in_place,
+                  candidates)
     _BY_NAME[name] = a
     _BY_DESC[desc_type] = a
     return a
 
 
 def kernel_family(name: str, desc_type: type, make=None, contiguous_inputs: bool = False,
-                  epilogue=None, in_place=None):
+                  epilogue=None, in_place=None, candidates=None):
     """Decorator registering the decorated emitter as family ``name`` (see ``register``)."""
 
     def deco(emit):
-        register(name, desc_type, emit, make, contiguous_inputs, epilogue, in_place)
+        register(name, desc_type, emit, make, contiguous_inputs, epilogue, in_place, candidates)
         return emit
 
     return deco
@@ -92,3 +98,13 @@ def emit(desc, limits=None, features=None, alias=None):
         raise CodegenError(f"no WGSL emitter for {type(desc).__name__}; known: "
                            f"{', '.join(sorted(t.__name__ for t in _BY_DESC))}")
     return a.emit(desc, limits, features, alias)
+
+
+def candidates(desc, target) -> list:
+    """Configurations of ``desc`` worth timing on ``target`` (its family's ``candidates``
+    hook), the heuristic default first; ``[desc]`` for families that are not tuned."""
+    a = _BY_DESC.get(type(desc))
+    if a is None or a.candidates is None:
+        return [desc]
+    found = list(dict.fromkeys(a.candidates(desc, target)))  # distinct, order kept
+    return found or [desc]
