@@ -69,6 +69,7 @@ __all__ = [
     "archetype",
     "archetype_of",
     "binding_aliases",
+    "candidates",
     "emit",
     "families",
     "kernel_family",
