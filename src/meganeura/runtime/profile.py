@@ -90,40 +90,75 @@ class Profile:
             json.dump({"traceEvents": self.events, "displayTimeUnit": "ns"}, f)
 
 
-def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> Profile:
-    import wgpu
+WARMUP_SECONDS = 0.5  # GPUs clock down when idle: keep this one busy before timing
 
+
+def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> Profile:
+    """Per-kernel GPU times of ``steps`` steps.  The GPU is first kept busy for
+    ``WARMUP_SECONDS`` (an idle H200 runs short bursts at a fraction of its clock: measured up
+    to 4× slower per kernel), then all timed steps are submitted back to back, each dispatch in
+    its own timestamped pass, and read once at the end."""
     from .session import check_feeds
 
     dev = sess.dev
     if not dev.has_timestamps:
         raise DeviceError(f"adapter {dev.adapter_name!r} has no timestamp-query feature; "
                           "per-kernel GPU times are unavailable")
+    if steps < 1:
+        raise ValueError(f"profile: steps must be >= 1, got {steps}")
     ex = sess.infer if inference else sess.train
     expected = sess.program.inference_feeds() if inference else sess.program.feeds
-    arrays = check_feeds(expected, feeds, sess.check_finite, sess.feed_ranges)
-    sess._upload_feeds(arrays)
+    sess._upload_feeds(check_feeds(expected, feeds, sess.check_finite, sess.feed_ranges))
+    wall_ms, encode_us = _warm_and_time_steps(dev, ex, steps)
     dispatches = ex.stream.dispatches
-    labels = [d.label for d in dispatches]
-    n = len(labels)
-    qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=max(2 * n, 2))
-    resolve = dev.device.create_buffer(size=max(16 * n, 16), usage=wgpu.BufferUsage.QUERY_RESOLVE
-                                       | wgpu.BufferUsage.COPY_SRC)
     times = {d.label: KernelTime(d.label, flops=d.flops, bytes=d.bytes,
                                  tensor_cores=d.tensor_cores) for d in dispatches}
+    durations = _timestamped_steps(dev, ex, steps)
     events: list[dict] = []
     t_cursor = 0.0
-    # warm-up (pipelines JIT-compiled on first use) and host encode cost of the real step
-    dev.queue.submit([ex.encode()])
+    for step_durs in durations:
+        for d, dur in zip(dispatches, step_durs, strict=True):
+            times[d.label].calls += 1
+            times[d.label].total_ns += dur
+            events.append({"name": d.label, "ph": "X", "pid": 1, "tid": 1,
+                           "ts": t_cursor / 1e3, "dur": dur / 1e3})
+            t_cursor += dur
+    return Profile(dev.adapter_name, steps, list(times.values()), wall_ms, encode_us,
+                   len(dispatches), events, peaks_for(dev.adapter_name))
+
+
+def _warm_and_time_steps(dev, ex, steps: int) -> tuple[float, float]:
+    """Warm the GPU up (pipelines compiled, clocks raised), then the host encode cost and the
+    wall time of ``steps`` plain steps submitted back to back."""
+    t_end = time.perf_counter() + WARMUP_SECONDS
+    while True:
+        dev.queue.submit([ex.encode()])
+        dev.sync()
+        if time.perf_counter() >= t_end:
+            break
     t0 = time.perf_counter()
     cbs = [ex.encode() for _ in range(steps)]
     encode_us = (time.perf_counter() - t0) / steps * 1e6
     t0 = time.perf_counter()
     for cb in cbs:
         dev.queue.submit([cb])
-    dev.read_buffer(resolve, 0, 16)  # waits for the queue
-    wall_ms = (time.perf_counter() - t0) / steps * 1e3
-    for _ in range(steps):
+    dev.sync()
+    return (time.perf_counter() - t0) / steps * 1e3, encode_us
+
+
+def _timestamped_steps(dev, ex, steps: int) -> list[np.ndarray]:
+    """Nanoseconds of every dispatch of ``steps`` steps (one timestamped pass each)."""
+    import wgpu
+
+    n = len(ex.stream.dispatches)
+    count = 2 * max(n, 1)
+    qsets = [dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=count)
+             for _ in range(steps)]
+    stride = -(-8 * count // 256) * 256  # resolve offsets are multiples of 256 bytes
+    resolve = dev.device.create_buffer(size=stride * steps,
+                                       usage=wgpu.BufferUsage.QUERY_RESOLVE
+                                       | wgpu.BufferUsage.COPY_SRC)
+    for k, qs in enumerate(qsets):
         enc = dev.device.create_command_encoder()
         i = 0
         for cmd in ex.commands:
@@ -138,19 +173,12 @@ def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> P
                 i += 1
             else:
                 cmd.record(enc)
-        enc.resolve_query_set(qs, 0, 2 * n, resolve, 0)
+        enc.resolve_query_set(qs, 0, count, resolve, stride * k)
         dev.queue.submit([enc.finish()])
-        ts = np.frombuffer(dev.read_buffer(resolve, 0, 16 * n), dtype=np.uint64).astype(np.float64)
-        period = _timestamp_period(dev)
-        for j, label in enumerate(labels):
-            dur = max(ts[2 * j + 1] - ts[2 * j], 0.0) * period
-            times[label].calls += 1
-            times[label].total_ns += dur
-            events.append({"name": label, "ph": "X", "pid": 1, "tid": 1,
-                           "ts": t_cursor / 1e3, "dur": dur / 1e3})
-            t_cursor += dur
-    return Profile(dev.adapter_name, steps, list(times.values()), wall_ms, encode_us, n, events,
-                   peaks_for(dev.adapter_name))
+    raw = np.frombuffer(dev.read_buffer(resolve, 0, stride * steps), dtype=np.uint64)
+    ts = raw.astype(np.float64).reshape(steps, stride // 8)
+    period = _timestamp_period(dev)
+    return [np.maximum(t[1:2 * n:2] - t[0:2 * n:2], 0.0) * period for t in ts]
 
 
 def _timestamp_period(dev) -> float:
