@@ -218,3 +218,15 @@ def test_signal_saves_a_checkpoint_that_resume_continues_exactly(tmp_path, unint
     capsys.readouterr()
     rc, line = _fails(RUN + ["--out", str(tmp_path), "--resume", "--seed", "1"], capsys)
     assert rc == 2 and "comes from a run with --seed 0" in line, line
+
+
+def test_tune_fills_the_cache_and_says_so(tmp_path):
+    """``meganeura tune`` compiles the model with tune=True and reports the cache it wrote."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MEGANEURA_TUNE_CACHE": str(tmp_path / "t.json")}
+    out = subprocess.run([sys.executable, "-m", "meganeura.cli", "tune", "--batch-size", "16"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "tuned" in out.stdout and str(tmp_path / "t.json") in out.stdout

@@ -22,6 +22,7 @@ RULES = [
     # device (its limits become the kernels' Target) and hands the Executable over
     ("compile", ("runtime", "reference"), (("compile", "runtime.device"),
                                            ("compile", "runtime.session"),
+                                           ("compile", "runtime.tuning"),
                                            ("compile", "reference"))),
     ("graph", ("compile", "kernels", "runtime"), ()),
     ("program", ("compile", "kernels", "runtime"), ()),

@@ -1,6 +1,7 @@
 """``meganeura`` command line: ``info`` (WebGPU implementations, adapter, features, limits),
 ``train`` (a model on the embedded digits dataset, with progress bar, checkpoint and loss plot)
-and ``profile`` (per-kernel GPU times of a training step).
+``profile`` (per-kernel GPU times and roofline of a training step) and ``tune`` (time the
+candidate kernel configurations on this device and cache the fastest).
 
 Errors are one line on stderr (``meganeura: error: …``) and a non-zero exit status, never a
 traceback: 2 for bad arguments or settings, 1 for failures while running, 3 when ``train`` ends
@@ -396,6 +397,34 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    """Time the candidate configurations of every kernel of the model's training step and
+    inference run on this device and save the fastest in the tuning cache, so later compiles
+    (``tune="cache"``, the default) pick them up without timing anything."""
+    from . import compile
+    from .io.datasets import load_digits
+
+    _open_backend(args.backend)
+    xtr, _ = load_digits("train")
+    _check_batch(args.batch_size, len(xtr))
+    m = _model(args.model, args.batch_size)
+    t0 = time.perf_counter()
+    sess = compile(m.graph, loss=m.loss, outputs={"logits": m.logits},
+                   optimizer=_optimizer(args, 100), backend=args.backend,
+                   precision=args.precision, tune=True)
+    rep = sess.tuning
+    print(f"tuned {rep.timed} kernel configurations ({rep.cached} already cached, "
+          f"{rep.changed} kernels differ from the heuristic) in "
+          f"{time.perf_counter() - t0:.1f} s; cache: {_tune_cache_path()}")
+    return 0
+
+
+def _tune_cache_path() -> str:
+    from .compile.tune import default_cache_path
+
+    return str(default_cache_path())
+
+
 # ------------------------------------------------------------------------- main
 
 
@@ -457,6 +486,13 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--backend", type=_backend(False), default=None,
                     help="wgpu | dawn | auto (default: $MEGANEURA_WEBGPU, else wgpu)")
     pp.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
+    pn = sub.add_parser("tune", help="pre-tune the kernels of a model on this device",
+                        formatter_class=_HelpFormatter)
+    _add_common(pn)
+    pn.add_argument("--backend", type=_backend(False), default=None,
+                    help="wgpu | dawn | auto (default: $MEGANEURA_WEBGPU, else wgpu)")
+    pn.add_argument("--precision", default="strict", choices=["strict", "fast"],
+                    help="fast: f16 tensor-core matmuls where the device has them")
     return p
 
 
@@ -469,7 +505,9 @@ def main(argv=None) -> int:
         p.print_help()
         return 2
     try:
-        return {"info": cmd_info, "train": cmd_train, "profile": cmd_profile}[args.cmd](args)
+        commands = {"info": cmd_info, "train": cmd_train, "profile": cmd_profile,
+                    "tune": cmd_tune}
+        return commands[args.cmd](args)
     except CLIError as e:
         print(f"meganeura: error: {e}", file=sys.stderr)
         return 2

@@ -17,9 +17,10 @@ from ..graph import Graph, Value
 from ..kernels.common import make_target
 from ..kernels.ir import PRECISIONS
 from ..program import build_program
-from .pipeline import CompileOptions, compile_program
+from .pipeline import CompileOptions, Tuning, compile_program
+from .tune import TuningCache, tune_mode
 
-_GPU_OPTIONS = ("fuse", "plan_memory", "group_params", "device", "share")
+_GPU_OPTIONS = ("fuse", "plan_memory", "group_params", "device", "share", "tune")
 _REFERENCE_OPTIONS = ("dtype", "share")
 
 
@@ -31,7 +32,14 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
     loss/optimizer: training (``step``); outputs: named values returned by ``run``/``step``.
     backend: "wgpu" (default), "dawn", "auto" or "reference" (numpy interpreter; option
     ``dtype=np.float64`` for double precision).  Options for the GPU backend: ``fuse``,
-    ``plan_memory``, ``group_params`` (all default True), ``device``.
+    ``plan_memory``, ``group_params`` (all default True), ``device``, ``tune``.
+
+    tune: "cache" (default; ``$MEGANEURA_TUNE``) uses tuned kernel configurations found in
+    the on-disk cache (``$MEGANEURA_TUNE_CACHE``, default ``~/.cache/meganeura/tuning.json``)
+    and heuristic defaults elsewhere; True times the candidate configurations of every kernel
+    without an entry on this device and saves the fastest (slow the first time; ``meganeura
+    tune`` does it ahead of time); False uses the heuristics only.  ``session.tuning`` says
+    what happened.
 
     precision: "strict" (default) computes everything in f32.  "fast" lets matmuls round their
     operands to f16 and accumulate in f32 on tensor cores where the device has them (Dawn with
@@ -86,5 +94,20 @@ def _gpu_session(program, precision: str, backend, check_finite: bool, options: 
     device = device or get_device(backend)
     opts = CompileOptions(precision, options.get("fuse", True), options.get("plan_memory", True),
                           options.get("group_params", True))
-    exe = compile_program(program, make_target(device), opts, shares_tensors=share is not None)
-    return GPUSession(program, exe, device, check_finite, share)
+    tuning = _tuning(device, options.get("tune"))
+    exe = compile_program(program, make_target(device), opts, shares_tensors=share is not None,
+                          tuning=tuning)
+    sess = GPUSession(program, exe, device, check_finite, share)
+    sess.tuning = tuning.report
+    return sess
+
+
+def _tuning(device, option) -> Tuning:
+    """The tuning context of one compile: cache and (mode True) a timer on ``device``."""
+    from ..runtime.tuning import KernelTimer, device_key
+
+    mode = tune_mode(option)
+    if mode is False:
+        return Tuning(mode=False)
+    return Tuning(mode, device_key(device), TuningCache(),
+                  KernelTimer(device) if mode is True else None)

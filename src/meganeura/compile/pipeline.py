@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import GraphBuildError, LimitError
 from ..kernels.common import Target
@@ -15,6 +15,7 @@ from .emit import emit_stream
 from .executable import Executable, GroupBuffer, PinnedTensor
 from .memory import NO_GROUPS, LeafGroups, find_leaf_groups, make_plan
 from .passes import run_pipeline
+from .tune import Timer, TuneReport, TuningCache, tune_plan
 
 _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
 
@@ -29,6 +30,17 @@ class CompileOptions:
     group_params: bool = True
 
 
+@dataclass
+class Tuning:
+    """How this compile tunes kernel configurations (see ``tune.py``)."""
+
+    mode: str | bool = "cache"
+    device_key: str = ""
+    cache: TuningCache | None = None
+    timer: Timer | None = None
+    report: TuneReport = field(default_factory=TuneReport)
+
+
 def binding_alignment(target: Target) -> int:
     """The device's storage-buffer offset alignment (bytes), a power of two ≥ 4; WebGPU's
     largest allowed value (256) when the adapter does not say."""
@@ -37,7 +49,7 @@ def binding_alignment(target: Target) -> int:
 
 
 def compile_program(program: Program, target: Target, options: CompileOptions,
-                    shares_tensors: bool = False) -> Executable:
+                    shares_tensors: bool = False, tuning: Tuning | None = None) -> Executable:
     """Every stage after the Program, in order.  ``shares_tensors``: the session shares
     persistent tensors with another one, so parameters keep their own buffers (no groups)."""
     t0 = time.perf_counter()
@@ -49,10 +61,15 @@ def compile_program(program: Program, target: Target, options: CompileOptions,
 
     def stream(inference: bool, tag: str):
         plan = make_plan(lowered, inference, options.fuse, options.plan_memory, groups, align)
+        if tuning is not None:
+            plan = tune_plan(plan, target, tuning.mode, tuning.device_key, tuning.cache,
+                             tuning.timer, tuning.report)
         return emit_stream(plan, target, options.precision, tag)
 
     train = stream(False, "train") if program.training or program.loss is not None else None
     infer = stream(True, "infer") if program.outputs else None
+    if tuning is not None and tuning.cache is not None:
+        tuning.cache.save()
     leaves = {name: PinnedTensor(name, lf.kind, lf.value.type,
                                  lf.data if lf.kind == "constant" else None)
               for name, lf in lowered.graph.leaves.items()}
