@@ -18,5 +18,6 @@ from .errors import (  # noqa: F401
     ShapeError,
 )
 from .graph import Graph, TensorType, Value  # noqa: F401
+from .runtime.artifact import load_program  # noqa: F401
 
 __version__ = "0.1.0"

@@ -135,3 +135,100 @@ class Executable:
     def home(self, name: str) -> tuple[str, int]:
         """(buffer name, byte offset) where a persistent tensor lives."""
         return self.group_home.get(name, (name, 0))
+
+
+# ---------------------------------------------------------------------------- serialisation
+# The Executable as JSON-able data plus its distinct WGSL texts (``to_manifest``) and back
+# (``from_manifest``): the exported artifact's format (runtime/artifact.py), also read by the
+# browser runtime (web/meganeura.js).  Constants travel with the weights, not in the JSON.
+
+FORMAT_VERSION = 1
+
+
+def _loc(loc: Loc) -> list:
+    return [loc.pool, loc.name, loc.offset, loc.nbytes]
+
+
+def _type(t: TensorType) -> dict:
+    return {"shape": list(t.shape), "dtype": t.dtype.name}
+
+
+def _stream_dict(s: Stream, module_index: dict[str, int]) -> dict:
+    ops = []
+    for op in s.ops:
+        if isinstance(op, Copy):
+            ops.append({"copy": [_loc(op.src), _loc(op.dst), op.nbytes]})
+            continue
+        idx = module_index.setdefault(op.spec.wgsl, len(module_index))
+        ops.append({"label": op.label, "module": idx, "entry": op.spec.entry,
+                    "bindings": [_loc(b) for b in op.binds],
+                    "workgroups": list(op.spec.workgroups),
+                    "meta": {k: v for k, v in op.spec.meta.items()
+                             if k in ("variant", "archetype", "flops")}})
+    return {"tag": s.tag, "ops": ops, "arena_bytes": s.arena_bytes,
+            "out_buffers": s.out_buffers, "naive_bytes": s.naive_bytes,
+            "dispatches_unfused": s.dispatches_unfused,
+            "fetch": [{"name": f.name, "loc": _loc(f.loc), **_type(f.type), "offset": f.offset,
+                       "nbytes": f.nbytes} for f in s.fetch]}
+
+
+def to_manifest(exe: Executable) -> tuple[dict, list[str]]:
+    """(JSON-able manifest, WGSL module texts referenced by index from the manifest)."""
+    modules: dict[str, int] = {}
+    streams = {tag: _stream_dict(s, modules) for tag, s in (("train", exe.train),
+                                                           ("infer", exe.infer)) if s}
+    manifest = {
+        "format": "meganeura-executable", "version": FORMAT_VERSION,
+        "precision": exe.precision,
+        "leaves": {n: {"kind": lf.kind, **_type(lf.type)} for n, lf in exe.leaves.items()},
+        "groups": [{"name": g.name, "dtype": g.dtype.name, "elements": g.elements}
+                   for g in exe.groups],
+        "group_home": {n: list(h) for n, h in exe.group_home.items()},
+        "streams": streams,
+    }
+    return manifest, sorted(modules, key=modules.__getitem__)
+
+
+def _tensor_type(d: dict) -> TensorType:
+    from ..dtypes import as_dtype
+
+    return TensorType(tuple(int(n) for n in d["shape"]), as_dtype(d["dtype"]))
+
+
+def _stream_from(d: dict, modules: list[str]) -> Stream:
+    ops: list[Dispatch | Copy] = []
+    for op in d["ops"]:
+        if "copy" in op:
+            src, dst, n = op["copy"]
+            ops.append(Copy(Loc(*src), Loc(*dst), int(n)))
+            continue
+        binds = tuple(Loc(*b) for b in op["bindings"])
+        spec = KernelSpec(op["label"], modules[op["module"]], len(binds),
+                          tuple(op["workgroups"]), op.get("entry", "main"),
+                          dict(op.get("meta", {})))
+        ops.append(Dispatch(op["label"], spec, binds))
+    fetch = tuple(Fetch(f["name"], Loc(*f["loc"]), _tensor_type(f), f["offset"], f["nbytes"])
+                  for f in d["fetch"])
+    return Stream(d["tag"], tuple(ops), d["arena_bytes"], dict(d["out_buffers"]), fetch,
+                  d.get("naive_bytes", 0), d.get("dispatches_unfused", 0))
+
+
+def from_manifest(manifest: dict, modules: list[str],
+                  constants: dict[str, np.ndarray]) -> Executable:
+    """The Executable a manifest describes (``constants``: the constant leaves' data)."""
+    from ..dtypes import as_dtype
+
+    if manifest.get("format") != "meganeura-executable":
+        raise ValueError("not a meganeura executable manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise ValueError(f"executable format version {manifest.get('version')} is not "
+                         f"supported (this meganeura reads version {FORMAT_VERSION})")
+    leaves = {n: PinnedTensor(n, d["kind"], _tensor_type(d),
+                              constants.get(n) if d["kind"] == "constant" else None)
+              for n, d in manifest["leaves"].items()}
+    groups = tuple(GroupBuffer(g["name"], as_dtype(g["dtype"]), int(g["elements"]))
+                   for g in manifest["groups"])
+    home = {n: (h[0], int(h[1])) for n, h in manifest["group_home"].items()}
+    streams = {tag: _stream_from(s, modules) for tag, s in manifest["streams"].items()}
+    return Executable(manifest["precision"], leaves, groups, home, streams.get("train"),
+                      streams.get("infer"))

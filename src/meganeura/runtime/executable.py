@@ -95,6 +95,34 @@ class GPUStream:
         return [CopyCommand(self.buffer(f.loc), f.loc.offset, dst, f.offset, f.nbytes)
                 for f in self.stream.fetch]
 
+    def submit(self):
+        """Encode and submit the stream once; returns a function that waits for the fetched
+        results and returns them by name (``dict`` when nothing is fetched)."""
+        import wgpu
+
+        layout = self.stream.fetch
+        if not layout:
+            self.dev.queue.submit([self.encode()])
+            return dict
+        # a readback buffer per submitted step (results are read lazily, maybe much later);
+        # buffers whose results were read go back to the pool
+        dst = self.readback_pool.pop() if self.readback_pool else \
+            self.dev.device.create_buffer(size=self.stream.fetch_bytes,
+                                          usage=wgpu.BufferUsage.MAP_READ
+                                          | wgpu.BufferUsage.COPY_DST)
+        self.dev.queue.submit([self.encode(self.fetch_copies(dst))])
+
+        def fetch():
+            dst.map_sync(wgpu.MapMode.READ)
+            raw = bytes(dst.read_mapped())
+            dst.unmap()
+            self.readback_pool.append(dst)
+            return {f.name: from_gpu(raw[f.offset: f.offset + f.type.size
+                                         * f.type.dtype.gpu_itemsize], f.type)
+                    for f in layout}
+
+        return fetch
+
     def encode(self, extra_copies=()):
         """The stream's command buffer (``extra_copies`` appended: result readback)."""
         enc = self.dev.device.create_command_encoder()
@@ -198,6 +226,12 @@ def _raw_calls(dev):
     except ImportError:  # pragma: no cover - another wgpu layout
         return None
     return lib, ffi.NULL
+
+
+def upload_feeds(dev, exe: Executable, pinned: PinnedBuffers, feeds) -> None:
+    """Write checked feed arrays into their input buffers."""
+    for name, arr in feeds.items():
+        dev.queue.write_buffer(pinned.buffers[name], 0, to_gpu(arr, exe.leaves[name].type.dtype))
 
 
 def to_gpu(arr, dtype):

@@ -19,7 +19,7 @@ from ..errors import FeedError, GraphBuildError
 from ..graph import TensorType
 from ..init import init_leaves
 from ..program import Program
-from .executable import GPUStream, PinnedBuffers, from_gpu, round4, to_gpu
+from .executable import GPUStream, PinnedBuffers, from_gpu, round4, to_gpu, upload_feeds
 
 
 class StepResult:
@@ -271,37 +271,11 @@ class GPUSession(Session):
 
     # Session primitives ----------------------------------------------------------------------
     def _upload_feeds(self, feeds):
-        leaves = self.executable.leaves
-        for name, arr in feeds.items():
-            self.dev.queue.write_buffer(self.buffers.buffers[name], 0,
-                                        to_gpu(arr, leaves[name].type.dtype))
+        upload_feeds(self.dev, self.executable, self.buffers, feeds)
 
     def _submit(self, stream: GPUStream, feeds):
-        import wgpu
-
         self._upload_feeds(feeds)
-        layout = stream.stream.fetch
-        if not layout:
-            self.dev.queue.submit([stream.encode()])
-            return dict
-        # a readback buffer per submitted step (results are read lazily, maybe much later);
-        # buffers whose results were read go back to the pool
-        dst = stream.readback_pool.pop() if stream.readback_pool else \
-            self.dev.device.create_buffer(size=stream.stream.fetch_bytes,
-                                          usage=wgpu.BufferUsage.MAP_READ
-                                          | wgpu.BufferUsage.COPY_DST)
-        self.dev.queue.submit([stream.encode(stream.fetch_copies(dst))])
-
-        def fetch():
-            dst.map_sync(wgpu.MapMode.READ)
-            raw = bytes(dst.read_mapped())
-            dst.unmap()
-            stream.readback_pool.append(dst)
-            return {f.name: from_gpu(raw[f.offset: f.offset + f.type.size
-                                         * f.type.dtype.gpu_itemsize], f.type)
-                    for f in layout}
-
-        return fetch
+        return stream.submit()
 
     def _step(self, feeds):
         return self._submit(self.train, feeds)
@@ -372,6 +346,13 @@ class GPUSession(Session):
         if getattr(self, "_last_profile", None) is None:
             raise RuntimeError("export_trace: call profile() first")
         self._last_profile.export_trace(path)
+
+    def export(self, path) -> None:
+        """Write this compiled program with its current parameters as an artifact folder
+        that ``mn.load_program`` (or the browser runtime in web/) runs without the compiler."""
+        from .artifact import export_session
+
+        export_session(self, path)
 
     def kernel_labels(self, inference: bool = False) -> list[str]:
         s = self.infer if inference else self.train

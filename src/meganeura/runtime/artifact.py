@@ -1,0 +1,184 @@
+"""Export a compiled program and run it again without the compiler (``sess.export(path)``,
+``mn.load_program(path)``; the browser runtime in web/ reads the same files).
+
+An artifact is a folder:
+  manifest.json       the Executable (compile/executable.py ``to_manifest``) plus the program's
+                      interface: feeds per stream, value ranges, outputs, fingerprint, version
+  kernels/NNN.wgsl    each distinct WGSL module once
+  weights.safetensors parameters, states and constants (their current values)
+It is written to a temporary folder beside the target and renamed into place, so a reader never
+sees half an artifact.  Loading needs numpy, safetensors and a WebGPU implementation: no graph,
+no ops, no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from ..compile.executable import FORMAT_VERSION, from_manifest, to_manifest
+from ..errors import CheckpointError, FeedError
+from ..graph import TensorType, ValueRange
+from .executable import GPUStream, PinnedBuffers, from_gpu, round4, to_gpu, upload_feeds
+
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+
+
+def export_session(sess, path: str | os.PathLike) -> Path:
+    """Write ``sess`` (a GPUSession) as an artifact folder at ``path`` (replaced if present)."""
+    from safetensors.numpy import save_file
+
+    from .. import __version__
+
+    manifest, modules = to_manifest(sess.executable)
+    prog = sess.program
+    manifest["program"] = {
+        "meganeura_version": __version__,
+        "fingerprint": prog.model_fingerprint,
+        "feeds": {"train": _types(prog.feeds) if prog.training else {},
+                  "infer": _types(prog.inference_feeds()) if prog.outputs else {}},
+        "outputs": list(prog.outputs),
+        "has_loss": prog.loss is not None,
+        "persistent": list(prog.persistent),
+        "feed_ranges": {n: [[r.lo, r.hi, list(r.also), r.what] for r in rs]
+                        for n, rs in sess.feed_ranges.items()},
+    }
+    tensors = dict(sess.get_state())
+    tensors.update({n: lf.data for n, lf in sess.executable.leaves.items()
+                    if lf.kind == "constant"})
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        (tmp / "kernels").mkdir()
+        for i, src in enumerate(modules):
+            (tmp / "kernels" / f"{i:03d}.wgsl").write_text(src)
+        save_file({n: np.ascontiguousarray(v) for n, v in tensors.items()}, str(tmp / WEIGHTS))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _types(feeds: Mapping[str, TensorType]) -> dict:
+    return {n: {"shape": list(t.shape), "dtype": t.dtype.name} for n, t in feeds.items()}
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Move the finished folder into place; an older artifact is removed only afterwards."""
+    old = None
+    if target.exists():
+        if not target.is_dir() or not (target / MANIFEST).exists():
+            raise CheckpointError(f"export: {os.fspath(target)!r} exists and is not a "
+                                  "meganeura artifact; refusing to replace it")
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_program(path: str | os.PathLike, backend: str | None = None, device=None):
+    """An exported artifact, ready to ``run`` (and ``step`` if it was a training program)."""
+    return LoadedProgram(path, backend, device)
+
+
+class LoadedProgram:
+    """A program loaded from an artifact: the runtime alone executes it."""
+
+    def __init__(self, path, backend: str | None = None, device=None):
+        from .device import get_device
+
+        self.path = Path(path)
+        manifest, modules, weights = _read_artifact(self.path)
+        self.manifest = manifest
+        info = manifest["program"]
+        constants = {n: weights[n] for n, d in manifest["leaves"].items()
+                     if d["kind"] == "constant"}
+        self.executable = from_manifest(manifest, modules, constants)
+        self.dev = device or get_device(backend)
+        self.buffers = PinnedBuffers(self.dev, self.executable, {})
+        self.streams = {tag: GPUStream(self.dev, s, self.buffers)
+                        for tag, s in (("train", self.executable.train),
+                                       ("infer", self.executable.infer)) if s is not None}
+        self.feeds = {tag: {n: _tensor_type(d) for n, d in f.items()}
+                      for tag, f in info["feeds"].items()}
+        self.ranges = {n: [ValueRange(lo, hi, tuple(also), what) for lo, hi, also, what in rs]
+                       for n, rs in info["feed_ranges"].items()}
+        self.outputs = list(info["outputs"])
+        self._write({n: weights[n] for n in info["persistent"]})
+
+    def run(self, **feeds) -> dict[str, np.ndarray]:
+        """Inference: the named outputs for these feeds."""
+        return self._submit("infer", feeds)()
+
+    def step(self, **feeds) -> dict[str, np.ndarray]:
+        """One training step (update applied); returns loss (``__loss__``) and outputs."""
+        return self._submit("train", feeds)()
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        out = {}
+        for n in self.manifest["program"]["persistent"]:
+            t = self.executable.leaves[n].type
+            buf, off = self._home(n)
+            raw = self.dev.queue.read_buffer(buf, off, round4(max(t.size, 1)
+                                                              * t.dtype.gpu_itemsize))
+            out[n] = from_gpu(bytes(raw)[: t.size * t.dtype.gpu_itemsize], t)
+        return out
+
+    def _submit(self, tag: str, feeds):
+        from .session import check_feeds
+
+        if tag not in self.streams:
+            what = "inference (no outputs)" if tag == "infer" else "training"
+            raise FeedError(f"this artifact has no {what} stream")
+        arrays = check_feeds(self.feeds[tag], feeds, True, self.ranges)
+        upload_feeds(self.dev, self.executable, self.buffers, arrays)
+        return self.streams[tag].submit()
+
+    def _home(self, name: str):
+        buf, off = self.executable.home(name)
+        return self.buffers.buffers[buf], off
+
+    def _write(self, values: Mapping[str, np.ndarray]) -> None:
+        for n, v in values.items():
+            buf, off = self._home(n)
+            self.dev.queue.write_buffer(buf, off, to_gpu(v, self.executable.leaves[n].type.dtype))
+
+
+def _tensor_type(d: dict) -> TensorType:
+    from ..dtypes import as_dtype
+
+    return TensorType(tuple(d["shape"]), as_dtype(d["dtype"]))
+
+
+def _read_artifact(path: Path):
+    """(manifest, WGSL modules, weights), every problem a CheckpointError naming the file."""
+    from safetensors.numpy import load_file
+
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise CheckpointError(f"{os.fspath(path)!r} is not a meganeura artifact (no {MANIFEST})")
+    try:
+        manifest = json.loads(mf.read_text())
+        if manifest.get("version") != FORMAT_VERSION or "program" not in manifest:
+            raise ValueError(f"format version {manifest.get('version')!r} (this meganeura "
+                             f"reads {FORMAT_VERSION})")
+        n_modules = 1 + max((op["module"] for s in manifest["streams"].values()
+                             for op in s["ops"] if "module" in op), default=-1)
+        modules = [(path / "kernels" / f"{i:03d}.wgsl").read_text() for i in range(n_modules)]
+        weights = load_file(str(path / WEIGHTS))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"artifact {os.fspath(path)!r} is unreadable: {e}") from e
+    missing = [n for n in manifest["program"]["persistent"] if n not in weights]
+    if missing:
+        raise CheckpointError(f"artifact {os.fspath(path)!r}: {WEIGHTS} lacks {missing[:5]}")
+    return manifest, modules, weights
