@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 import meganeura as mn
@@ -18,3 +19,17 @@ def mlp_session():
         return s
 
     return make
+
+
+def assert_trains_alike(a, b, steps: int = 3, batch: int = 32, rtol: float = 1e-6,
+                        atol: float = 1e-7, seed: int = 0) -> None:
+    """Two digits-classifier sessions given the same random batches report the same losses
+    and end with the same parameters and optimizer states."""
+    r = np.random.default_rng(seed)
+    for _ in range(steps):
+        x = r.normal(size=(batch, 64)).astype(np.float32)
+        y = r.integers(0, 10, batch).astype(np.int32)
+        np.testing.assert_allclose(a.step(x=x, y=y).loss, b.step(x=x, y=y).loss, rtol=rtol)
+    for k, v in b.get_state().items():
+        np.testing.assert_allclose(a.get_state()[k], v, rtol=max(rtol, 1e-6), atol=atol,
+                                   err_msg=k)

@@ -8,6 +8,8 @@ import meganeura as mn
 from meganeura import optim
 from meganeura.models.mlp import mlp_classifier
 
+from .conftest import assert_trains_alike
+
 
 @pytest.mark.parametrize("hidden", [(128,), (96,) * 7], ids=["digits-mlp", "8-layer-mlp"])
 def test_planned_peak_at_most_0_6_of_naive(gpu, mlp_session, hidden):
@@ -51,13 +53,7 @@ def test_parameters_live_in_the_optimizer_group_buffer(gpu, mlp_session):
     assert not plain.executable.group_home
     for k, v in plain.get_params().items():
         np.testing.assert_array_equal(s.get_params()[k], v)
-    r = np.random.default_rng(0)
-    for _ in range(3):
-        x = r.normal(size=(32, 64)).astype(np.float32)
-        y = r.integers(0, 10, 32).astype(np.int32)
-        np.testing.assert_allclose(s.step(x=x, y=y).loss, plain.step(x=x, y=y).loss, rtol=1e-6)
-    for k, v in plain.get_state().items():
-        np.testing.assert_allclose(s.get_state()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+    assert_trains_alike(s, plain)
     before = s.memory_report()["train"]["planned_peak_bytes"]
     assert before < plain.memory_report()["train"]["planned_peak_bytes"]
 
@@ -70,13 +66,7 @@ def test_gradients_are_computed_into_the_optimizer_vector(gpu, mlp_session):
     plain = mlp_session((64, 64), plan_memory=False)
     n_concat = sum(lbl.startswith("concat") for lbl in labels)
     assert n_concat < sum(lbl.startswith("concat") for lbl in plain.kernel_labels())
-    r = np.random.default_rng(0)
-    for _ in range(3):
-        x = r.normal(size=(32, 64)).astype(np.float32)
-        y = r.integers(0, 10, 32).astype(np.int32)
-        np.testing.assert_allclose(s.step(x=x, y=y).loss, plain.step(x=x, y=y).loss, rtol=1e-6)
-    for k, v in plain.get_state().items():
-        np.testing.assert_allclose(s.get_state()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+    assert_trains_alike(s, plain)
 
 
 def test_identical_layers_share_pipelines_through_parameter_ranges(gpu):

@@ -8,6 +8,8 @@ import meganeura as mn
 from meganeura import optim
 from meganeura.models.mlp import mlp_classifier
 
+from .conftest import assert_trains_alike
+
 
 def test_fusion_reduces_dispatches_and_planning_keeps_results(gpu, mlp_session):
     fused = mlp_session((48, 48))
@@ -34,13 +36,7 @@ def test_gpu_training_matches_reference_session(gpu):
                    backend="reference")
     g.init_params(seed=5)
     r.init_params(seed=5)
-    rng = np.random.default_rng(1)
-    for _ in range(6):
-        x = rng.normal(size=(16, 64)).astype(np.float32)
-        y = rng.integers(0, 10, 16).astype(np.int32)
-        np.testing.assert_allclose(g.step(x=x, y=y).loss, r.step(x=x, y=y).loss, rtol=1e-5)
-    for k, v in r.get_params().items():
-        np.testing.assert_allclose(g.get_params()[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+    assert_trains_alike(g, r, steps=6, batch=16, rtol=1e-5, atol=1e-5, seed=1)
     assert g.train.checked  # steps 2.. used the direct (unchecked) encode path
 
 
