@@ -268,3 +268,37 @@ def test_post_pass_reads_the_reductions_own_input(run, rng):
     assert_close(m, mean[:, 0], 1e-5, 1e-6, what="mean")
     assert_close(out, dy - x * mean, 1e-5, 1e-6, what="post")
     assert run.last_spec.n_bindings == 4  # x, dy, mean, out: no extra binding for x, dy
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 300_001, 2_000_003])
+def test_sums_of_small_integers_are_exact(run, dev, n):
+    """Integer-valued f32 inputs whose partial sums stay below 2^24 sum exactly in any order:
+    one dropped or doubled element changes the answer (a tolerance would hide it).  Split
+    reductions (partial + final pass) are checked the same way."""
+    rng = np.random.default_rng(n)
+    x = rng.integers(0, 4, n).astype(np.float32)  # total < 4·2e6 < 2^24
+    x[0] = x[-1] = 1.0  # the ends of the first and last chunk count
+    (y,) = run(_plain((n,), (0,), "sum"), [x], [((), f32)])
+    assert float(y) == float(x.sum(dtype=np.float64)), f"sum of {n}"
+    k = _plain((n,), (0,), "sum")
+    if split_plan(k, dev) is not None:
+        ys, split = _run_split(run, dev, k, [x], [], ())
+        assert split > 1 and float(ys) == float(x.sum(dtype=np.float64)), f"split sum of {n}"
+    cols = rng.integers(-3, 4, (n if n < 300_000 else 50_001, 5)).astype(np.float32)
+    kc = _plain(cols.shape, (0,), "sum")
+    (yc,) = run(kc, [cols], [((5,), f32)])
+    np.testing.assert_array_equal(yc, cols.sum(0, dtype=np.float64))
+    if split_plan(kc, dev) is not None:
+        ycs, _ = _run_split(run, dev, kc, [cols], [], (5,))
+        np.testing.assert_array_equal(ycs, cols.sum(0, dtype=np.float64))
+
+
+def test_split_max_finds_a_single_peak_anywhere(run, dev):
+    """The peak at the very last element (end of the last chunk), the first, and the middle."""
+    n = 400_003
+    for pos in (0, n // 2, n - 1):
+        x = np.zeros(n, np.float32)
+        x[pos] = 7.0
+        k = _plain((n,), (0,), "max")
+        y, split = _run_split(run, dev, k, [x], [], ())
+        assert split > 1 and float(y) == 7.0, pos
