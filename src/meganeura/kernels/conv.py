@@ -1,3 +1,5 @@
+# >>> TEAM NOTE (lead, 23:05): the shared GPU budget is tighter than briefed: make ONE `run`
+# >>> call only (timeout_s <= 150), near the end, with tests + benchmark together. Delete this note.
 """Convolution kernels (NCHW) as implicit GEMMs: forward (bias and an optional pointwise
 epilogue fused), input gradient and weight gradient — one tiled kernel template, three ways of
 addressing its operands.  No im2col buffer is built: each K step stages a BK-deep slice of both
@@ -49,15 +51,12 @@ from .common import (
     make_target,
     module_header,
     module_source,
-    pow2ceil,
     store_value,
     u,
     view4,
 )
 from .ir import Instr, KernelSpec, Strided
 
-THREADS = 16  # 16 x 16 invocations per workgroup
-BK = 16  # K step staged per barrier
 TILE_SIZES = (16, 32, 64)
 
 
@@ -238,7 +237,7 @@ class _Gemm:
     N: int
     K: int | None  # None: the K range comes from kbeg/kend lines (split chunks)
     GB: int  # independent GEMMs (groups × splits)
-    tile: tuple[int, int]
+    tile: TileCfg
     A: _Operand
     B: _Operand
     gb_lines: Callable  # (lines, ind) -> decompose ``gb`` into the kernel's own indices
@@ -249,24 +248,111 @@ class _Gemm:
     n_bound: str | None = None
 
 
-def choose_tile(M: int, N: int, forced=()) -> tuple[int, int]:
-    """(TM, TN): 8 rows when M ≤ 8 (threads 8 × 32), else 16–64; columns up to 64 (128 for
-    8-row tiles).  ``forced`` overrides (any pair from ``TILES``)."""
+@dataclass(frozen=True)
+class TileCfg:
+    """One configuration of the GEMM template: a TM×TN output tile per workgroup; each
+    invocation accumulates RM×RN results (contiguous rows and columns) over one of KS slices of
+    every staged K step (KS·BK deep), so (TM/RM)·(TN/RN)·KS invocations per workgroup.  KS > 1
+    is an in-workgroup split-K: the KS partial tiles are added in workgroup memory in a fixed
+    order (deterministic) and stored by all invocations, neighbours on neighbouring columns."""
+
+    TM: int
+    TN: int
+    RM: int
+    RN: int
+    KS: int = 1
+    BK: int = 16
+
+    @property
+    def slice_threads(self) -> int:
+        return (self.TM // self.RM) * (self.TN // self.RN)
+
+    @property
+    def threads(self) -> int:
+        return self.slice_threads * self.KS
+
+    @property
+    def vec(self) -> bool:
+        """Workgroup memory as vec4 (4-wide reads of both operands)."""
+        return self.RM % 4 == 0 and self.RN % 4 == 0
+
+    def storage(self) -> int:
+        """Bytes of workgroup memory: the staged K step, or the partial tiles if larger."""
+        red = self.KS * self.TM * self.TN if self.KS > 1 else 0
+        return 4 * max(self.BK * self.KS * (self.TM + self.TN), red)
+
+    def tuple(self) -> tuple[int, ...]:
+        return (self.TM, self.TN, self.RM, self.RN, self.KS, self.BK)
+
+
+def _legacy(tm: int, tn: int) -> TileCfg:
+    """A (TM, TN) pair of the first template: 256 invocations, 8 or 16 invocation rows."""
+    ty = 8 if tm == 8 else 16
+    return TileCfg(tm, tn, tm // ty, tn // (256 // ty))
+
+
+# (TM, TN) pairs accepted as ``tile`` (the first template's shapes)
+TILES = {(8, 32), (8, 64), (8, 128)} | {(tm, tn) for tm in TILE_SIZES for tn in TILE_SIZES}
+
+
+def tile_cfg(forced) -> TileCfg:
+    """The TileCfg of a description's ``tile`` field: a (TM, TN) pair from ``TILES`` or a full
+    (TM, TN, RM, RN, KS, BK) tuple."""
+    forced = tuple(forced)
+    if len(forced) == 2 and forced in TILES:
+        return _legacy(*forced)
+    if len(forced) == 6:
+        c = TileCfg(*(int(v) for v in forced))
+        ok = all(v >= 1 for v in forced) and c.TM % c.RM == 0 and c.TN % c.RN == 0
+        if ok and c.threads <= 1024 and c.BK % 4 == 0:
+            return c
+    raise CodegenError(f"conv tile must be a (TM, TN) pair from {sorted(TILES)} or a valid "
+                       f"(TM, TN, RM, RN, KS, BK) tuple, got {forced}")
+
+
+def _units(c: TileCfg, M: int, N: int, GB: int) -> int:
+    return -(-M // c.TM) * -(-N // c.TN) * GB
+
+
+# The heuristic's ladder, most efficient per invocation first: the first whose grid has
+# enough workgroups wins; small problems take in-workgroup split-K instead.
+_LADDER = (TileCfg(64, 64, 4, 4), TileCfg(32, 64, 4, 4, 2), TileCfg(64, 32, 4, 4, 2),
+           TileCfg(32, 32, 4, 4, 4, 8))
+_SMALL = (TileCfg(32, 32, 4, 4, 4, 8), TileCfg(16, 32, 4, 4, 8, 8), TileCfg(16, 16, 4, 4, 16, 4))
+_FEW_ROWS = (TileCfg(8, 64, 2, 4, 4, 8), TileCfg(8, 32, 1, 4, 4, 8))
+_EXTRA = (TileCfg(64, 64, 8, 8), TileCfg(64, 64, 8, 8, 2), TileCfg(32, 32, 4, 4, 2))
+CONFIGS = tuple(dict.fromkeys(_LADDER + _SMALL + _FEW_ROWS + _EXTRA))  # all the tuner tries
+FILL = 256  # workgroups wanted (about two per SM of a large GPU; shapes only, plans portable)
+
+
+def choose_cfg(M: int, N: int, K: int, GB: int, forced=()) -> TileCfg:
+    """The tile configuration for an M×N×K GEMM repeated GB times (``forced``: the
+    description's ``tile``).  Big grids take 64×64 tiles; grids too small to fill the GPU take
+    smaller tiles, then in-workgroup split-K while each slice keeps ≥ 4 K steps."""
     if forced:
-        forced = tuple(forced)
-        if forced not in TILES:
-            raise CodegenError(f"conv tile must be one of {sorted(TILES)}, got {forced}")
-        return forced
+        return tile_cfg(forced)
     if M <= 8:
-        return 8, 32 * min(4, pow2ceil(-(-N // 32)))
-    return (16 * min(4, pow2ceil(-(-M // 16))), 16 * min(4, pow2ceil(-(-N // 16))))
+        cands = [c for c in _FEW_ROWS if K >= 4 * c.BK * c.KS] + [_legacy(8, 32)]
+        return cands[0] if _units(_legacy(8, 64), M, N, GB) < FILL else _legacy(8, 64)
+    for c in _LADDER:
+        if _units(c, M, N, GB) >= FILL:
+            return c
+    for c in _SMALL:
+        if K >= 4 * c.BK * c.KS and _units(c, M, N, GB) * c.KS >= 4 * FILL:
+            return c
+    fits = [c for c in _SMALL if K >= 4 * c.BK * c.KS]
+    return fits[-1] if fits else _LADDER[-1]
 
 
-# (TM, TN) -> invocation rows TY (columns TX = 256 / TY); each invocation computes
-# (TM / TY) × (TN / TX) results: contiguous rows and columns, read from workgroup memory as vec4
-# where that count is a multiple of 4.
-TILES = {(8, 32): 8, (8, 64): 8, (8, 128): 8}
-TILES.update({(tm, tn): 16 for tm in TILE_SIZES for tn in TILE_SIZES})
+def _candidate_cfgs(M: int, N: int, K: int, GB: int) -> list[TileCfg]:
+    """Configurations worth timing for one GEMM shape (the heuristic's first)."""
+    allc = [choose_cfg(M, N, K, GB), *(_FEW_ROWS if M <= 8 else ()), *_LADDER, *_SMALL,
+            *_EXTRA]
+    out = []
+    for c in allc:
+        if c not in out and (c.KS == 1 or K >= 2 * c.BK * c.KS):
+            out.append(c)
+    return out[:8]
 
 
 class _GemmGen:
@@ -275,15 +361,16 @@ class _GemmGen:
 
     def __init__(self, gm: _Gemm, t):
         self.gm = gm
-        self.TM, self.TN = gm.tile
-        self.nth = THREADS * THREADS
-        self.TY = TILES[(self.TM, self.TN)]
-        self.TX = self.nth // self.TY
-        self.RM, self.RN = self.TM // self.TY, self.TN // self.TX
+        c = self.cfg = gm.tile
+        self.TM, self.TN, self.RM, self.RN = c.TM, c.TN, c.RM, c.RN
+        self.nth, self.nts = c.threads, c.slice_threads
+        self.TX = self.TN // self.RN
+        self.BKs = c.BK * c.KS  # staged per barrier
         self.mt, self.nt = -(-gm.M // self.TM), -(-gm.N // self.TN)
         self.grid = make_grid(gm.name, self.mt * self.nt * gm.GB, t)
         self.live = "" if self.grid.exact else "live"
-        self.vec_a, self.vec_b = self.RM % 4 == 0, self.RN % 4 == 0
+        self.vec = c.vec
+        self.offb = self.BKs * self.TM  # Bs after As (in f32 elements)
 
     def head(self, L: list[str], ind: str) -> None:
         gm = self.gm
@@ -298,25 +385,27 @@ class _GemmGen:
         else:
             L.append(f"{ind}let gbc = gb;")
         gm.gb_lines(L, ind)
-        L.append(f"{ind}let tx = lid % {u(self.TX)};")
-        L.append(f"{ind}let ty = lid / {u(self.TX)};")
+        L.append(f"{ind}let ls = lid % {u(self.nts)};")
+        L.append(f"{ind}let kb = (lid / {u(self.nts)}) * {u(self.cfg.BK)};")
+        L.append(f"{ind}let tx = ls % {u(self.TX)};")
+        L.append(f"{ind}let ty = ls / {u(self.TX)};")
         L.append(f"{ind}let row0 = tm * {u(self.TM)};")
         L.append(f"{ind}let col0 = tn * {u(self.TN)};")
 
     def staging_maps(self, L: list[str], ind: str) -> None:
         """What staging needs that is independent of k0, hoisted: each invocation's staged
         rows/columns (and the operand's lets depending on them only) and their validity."""
-        gm, nth = self.gm, self.nth
+        gm, nth, BKs = self.gm, self.nth, self.BKs
         self.plan = []
         for which, op, T, lim in (("a", gm.A, self.TM, u(gm.M)),
                                   ("b", gm.B, self.TN, gm.n_bound or u(gm.N))):
-            n_el = T * BK
+            n_el = T * BKs
             for l in range(-(-n_el // nth)):
                 e = f"(lid + {u(l * nth)})" if l else "lid"
                 rn, kn = f"s{which}r{l}", f"s{which}k{l}"
                 if op.k_fast:
-                    L.append(f"{ind}let {kn} = {e} % {u(BK)};")
-                    L.append(f"{ind}let {rn} = {e} / {u(BK)};")
+                    L.append(f"{ind}let {kn} = {e} % {u(BKs)};")
+                    L.append(f"{ind}let {rn} = {e} / {u(BKs)};")
                 else:
                     L.append(f"{ind}let {rn} = {e} % {u(T)};")
                     L.append(f"{ind}let {kn} = {e} / {u(T)};")
@@ -327,11 +416,11 @@ class _GemmGen:
                 partial = (l + 1) * nth > n_el  # the last round stages fewer elements
                 self.plan.append((which, l, rn, kn, op, T, partial, n_el))
 
-    @staticmethod
-    def _sh(arr: str, T: int, vec: bool, k: str, x: str) -> str:
-        if vec:
-            return f"{arr}[{k} * {u(T // 4)} + {x} / 4u][{x} % 4u]"
-        return f"{arr}[{k} * {u(T)} + {x}]"
+    def _sh(self, off: int, T: int, k: str, x: str) -> str:
+        """Workgroup-memory element (k, x) of a staged operand at f32 offset ``off``."""
+        if self.vec:
+            return f"Sh[{u(off // 4)} + {k} * {u(T // 4)} + {x} / 4u][{x} % 4u]"
+        return f"Sh[{u(off)} + {k} * {u(T)} + {x}]"
 
     def _stage(self, out: list[str], ii: str, check_k: bool, kend: str) -> None:
         """Copy step k0's slices of both operands into workgroup memory (zero outside)."""
@@ -349,27 +438,29 @@ class _GemmGen:
             out.append(f"{jj}if ({' && '.join(conds)}) {{")
             out.append(f"{jj}    v{tag} = {_read(op.binding, idx, op.dtype)};")
             out.append(f"{jj}}}")
-            arr, vec = ("As", self.vec_a) if which == "a" else ("Bs", self.vec_b)
-            out.append(f"{jj}{self._sh(arr, T, vec, kn, rn)} = v{tag};")
+            off = 0 if which == "a" else self.offb
+            out.append(f"{jj}{self._sh(off, T, kn, rn)} = v{tag};")
             if partial:
                 out.append(f"{ii}}}")
 
     def _mma(self, out: list[str], ii: str) -> None:
-        """acc += As·Bs over the staged BK-deep slices (vec4 reads where possible)."""
+        """acc += As·Bs over this invocation's BK-deep slice of the staged step (vec4 reads
+        where possible)."""
         jj = ii + "    "
-        out.append(f"{ii}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
-        for arr, R, T, vec, who, th in (("As", self.RM, self.TM, self.vec_a, "ra", "ty"),
-                                        ("Bs", self.RN, self.TN, self.vec_b, "rb", "tx")):
-            if vec:
+        out.append(f"{ii}for (var kq: u32 = 0u; kq < {u(self.cfg.BK)}; kq = kq + 1u) {{")
+        out.append(f"{jj}let kk = kb + kq;")
+        for off, R, T, who, th in ((0, self.RM, self.TM, "ra", "ty"),
+                                   (self.offb, self.RN, self.TN, "rb", "tx")):
+            if self.vec:
                 for q in range(R // 4):
-                    out.append(f"{jj}let {who}4_{q} = {arr}[kk * {u(T // 4)} + {th} * "
-                               f"{u(R // 4)} + {u(q)}];")
+                    out.append(f"{jj}let {who}4_{q} = Sh[{u(off // 4)} + kk * {u(T // 4)} + "
+                               f"{th} * {u(R // 4)} + {u(q)}];")
                 for i in range(R):
                     out.append(f"{jj}let {who}{i} = {who}4_{i // 4}.{'xyzw'[i % 4]};")
             else:
                 for i in range(R):
-                    off = f"{th} * {u(R)} + {u(i)}" if R > 1 else th
-                    out.append(f"{jj}let {who}{i} = {arr}[kk * {u(T)} + {off}];")
+                    x = f"{th} * {u(R)} + {u(i)}" if R > 1 else th
+                    out.append(f"{jj}let {who}{i} = Sh[{u(off)} + kk * {u(T)} + {x}];")
         for i in range(self.RM):
             for j in range(self.RN):
                 out.append(f"{jj}acc{i}_{j} = fma(ra{i}, rb{j}, acc{i}_{j});")
@@ -382,14 +473,14 @@ class _GemmGen:
         out.append(f"{ii}workgroupBarrier();")
 
     def k_loop(self, L: list[str], ind: str) -> None:
-        """Whole BK steps unguarded in k, then one guarded tail step; the K range is
-        constant, or ``kbeg``/``kend`` from ``krange`` (split chunks, phases)."""
-        gm, i2 = self.gm, ind + "    "
+        """Whole steps unguarded in k, then one guarded tail step; the K range is constant,
+        or ``kbeg``/``kend`` from ``krange`` (split chunks, phases)."""
+        gm, i2, BKs = self.gm, ind + "    ", self.BKs
         if gm.K is not None:
             K = gm.K
-            kf = K - K % BK
+            kf = K - K % BKs
             if kf:
-                L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(BK)}) {{")
+                L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(BKs)}) {{")
                 self.step(L, i2, False, u(K))
                 L.append(f"{ind}}}")
             if kf != K:
@@ -401,37 +492,76 @@ class _GemmGen:
         gm.krange(L, ind)  # defines kbeg, kend (uniform)
         L.append(f"{ind}var k0: u32 = kbeg;")
         L.append(f"{ind}loop {{")
-        L.append(f"{i2}if (k0 + {u(BK)} > kend) {{")
+        L.append(f"{i2}if (k0 + {u(BKs)} > kend) {{")
         L.append(f"{i2}    break;")
         L.append(f"{i2}}}")
         self.step(L, i2, False, "kend")
-        L.append(f"{i2}k0 = k0 + {u(BK)};")
+        L.append(f"{i2}k0 = k0 + {u(BKs)};")
         L.append(f"{ind}}}")
         L.append(f"{ind}if (k0 < kend) {{")
         self.step(L, i2, True, "kend")
         L.append(f"{ind}}}")
 
-    def stores(self, L: list[str], ind: str, helpers: set) -> None:
+    def _guard(self, r: str, n: str, mod_m: bool) -> list[str]:
         gm = self.gm
+        conds = [f"{r} < {u(gm.M)}"] if mod_m and gm.M % self.TM else []
+        if gm.n_bound:
+            conds.append(f"{n} < {gm.n_bound}")
+        elif gm.N % self.TN:
+            conds.append(f"{n} < {u(gm.N)}")
+        if self.live:
+            conds.append("live")
+        return conds
+
+    def stores(self, L: list[str], ind: str, helpers: set) -> None:
+        """Each invocation stores its RM×RN block (KS = 1)."""
+        if self.cfg.KS > 1:
+            return self._reduce_stores(L, ind, helpers)
         for i in range(self.RM):
             L.append(f"{ind}let r{i} = row0 + ty * {u(self.RM)} + {u(i)};")
         for j in range(self.RN):
             L.append(f"{ind}let n{j} = col0 + tx * {u(self.RN)} + {u(j)};")
         for i in range(self.RM):
             for j in range(self.RN):
-                conds = [f"r{i} < {u(gm.M)}"] if gm.M % self.TM else []
-                if gm.n_bound:
-                    conds.append(f"n{j} < {gm.n_bound}")
-                elif gm.N % self.TN:
-                    conds.append(f"n{j} < {u(gm.N)}")
-                if self.live:
-                    conds.append("live")
+                conds = self._guard(f"r{i}", f"n{j}", True)
                 L.append(f"{ind}if ({' && '.join(conds)}) {{" if conds else f"{ind}{{")
-                gm.store(L, ind + "    ", f"r{i}", f"n{j}", f"acc{i}_{j}", helpers)
+                self.gm.store(L, ind + "    ", f"r{i}", f"n{j}", f"acc{i}_{j}", helpers)
                 L.append(f"{ind}}}")
 
+    def _reduce_stores(self, L: list[str], ind: str, helpers: set) -> None:
+        """KS > 1: every slice parks its partial tile in workgroup memory, then each
+        invocation adds the KS partials of some elements in slice order and stores them."""
+        TM, TN, KS, nth = self.TM, self.TN, self.cfg.KS, self.nth
+        L.append(f"{ind}let pbase = (kb / {u(self.cfg.BK)}) * {u(TM * TN)};")
+        for i in range(self.RM):
+            for j in range(self.RN):
+                e = f"pbase + (ty * {u(self.RM)} + {u(i)}) * {u(TN)} + tx * {u(self.RN)} + {u(j)}"
+                tgt = f"Sh[({e}) / 4u][({e}) % 4u]" if self.vec else f"Sh[{e}]"
+                L.append(f"{ind}{tgt} = acc{i}_{j};")
+        L.append(f"{ind}workgroupBarrier();")
+        i2 = ind + "    "
+        for q in range(-(-TM * TN // nth)):
+            L.append(f"{ind}{{")
+            L.append(f"{i2}let e = lid + {u(q * nth)};")
+            L.append(f"{i2}let r = row0 + e / {u(TN)};")
+            L.append(f"{i2}let n = col0 + e % {u(TN)};")
+            parts = []
+            for s in range(KS):
+                es = f"e + {u(s * TM * TN)}" if s else "e"
+                parts.append(f"Sh[({es}) / 4u][({es}) % 4u]" if self.vec else f"Sh[{es}]")
+            acc = parts[0]
+            for p in parts[1:]:
+                acc = f"({acc} + {p})"
+            conds = self._guard("r", "n", True) + (
+                [f"e < {u(TM * TN)}"] if (q + 1) * nth > TM * TN else [])
+            L.append(f"{i2}if ({' && '.join(conds)}) {{" if conds else f"{i2}{{")
+            L.append(f"{i2}    let red: f32 = {acc};")
+            self.gm.store(L, i2 + "    ", "r", "n", "red", helpers)
+            L.append(f"{i2}}}")
+            L.append(f"{ind}}}")
 
-def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
+
+def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, int]:
     ind = "    "
     g = _GemmGen(gm, t)
     L: list[str] = []
@@ -443,22 +573,20 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set]:
     g.k_loop(L, ind)
     helpers: set[str] = set()
     g.stores(L, ind, helpers)
-    TM, TN = gm.tile
-    ta = f"array<vec4<f32>, {BK * TM // 4}>" if g.vec_a else f"array<f32, {BK * TM}>"
-    tb = f"array<vec4<f32>, {BK * TN // 4}>" if g.vec_b else f"array<f32, {BK * TN}>"
-    shared = [f"var<workgroup> As: {ta};", f"var<workgroup> Bs: {tb};"]
-    nbytes = 4 * BK * (TM + TN)
+    nbytes = gm.tile.storage()
+    shared = [f"var<workgroup> Sh: array<vec4<f32>, {nbytes // 16}>;" if g.vec
+              else f"var<workgroup> Sh: array<f32, {nbytes // 4}>;"]
     check_workgroup_storage(gm.name, nbytes, t)
     check_invocations(gm.name, g.nth, t)
-    return L, shared, nbytes, g.grid, helpers
+    return L, shared, nbytes, g.grid, helpers, g.nth
 
 
-def _module(name, bd, extra_dts, body, shared, nbytes, grid, helpers, t, meta) -> KernelSpec:
+def _module(name, bd, extra_dts, gemm, t, meta) -> KernelSpec:
+    body, shared, nbytes, grid, helpers, nth = gemm
     check_bindings(name, len(bd.dtypes), t)
     uses_f16 = check_dtypes(name, bd.dtypes + list(extra_dts), t)
-    lines = module_source(module_header(uses_f16) + bd.decls() + shared, helpers,
-                          THREADS * THREADS, body)
-    meta = dict(meta, workgroup_size=THREADS * THREADS, workgroup_storage=nbytes,
+    lines = module_source(module_header(uses_f16) + bd.decls() + shared, helpers, nth, body)
+    meta = dict(meta, workgroup_size=nth, workgroup_storage=nbytes,
                 binding_dtypes=tuple(bd.dtypes))
     return KernelSpec(name=name, wgsl=lines, n_bindings=bd.n,
                       workgroups=grid.workgroups, meta=meta)
@@ -612,12 +740,11 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
         L.append(f"{ind}let gi = gbc;")
 
     A, B = _forward_operands(k, sx, sw, bd, op_dt)
-    tile = choose_tile(M, N, k.tile)
-    gm = _Gemm(name, M, N, K, G.groups, tile, A, B, gb_lines, None,
+    cfg = choose_cfg(M, N, K, G.groups, k.tile)
+    gm = _Gemm(name, M, N, K, G.groups, cfg, A, B, gb_lines, None,
                _forward_store(k, bd, sb, xs, op_dt, out_dt))
-    body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
-    return _module(name, bd, [i.dtype for i in k.epilogue], body, shared, nbytes, grid,
-                   helpers, t, {"archetype": "conv2d", "tile": tile,
+    return _module(name, bd, [i.dtype for i in k.epilogue], _emit_gemm(gm, t), t,
+                   {"archetype": "conv2d", "tile": cfg.tuple(),
                                 "flops": 2 * M * N * K * G.groups})
 
 
@@ -717,11 +844,10 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
         return _input_grad_phases(k, t, sd, sw, out_dt, bd)
     A = _Operand(bd.name(1), op_dt, not (sw[1] == 1 and G.cg > 1), a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
-    tile = choose_tile(M, N, k.tile)
-    gm = _Gemm(name, M, N, K, G.groups, tile, A, B, gb_lines, None, store)
-    body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
-    return _module(name, bd, [], body, shared, nbytes, grid, helpers, t,
-                   {"archetype": "conv2d_input_grad", "tile": tile,
+    cfg = choose_cfg(M, N, K, G.groups, k.tile)
+    gm = _Gemm(name, M, N, K, G.groups, cfg, A, B, gb_lines, None, store)
+    return _module(name, bd, [], _emit_gemm(gm, t), t,
+                   {"archetype": "conv2d_input_grad", "tile": cfg.tuple(),
                     "flops": 2 * M * N * K * G.groups})
 
 
@@ -834,12 +960,11 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
 
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
-    tile = choose_tile(M, N, k.tile)
-    gm = _Gemm(name, M, N, None, G.groups * sh_ * sw_, tile, A, B, gb_lines, krange, store,
+    cfg = choose_cfg(M, N, kmax, G.groups * sh_ * sw_, k.tile)
+    gm = _Gemm(name, M, N, None, G.groups * sh_ * sw_, cfg, A, B, gb_lines, krange, store,
                n_bound="ncol")
-    body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
-    return _module(name, bd, [], body, shared, nbytes, grid, helpers, t,
-                   {"archetype": "conv2d_input_grad", "tile": tile, "phases": sh_ * sw_,
+    return _module(name, bd, [], _emit_gemm(gm, t), t,
+                   {"archetype": "conv2d_input_grad", "tile": cfg.tuple(), "phases": sh_ * sw_,
                     "flops": 2 * M * N * kmax * G.groups * sh_ * sw_})
 
 # ---------------------------------------------------------------------------------------------
@@ -899,14 +1024,13 @@ def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None,
     # neighbouring invocations walk (n, oh, ow): contiguous rows of dy and x
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, True, b_hoist, b_load)
-    tile = choose_tile(M, N, k.tile)
+    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile)
     if S == 1:
-        gm = _Gemm(name, M, N, KT, G.groups, tile, A, B, gb_lines, None, store)
+        gm = _Gemm(name, M, N, KT, G.groups, cfg, A, B, gb_lines, None, store)
     else:
-        gm = _Gemm(name, M, N, None, G.groups * S, tile, A, B, gb_lines, krange, store)
-    body, shared, nbytes, grid, helpers = _emit_gemm(gm, t)
-    return _module(name, bd, [], body, shared, nbytes, grid, helpers, t,
-                   {"archetype": "conv2d_weight_grad", "tile": tile, "split": S,
+        gm = _Gemm(name, M, N, None, G.groups * S, cfg, A, B, gb_lines, krange, store)
+    return _module(name, bd, [], _emit_gemm(gm, t), t,
+                   {"archetype": "conv2d_weight_grad", "tile": cfg.tuple(), "split": S,
                     "flops": 2 * M * N * KT * G.groups})
 
 
@@ -944,6 +1068,48 @@ def _make_weight_grad(attrs, inputs, outputs):
 
 
 # epilogue fusion: ReLU/SiLU/residual after a conv run inside the conv kernel
-register("conv2d", Conv2dKernel, emit_forward, _make_forward, epilogue=conv2d_with_epilogue)
-register("conv2d_input_grad", Conv2dInputGradKernel, emit_input_grad, _make_input_grad)
-register("conv2d_weight_grad", Conv2dWeightGradKernel, emit_weight_grad, _make_weight_grad)
+def gemm_shape(k) -> tuple[int, int, int, int]:
+    """(M, N, K, GB) of the implicit GEMM a conv description runs (K per split chunk or phase,
+    at most), for choosing and enumerating tile configurations."""
+    G = k.geom
+    khw = G.kh * G.kw
+    if isinstance(k, Conv2dKernel):
+        return G.og, G.n * G.oh * G.ow, G.cg * khw, G.groups
+    if isinstance(k, Conv2dWeightGradKernel):
+        S = max(1, int(k.split))
+        return G.og, G.cg * khw, -(-G.n * G.oh * G.ow // S), G.groups * S
+    (sh_, sw_), (dh, dw) = G.stride, G.dilation
+    if (sh_, sw_) == (1, 1) or k.naive:
+        return G.cg, G.n * G.h * G.w, G.og * khw, G.groups
+    hrows = _phase_table(G.h, G.kh, sh_, G.pad[0][0], dh)[0]
+    wrows = _phase_table(G.w, G.kw, sw_, G.pad[1][0], dw)[0]
+    N = G.n * max(r[0] for r in hrows) * max(r[0] for r in wrows)
+    return G.cg, N, G.og * max(r[2] for r in hrows) * max(r[2] for r in wrows), \
+        G.groups * sh_ * sw_
+
+
+def conv_candidates(k, target) -> list:
+    """The tuner's hook: ``k`` with each tile configuration worth timing (the heuristic's
+    first), those the target's workgroup limits allow."""
+    import dataclasses
+
+    M, N, K, GB = gemm_shape(k)
+    store = target.lim("max_compute_workgroup_storage_size")
+    inv = target.lim("max_compute_invocations_per_workgroup")
+    cfgs = [choose_cfg(M, N, K, GB, k.tile)] if k.tile else []
+    cfgs += _candidate_cfgs(M, N, K, GB)
+    out = []
+    for c in cfgs:
+        if c.storage() <= store and c.threads <= inv:
+            d = dataclasses.replace(k, tile=c.tuple())
+            if d not in out:
+                out.append(d)
+    return out[:8]
+
+
+register("conv2d", Conv2dKernel, emit_forward, _make_forward, epilogue=conv2d_with_epilogue,
+         candidates=conv_candidates)
+register("conv2d_input_grad", Conv2dInputGradKernel, emit_input_grad, _make_input_grad,
+         candidates=conv_candidates)
+register("conv2d_weight_grad", Conv2dWeightGradKernel, emit_weight_grad, _make_weight_grad,
+         candidates=conv_candidates)
