@@ -1,40 +1,50 @@
-"""Flash-attention kernels (forward, and the two backward kernels), registered as archetypes.
+"""Flash-attention kernels (forward, and the two backward kernels), register-tiled like a
+matmul, registered as archetypes.
 
 Semantics are those of ``ops/attention.py``: score = scale·q·k + mask; a key is hidden by the
 causal/window rules or by a -inf score; a row with no visible key outputs 0 and lse = -inf.
 
-Rows.  For the forward and dQ kernels the rows of a tile are *packed* (query position, group
+Rows.  For the forward and dQ kernels the rows of a block are *packed* (query position, group
 member) pairs of one kv head: packed row R of kv head h is query position R // G of query head
 h·G + R % G (G = Hq / Hkv).  Grouped-query heads therefore share every K/V tile a workgroup loads,
 and decoding (Sq = 1) still fills G rows.
 
-``attention_fwd`` — one workgroup per (batch, kv head, block of BQ packed rows); TPR invocations
-per row.  Q (pre-scaled) is staged once; the loop walks the key range the block can see (causal
-and window bounds skip whole tiles) in tiles of BK keys: K and V tiles are staged through
-workgroup memory, each invocation computes BK/TPR scores of its row into a score tile, then every
-invocation of a row reads the row's scores, updates the running max m and sum l (online
-softmax) and accumulates P·V for its own output columns.  Writes out and lse = m + log l.
+Register tiling.  A workgroup is a TR × TC grid of invocations (``config`` = (TR, TC, RM, RN)).
+Each kernel has an *own* dimension (query rows for fwd/dQ, keys for dK/dV; a block of TR·RM
+of them per workgroup) and a *loop* dimension (keys for fwd/dQ, query rows for dK/dV; walked in
+tiles of TC·RN staged through workgroup memory).  Invocation (tr, tc) owns the RM own-indices
+tr + i·TR and, in each tile, the RN loop-indices tc + j·TC: it computes that RM × RN block of
+scores (and of dP) from the staged tiles like a tiled matmul (vec4 dot products over the head
+dim), keeps it in registers, and writes the RM values of each of its loop-indices as one vector
+into a transposed probability tile.  The second product (P·V, dS·K, Pᵀ·dO, dSᵀ·Q) is again an
+outer product: the invocation owns RM rows × the output columns tc + c·TC (vec4 units) and
+reads one RM-vector of P and one vec4 of the staged operand per step.  Strided ownership keeps
+the reads of a subgroup on distinct banks (rows padded by one unit).
 
-``attention_grad_dq`` — same tiling as the forward: per key tile, P = exp(s - lse), dP = dO·Vᵀ,
-dS = P·(dP - delta) into the score tile, dQ += dS·K in registers; dQ·scale stored at the end.
+``attention_fwd`` — online softmax: per key tile, each invocation's row maxima go through a
+small table (``Red``), the new row max rescales the accumulators and the invocation's partial
+row sums (l is summed over the TC invocations of a row once, at the end).  Writes out and
+lse = m + log l.  Causal/window bounds skip whole key tiles.
 
-``attention_grad_dkdv`` — one workgroup per (batch, kv head, block of BKV keys), TPR invocations
-per key.  K (pre-scaled) and V stay in workgroup memory; the loop walks the packed query rows that
-can see the block (all G query heads of the group: dK/dV of a kv head are complete sums, no
-atomics) in chunks of BQ rows: Q, dO, lse and delta are staged, each invocation computes P and dS
-for BQ/TPR (key, row) pairs into tiles, then dV += Pᵀ·dO and dK += dSᵀ·Q for its own columns.
+``attention_grad_dq`` — per key tile: S = Q·Kᵀ, dP = dO·Vᵀ, P = exp(S - lse), dS = P·(dP - δ)
+(registers), dSᵀ to workgroup memory, dQ += dS·K; dQ·scale stored at the end.
 
-``delta = rowsum(dO·O)`` is an ordinary fused reduce kernel (built by the op's VJP).  All sums are
-in a fixed order (deterministic).  Inputs are read in place through their strides (views of
-(B, S, H, D) projections need no copy); the mask is read through broadcast strides.  Head dims
-divisible by 4 use vec4 workgroup tiles; rows of every tile are padded by one unit against bank
-conflicts.  Tile sizes are chosen from the device's workgroup-storage limit (32 KiB on lavapipe,
-48 KiB on the H200: BQ = 32, BK = 32 for D = 64) and shrink for small problems (decode) so that
-enough workgroups exist.
+``attention_grad_dkdv`` — one workgroup per (batch, kv head, block of keys); K (pre-scaled) and
+V stay in workgroup memory; the loop walks the packed query rows that can see the block (all G
+query heads of the group: dK/dV of a kv head are complete sums, no atomics) in tiles: Q, dO, lse
+and δ are staged, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ in registers, P and dS to workgroup memory, then
+dV += Pᵀ·dO and dK += dSᵀ·Q.
+
+``delta = rowsum(dO·O)`` is an ordinary fused reduce kernel (built by the op's VJP).  All sums
+are in a fixed order (deterministic).  Inputs are read in place through their strides (views of
+(B, S, H, D) projections need no copy); the mask is read through broadcast strides.  The tile
+configuration is chosen from the device's workgroup-storage and invocation limits and the
+problem size (``choose_config``); ``candidates`` lists the ones worth timing for the tuner.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..dtypes import DType, f16, f32
@@ -59,7 +69,27 @@ from .common import (
 from .ir import KernelSpec, Strided
 
 FLT_MAX = "3.4028234663852886e38"
-MIN_WORKGROUPS = 256  # shrink tiles (down to a floor) until a problem has this many workgroups
+MIN_WORKGROUPS = 256  # prefer the largest tiles that still give a problem this many workgroups
+MIN_OWN_BLOCK = 16  # ...but no fewer rows (keys) per workgroup than this unless the problem is
+
+# (TR, TC, RM, RN) in order of preference (largest per-invocation work first); the heuristic
+# takes the first that fits the device and gives enough workgroups
+CONFIGS = (
+    (16, 8, 4, 4),  # 64 own × 32 loop, 128 invocations
+    (8, 8, 4, 4),  # 32 × 32, 64
+    (16, 8, 2, 4),  # 32 × 32, 128
+    (8, 16, 4, 2),  # 32 × 32, 128
+    (8, 8, 4, 2),  # 32 × 16, 64
+    (16, 8, 1, 4),  # 16 × 32, 128
+    (8, 8, 2, 4),  # 16 × 32, 64
+    (4, 8, 4, 4),  # 16 × 32, 32
+    (8, 8, 2, 2),  # 16 × 16, 64
+    (8, 8, 1, 2),  # 8 × 16, 64
+    (4, 8, 2, 2),  # 8 × 16, 32
+    (4, 8, 1, 2),  # 4 × 16, 32
+    (1, 32, 1, 1),  # 1 × 32, 32 (decoding: one query row)
+    (1, 8, 1, 1),  # 1 × 8, 8 (last resort for tiny workgroup storage)
+)
 
 
 @dataclass(frozen=True)
@@ -79,8 +109,8 @@ class AttentionKernel:
     name: str = "attention"
     # dkdv only: one work item per query head (outputs (B, Hq, Skv, ·), summed by the caller)
     split_heads: bool = False
-    # force a tile configuration (tests): (rows per block, keys per tile / chunk)
-    tiles: tuple[int, int] = (0, 0)
+    # tile configuration (TR, TC, RM, RN) (see the module docstring); () = heuristic
+    config: tuple = ()
     # fwd only: store the output as (B, Sq, Hq, Dv) instead of (B, Hq, Sq, Dv), the layout the
     # output projection reads (the planner then needs no transposing copy)
     out_bshd: bool = False
@@ -113,92 +143,119 @@ def _i(n: int) -> str:
 
 
 def _vt(w: int) -> str:
-    return "vec4<f32>" if w == 4 else "f32"
+    return "f32" if w == 1 else f"vec{w}<f32>"
+
+
+def _vec(exprs: list[str]) -> str:
+    return exprs[0] if len(exprs) == 1 else f"vec{len(exprs)}<f32>({', '.join(exprs)})"
+
+
+def _comp(v: str, i: int, n: int) -> str:
+    return v if n == 1 else f"{v}[{i}]"
 
 
 def _dot(w: int, a: str, b: str) -> str:
     return f"dot({a}, {b})" if w == 4 else f"({a} * {b})"
 
 
-def _cell(arr: str, w: int, unit_idx: str, comp: str) -> str:
-    return f"{arr}[{unit_idx}][{comp}]" if w == 4 else f"{arr}[{unit_idx}]"
+# ------------------------------------------------------------------------------ configurations
 
 
-# ------------------------------------------------------------------------------ tile choice
-
-
-def _units(d: int) -> tuple[int, int, int]:
-    """(vector width, units per row, padded units per row)."""
+def _units(d: int) -> tuple[int, int]:
+    """(vector width, units per row) of a head dim."""
     w = 4 if d % 4 == 0 else 1
-    return w, d // w, d // w + 1
+    return w, d // w
 
 
-def _tpr(rows_per_block: int) -> int:
-    """Invocations per row: 8 (4+ scores and 2+ output vec4 each at D = 64), more for blocks
-    of very few rows (decoding) so a workgroup still has 32-64 invocations."""
-    return max(8, min(32, 64 // max(rows_per_block, 1)))
+def _pad(units: int, tc: int) -> int:
+    """Row stride (units) of a staged tile: room for every column an invocation reads
+    (tc + c·TC) plus one unit against bank conflicts."""
+    return max(units, -(-units // tc) * tc) + 1
 
 
-def rows_config(kind: str, rows: int, n_bh: int, D: int, Dv: int, storage: int,
-                forced=(0, 0)) -> tuple[int, int, int]:
-    """(BQ rows per block, TPR invocations per row, BK keys per tile) for fwd/dq."""
-    wd, _, dp = _units(D)
-    wv, _, vp = _units(Dv)
-    dpf, vpf = dp * wd, vp * wv  # padded row lengths in floats
-
-    def floats(bq, bk):
-        n = bq * dpf + bk * dpf + bk * vpf + bq * (bk + 1) + 4 * 32
-        n += bq * vpf if kind == "dq" else 256
-        return n
-
-    bq_max = 32 if kind == "fwd" else 16
-    bq = forced[0] or min(bq_max, pow2ceil(rows))
-    if not forced[0]:
-        while bq > 8 and n_bh * -(-rows // bq) < MIN_WORKGROUPS:
-            bq //= 2
-    while True:
-        tpr = _tpr(bq)
-        for bk in ((forced[1],) if forced[1] else (64, 32, 16, 8)):
-            t = min(tpr, bk)
-            if 4 * floats(bq, bk) <= storage:
-                return bq, t, bk
-        if bq == 1 or forced[0]:
-            raise CodegenError(f"attention {kind}: no tile configuration fits {storage} bytes of "
-                               f"workgroup storage (D={D}, Dv={Dv})")
-        bq //= 2
+def config_words(kind: str, cfg, D: int, Dv: int) -> int:
+    """f32 words of workgroup storage configuration ``cfg`` needs."""
+    TR, TC, RM, RN = cfg
+    own, loop = TR * RM, TC * RN
+    (wd, du), (wv, vu) = _units(D), _units(Dv)
+    dp, vp = _pad(du, TC) * wd, _pad(vu, TC) * wv
+    if kind == "fwd":
+        return own * dp + loop * (dp + vp) + loop * TR * RM + TC * TR * RM
+    if kind == "dq":
+        return (own + loop) * (dp + vp) + loop * TR * RM
+    return (own + loop) * (dp + vp) + 2 * loop * TR * RM + 2 * loop
 
 
-def keys_config(rows: int, skv: int, n_bh: int, D: int, Dv: int, storage: int,
-                forced=(0, 0)) -> tuple[int, int, int]:
-    """(BKV keys per block, TPR invocations per key, BQ packed query rows per chunk) for dkdv."""
-    wd, _, dp = _units(D)
-    wv, _, vp = _units(Dv)
-    dpf, vpf = dp * wd, vp * wv
+def config_fits(kind: str, cfg, D: int, Dv: int, t) -> bool:
+    TR, TC, RM, RN = cfg
+    return (RM in (1, 2, 4) and TR * TC <= t.lim("max_compute_invocations_per_workgroup")
+            and 4 * config_words(kind, cfg, D, Dv) <= t.lim("max_compute_workgroup_storage_size"))
 
-    def floats(bkv, bq):
-        return bkv * (dpf + vpf) + bq * (dpf + vpf) + 2 * bq + 2 * bkv * (bq + 1) + 4 * 32
 
-    bkv = forced[0] or min(32, pow2ceil(skv))
-    if not forced[0]:
-        while bkv > 16 and n_bh * -(-skv // bkv) < MIN_WORKGROUPS:
-            bkv //= 2
-    while True:
-        tpr = _tpr(bkv)
-        for bq in ((forced[1],) if forced[1] else (32, 16, 8, 4, 2, 1)):
-            bq = min(bq, pow2ceil(rows)) if not forced[1] else bq
-            t = min(tpr, bq)
-            if 4 * floats(bkv, bq) <= storage:
-                return bkv, t, bq
-        if bkv == 1 or forced[0]:
-            raise CodegenError(f"attention dkdv: no tile configuration fits {storage} bytes of "
-                               f"workgroup storage (D={D}, Dv={Dv})")
-        bkv //= 2
+def choose_config(kind: str, own_n: int, n_bh: int, D: int, Dv: int, t) -> tuple:
+    """The heuristic configuration: the first of ``CONFIGS`` that fits the device, whose own
+    block is not (much) larger than the problem nor smaller than ``MIN_OWN_BLOCK`` (tiny blocks
+    re-stage every K/V tile for a few rows), and that gives ``MIN_WORKGROUPS`` workgroups; with
+    fewer possible, the threshold halves (small problems take smaller blocks)."""
+    fit = [c for c in CONFIGS if config_fits(kind, c, D, Dv, t)]
+    if not fit:
+        raise CodegenError(f"attention {kind}: no tile configuration fits the device's "
+                           f"workgroup storage (D={D}, Dv={Dv})")
+    cap = pow2ceil(own_n)
+    floor = min(MIN_OWN_BLOCK, cap)
+    small = [c for c in fit if floor <= c[0] * c[2] <= cap]
+    if not small:  # the device fits only smaller blocks: the largest of them
+        below = [c for c in fit if c[0] * c[2] <= cap] or [min(fit, key=lambda c: c[0] * c[2])]
+        top = max(c[0] * c[2] for c in below)
+        small = [c for c in below if c[0] * c[2] == top]
+    need = MIN_WORKGROUPS
+    while need >= 1:
+        for c in small:
+            if n_bh * -(-own_n // (c[0] * c[2])) >= need:
+                return c
+        need //= 2
+    return small[-1]
+
+
+def _problem(k: AttentionKernel) -> tuple[int, int]:
+    """(own-dimension extent, work items per block index) of a description."""
+    B, Hq, Sq, _ = k.q.shape
+    Hkv, Skv = k.k.shape[1], k.k.shape[2]
+    if k.kind == "dkdv":
+        return Skv, B * (Hq if k.split_heads else Hkv)
+    return Sq * (Hq // Hkv), B * Hkv
+
+
+def resolve_config(k: AttentionKernel, t) -> tuple:
+    D, Dv = k.q.shape[3], k.v.shape[3]
+    if k.config:
+        cfg = tuple(int(x) for x in k.config)
+        if len(cfg) != 4 or not config_fits(k.kind, cfg, D, Dv, t):
+            raise CodegenError(f"kernel {k.name!r}: tile configuration {k.config} does not fit "
+                               "the device (TR, TC, RM, RN with RM in 1, 2, 4)")
+        return cfg
+    own_n, n_bh = _problem(k)
+    return choose_config(k.kind, own_n, n_bh, D, Dv, t)
+
+
+def candidates(k: AttentionKernel, target) -> list:
+    """The heuristic configuration first, then up to 7 others that fit (largest blocks first,
+    skipping blocks far larger than the problem)."""
+    t = make_target(target) if isinstance(target, dict) else target
+    first = resolve_config(dataclasses.replace(k, config=()), t)
+    own_n, _ = _problem(k)
+    D, Dv = k.q.shape[3], k.v.shape[3]
+    rest = [c for c in CONFIGS if c != first and config_fits(k.kind, c, D, Dv, t)
+            and c[0] * c[2] <= pow2ceil(own_n)]
+    return [dataclasses.replace(k, config=c) for c in [first] + rest[:7]]
 
 
 # ------------------------------------------------------------------------------ emission
 
 
 class _Gen:
+    """Shapes, bindings and emission helpers of one attention kernel."""
+
     def __init__(self, k: AttentionKernel, t, alias=None):
         self.k, self.t = k, t
         q, kk, v = k.q, k.k, k.v
@@ -229,21 +286,26 @@ class _Gen:
         self.dts = dts + [self.dt] * len(outs)
         self.bd = Bindings(self.dts, alias)
         self.bind = {n: self.bd.name(i) for i, n in enumerate(names + outs)}
-        self.wd, self.du, self.dp = _units(self.D)
-        self.wv, self.vu, self.vp = _units(self.Dv)
+        self.wd, self.du = _units(self.D)
+        self.wv, self.vu = _units(self.Dv)
+        self.TR, self.TC, self.RM, self.RN = resolve_config(k, t)
+        self.wg = self.TR * self.TC
+        self.own, self.loop = self.TR * self.RM, self.TC * self.RN
+        self.dp, self.vp = _pad(self.du, self.TC), _pad(self.vu, self.TC)
+        self.shared: list[str] = []
+        self.words = 0
 
     # -- element access --------------------------------------------------------------------
     def ld(self, name: str, idx: str, dt: DType) -> str:
         x = f"{self.bind[name]}[{idx}]"
         return x if dt is f32 else f"f32({x})"
 
-    def qidx(self, b, h, i, d):
-        s = self.k.q
-        return index_code([b, h, i, d], s.strides, s.offset)
-
-    def kvidx(self, which, b, h, j, d):
-        s = self.k.k if which == "k" else self.k.v
-        return index_code([b, h, j, d], s.strides, s.offset)
+    def src(self, name: str, coords: list[str]) -> str:
+        """Load of element ``coords`` (4 u32 expressions) of q/k/v/dout."""
+        k = self.k
+        s = {"q": k.q, "k": k.k, "v": k.v, "dout": k.dout}[name]
+        strides = self.dost if name == "dout" else s.strides
+        return self.ld(name, index_code([f"({c})" for c in coords], strides, s.offset), s.dtype)
 
     def midx(self, b, h, i, j):
         return index_code([b, h, i, j], self.mst, self.k.mask.offset)
@@ -257,28 +319,6 @@ class _Gen:
             out.append(f"{j} > {pos} - {_i(self.k.window)}")
         return out
 
-    def stage(self, L, ind, arr, nrows, dim, w, rs, pre, valid, src, scale=None):
-        """Copy ``nrows`` x ``dim`` elements into workgroup array ``arr`` (row stride ``rs``
-        units of width ``w``).  ``pre(rr)``: lines deriving coordinates from local row ``rr``;
-        ``valid``: condition; ``src(dd)``: value expression (f32)."""
-        wg = self.wg
-        total = nrows * dim
-        i2, i3 = ind + "    ", ind + "        "
-        L.append(f"{ind}for (var e: u32 = lid; e < {u(total)}; e = e + {u(wg)}) {{")
-        L.append(f"{i2}let rr = e / {u(dim)};")
-        L.append(f"{i2}let dd = e % {u(dim)};")
-        L += [i2 + x for x in pre("rr")]
-        L.append(f"{i2}var x: f32 = 0.0;")
-        L.append(f"{i2}if ({valid}) {{")
-        val = src("dd")
-        if scale is not None:
-            val = f"{val} * {_f(scale)}"
-        L.append(f"{i3}x = {val};")
-        L.append(f"{i2}}}")
-        unit = f"rr * {u(rs)} + dd / {u(w)}" if w == 4 else f"rr * {u(rs)} + dd"
-        L.append(f"{i2}{_cell(arr, w, unit, 'dd % 4u')} = x;")
-        L.append(f"{ind}}}")
-
     def packed(self, R: str, prefix: str) -> list[str]:
         """Lines: query position ``{prefix}i`` and query head ``{prefix}h`` of packed row R."""
         G = self.G
@@ -288,24 +328,101 @@ class _Gen:
             return [f"let {prefix}i = {R};", f"let {prefix}h = hkv;"]
         return [f"let {prefix}i = {R} / {u(G)};", f"let {prefix}h = hkv * {u(G)} + {R} % {u(G)};"]
 
+    def array(self, name: str, w: int, n_units: int) -> None:
+        """Declare workgroup array ``name`` of ``n_units`` units of width ``w``."""
+        self.shared.append(f"var<workgroup> {name}: array<{_vt(w)}, {max(1, n_units)}>;")
+        self.words += max(1, n_units) * w
 
-def _shared(S, name, w, n_units) -> int:
-    """Declare workgroup array ``name`` (``n_units`` units of width ``w``); its f32 words."""
-    S.append(f"var<workgroup> {name}: array<{_vt(w)}, {max(1, n_units)}>;")
-    return n_units * w
+    def stage(self, L, ind, arr, nrows, which, w, pad, pre, valid, coords, scale=None):
+        """Copy ``nrows`` rows of ``which`` (one vec unit per step) into workgroup array
+        ``arr`` (row stride ``pad`` units).  ``pre(rr)``: lines deriving coordinates from local
+        row ``rr``; ``valid``: condition; ``coords(col)``: the element's 4 coordinates."""
+        dim = self.Dv if which in ("v", "dout") else self.D
+        units = dim // w
+        i2, i3 = ind + "    ", ind + "        "
+        L.append(f"{ind}for (var e: u32 = lid; e < {u(nrows * units)}; e = e + {u(self.wg)}) {{")
+        L.append(f"{i2}let rr = e / {u(units)};")
+        L.append(f"{i2}let uu = e % {u(units)};")
+        L += [i2 + x for x in pre("rr")]
+        L.append(f"{i2}var x: {_vt(w)} = {_vt(w)}(0.0);")
+        L.append(f"{i2}if ({valid}) {{")
+        cols = ["uu"] if w == 1 else [f"uu * 4u + {u(c)}" for c in range(w)]
+        val = _vec([self.src(which, coords(c)) for c in cols])
+        L.append(f"{i3}x = {val}{'' if scale is None else ' * ' + _f(scale)};")
+        L.append(f"{i2}}}")
+        L.append(f"{i2}{arr}[rr * {u(pad)} + uu] = x;")
+        L.append(f"{ind}}}")
 
+    # -- register tiles --------------------------------------------------------------------
+    def dots(self, L, ind, acc, own_arr, loop_arr, w, units, pad) -> None:
+        """acc{i}_{j} = own_arr[tr + i·TR] · loop_arr[tc + j·TC] over ``units`` vec units."""
+        TR, TC, RM, RN, i2 = self.TR, self.TC, self.RM, self.RN, ind + "    "
+        for i in range(RM):
+            for j in range(RN):
+                L.append(f"{ind}var {acc}{i}_{j}: f32 = 0.0;")
+        L.append(f"{ind}for (var d: u32 = 0u; d < {u(units)}; d = d + 1u) {{")
+        for i in range(RM):
+            L.append(f"{i2}let a{i} = {own_arr}[(tr + {u(i * TR)}) * {u(pad)} + d];")
+        for j in range(RN):
+            L.append(f"{i2}let b{j} = {loop_arr}[(tc + {u(j * TC)}) * {u(pad)} + d];")
+        for i in range(RM):
+            for j in range(RN):
+                L.append(f"{i2}{acc}{i}_{j} = {acc}{i}_{j} + {_dot(w, f'a{i}', f'b{j}')};")
+        L.append(f"{ind}}}")
 
-def _col(j: int, tpr: int, var: str = "c") -> str:
-    """Column ``j`` of an invocation that owns every ``tpr``-th column from ``var``."""
-    return f"{var} + {u(j * tpr)}" if j else var
+    def acc_decl(self, L, ind, acc, w, units) -> int:
+        """Accumulators {acc}{i}_{c} (RM rows × columns tc + c·TC); returns their count c."""
+        nc = -(-units // self.TC)
+        for i in range(self.RM):
+            for c in range(nc):
+                L.append(f"{ind}var {acc}{i}_{c}: {_vt(w)} = {_vt(w)}(0.0);")
+        return nc
 
+    def outer(self, L, ind, n_loop, terms) -> None:
+        """For each step kk of the loop tile: acc{i}_{c} += vec[kk][i] · arr[kk][tc + c·TC] for
+        each (acc, vec, arr, pad, nc) of ``terms``."""
+        TR, TC, RM, i2 = self.TR, self.TC, self.RM, ind + "    "
+        L.append(f"{ind}for (var kk: u32 = 0u; kk < {u(n_loop)}; kk = kk + 1u) {{")
+        for acc, vec, arr, pad, nc in terms:
+            L.append(f"{i2}let p_{acc} = {vec}[kk * {u(TR)} + tr];")
+            for c in range(nc):
+                L.append(f"{i2}let o_{acc}{c} = {arr}[kk * {u(pad)} + tc + {u(c * TC)}];")
+                for i in range(RM):
+                    L.append(f"{i2}{acc}{i}_{c} = {acc}{i}_{c} + {_comp('p_' + acc, i, RM)} * "
+                             f"o_{acc}{c};")
+        L.append(f"{ind}}}")
 
-def _pcol(j: int, tpr: int) -> str:
-    return f"({_col(j, tpr)})" if j else "c"
+    def put_tile(self, L, ind, arr, val) -> None:
+        """arr[(tc + j·TC)·TR + tr] = (val(0, j), …, val(RM-1, j)) for each j."""
+        for j in range(self.RN):
+            vals = [val(i, j) for i in range(self.RM)]
+            L.append(f"{ind}{arr}[(tc + {u(j * self.TC)}) * {u(self.TR)} + tr] = {_vec(vals)};")
+
+    def store_rows(self, L, ind, target, acc, nc, w, units, dim, rbase, ok, scale) -> None:
+        """Store accumulator row i (columns tc + c·TC < units) · ``scale(i)`` into row
+        ``rbase(i)`` (of ``dim`` elements) of ``target`` when ``ok(i)``."""
+        i2, i3 = ind + "    ", ind + "        "
+        for i in range(self.RM):
+            L.append(f"{ind}if ({ok(i)}) {{")
+            for c in range(nc):
+                L.append(f"{i2}let cu{c} = tc + {u(c * self.TC)};")
+                guard = (c + 1) * self.TC > units
+                ii = i3 if guard else i2
+                if guard:
+                    L.append(f"{i2}if (cu{c} < {u(units)}) {{")
+                L.append(f"{ii}let val{c} = {acc}{i}_{c} * {scale(i)};")
+                for comp in range(w):
+                    e = f"val{c}[{comp}]" if w == 4 else f"val{c}"
+                    dst = (f"{rbase(i)} * {u(dim)} + cu{c} * {u(w)} + {u(comp)}" if w == 4
+                           else f"{rbase(i)} * {u(dim)} + cu{c}")
+                    L.append(f"{ii}{self.bind[target]}[{dst}] = {_store(e, self.dt)};")
+                if guard:
+                    L.append(f"{i2}}}")
+            L.append(f"{ind}}}")
 
 
 def _grid_head(L, ind, grid, total, blk, nblk, head, nh) -> None:
-    """Workgroup -> (batch ``b``, head ``head``, block ``blk``)."""
+    """Workgroup -> (batch ``b``, head ``head``, block ``blk``); invocation -> (tr, tc)."""
     L.append(f"{ind}let wg = {grid.wg_expr};")
     if not grid.exact:
         L.append(f"{ind}if (wg >= {u(total)}) {{ return; }}")
@@ -313,68 +430,23 @@ def _grid_head(L, ind, grid, total, blk, nblk, head, nh) -> None:
           f"{ind}let {head} = bh % {u(nh)};", f"{ind}let b = bh / {u(nh)};"]
 
 
-def _lanes(L, ind, lane, tpr) -> None:
-    L += [f"{ind}let {lane} = lid / {u(tpr)};", f"{ind}let c = lid % {u(tpr)};"]
+def _lanes(g: _Gen, L, ind) -> None:
+    L += [f"{ind}let tr = lid / {u(g.TC)};", f"{ind}let tc = lid % {u(g.TC)};"]
 
 
-def _row_stats(g: _Gen, L, ind, h: str, i: str, lse: str, delta: str) -> None:
-    """``lse`` and ``delta`` of query row (``h``, ``i``)."""
-    k = g.k
-    li = index_code(["b", h, i], g.lst, k.lse.offset)
-    di = index_code(["b", h, i], g.dlst, k.delta.offset)
-    L.append(f"{ind}{lse} = {g.ld('lse', li, k.lse.dtype)};")
-    L.append(f"{ind}{delta} = {g.ld('delta', di, k.delta.dtype)};")
-
-
-def _store_acc(g: _Gen, L, ind, target, n_acc, tpr, units, w, dim, rbase, val) -> None:
-    """Store accumulators ``val(j)`` (units of width ``w``, columns ``c + j·tpr``) into row
-    ``rbase`` (of ``dim`` elements) of output ``target``."""
-    i2, i3 = ind + "    ", ind + "        "
-    for j in range(n_acc):
-        L.append(f"{ind}{{")
-        L.append(f"{i2}let cu = {_col(j, tpr)};")
-        guard = (j + 1) * tpr > units
-        ii = i3 if guard else i2
-        if guard:
-            L.append(f"{i2}if (cu < {u(units)}) {{")
-        L.append(f"{ii}let val = {val(j)};")
-        for comp in range(w):
-            e = f"val[{comp}]" if w == 4 else "val"
-            dst = (f"{rbase} * {u(dim)} + cu * {u(w)} + {u(comp)}" if w == 4 else
-                   f"{rbase} * {u(dim)} + cu")
-            L.append(f"{ii}{g.bind[target]}[{dst}] = {_store(e, g.dt)};")
-        if guard:
-            L.append(f"{i2}}}")
-        L.append(f"{ind}}}")
+def _store(e: str, dt: DType) -> str:
+    return e if dt is f32 else f"{dt.wgsl}({e})"
 
 
 # ------------------------------------------------------------------------------ fwd and dQ
 
 
-def _rows_shared(g: _Gen, t) -> tuple[list[str], int]:
-    """Tile configuration (on ``g``) and the workgroup arrays of the rows kernels."""
-    storage = t.lim("max_compute_workgroup_storage_size")
-    g.BQ, g.TPR, g.BK = rows_config(g.k.kind, g.rows, g.B * g.Hkv, g.D, g.Dv, storage,
-                                    g.k.tiles)
-    BQ, TPR, BK = g.BQ, g.TPR, g.BK
-    g.wg = BQ * TPR
-    S: list[str] = []
-    words = _shared(S, "Qs", g.wd, BQ * g.dp)
-    words += _shared(S, "Ks", g.wd, BK * g.dp + TPR)
-    words += _shared(S, "Vs", g.wv, BK * g.vp + TPR)
-    words += _shared(S, "Ss", 1, BQ * (BK + 1))
-    if g.k.kind == "dq":
-        words += _shared(S, "Os", g.wv, BQ * g.vp)
-    else:
-        words += _shared(S, "Red", 1, g.wg)
-    return S, words
-
-
 def _rows_head(g: _Gen, L, ind, grid, total) -> None:
-    """Block of packed rows, the key range it can see, this invocation's row."""
-    k, BQ = g.k, g.BQ
+    """Block of packed rows, the key range it can see, this invocation's rows (packed row,
+    query position, head, absolute position, in range)."""
+    k, BQ = g.k, g.own
     _grid_head(L, ind, grid, total, "blk", -(-g.rows // BQ), "hkv", g.Hkv)
-    _lanes(L, ind, "r", g.TPR)
+    _lanes(g, L, ind)
     L.append(f"{ind}let R0 = blk * {u(BQ)};")
     L.append(f"{ind}let Rn = min(R0 + {u(BQ)}, {u(g.rows)});")
     L.append(f"{ind}let i_first = i32(R0 / {u(g.G)});")
@@ -385,206 +457,210 @@ def _rows_head(g: _Gen, L, ind, grid, total) -> None:
         L.append(f"{ind}kv_hi = min(kv_hi, {_i(k.q_offset)} + i_last + 1i);")
     if k.window:
         L.append(f"{ind}kv_lo = max(0i, {_i(k.q_offset)} + i_first - {_i(k.window)} + 1i);")
-    L.append(f"{ind}let R = R0 + r;")
-    L.append(f"{ind}let row_ok = R < {u(g.rows)};")
-    L += [ind + x for x in g.packed("R", "q")]
-    L.append(f"{ind}let pos = i32(qi) + {_i(k.q_offset)};")
+    for i in range(g.RM):
+        L.append(f"{ind}let rw{i} = R0 + tr + {u(i * g.TR)};")
+        L.append(f"{ind}let rok{i} = rw{i} < {u(g.rows)};")
+        L += [ind + x for x in g.packed(f"rw{i}", f"q{i}")]
+        L.append(f"{ind}let pos{i} = i32(q{i}i) + {_i(k.q_offset)};")
 
 
-def _rows_stage(g: _Gen, L, ind) -> tuple[int, int, int]:
-    """Stage Q (pre-scaled) and, for dQ, dO and the row's lse/delta; declare the running
-    state and the accumulators.  Returns (accumulators, their width, units per row)."""
-    k, i2, BQ = g.k, ind + "    ", g.BQ
+def _rows_stage_q(g: _Gen, L, ind) -> None:
+    """Stage the block's Q rows (pre-scaled) and, for dQ, its dO rows."""
+    k = g.k
     pre = lambda rr: [f"let RR = R0 + {rr};"] + g.packed("RR", "s")  # noqa: E731
-    g.stage(L, ind, "Qs", BQ, g.D, g.wd, g.dp, pre, f"RR < {u(g.rows)}",
-            lambda dd: g.ld("q", g.qidx("b", "sh", "si", dd), k.q.dtype), k.scale)
+    valid = f"RR < {u(g.rows)}"
+    g.stage(L, ind, "Qs", g.own, "q", g.wd, g.dp, pre, valid,
+            lambda c: ["b", "sh", "si", c], k.scale)
     if k.kind == "dq":
-        g.stage(L, ind, "Os", BQ, g.Dv, g.wv, g.vp, pre, f"RR < {u(g.rows)}",
-                lambda dd: g.ld("dout", index_code(["b", "sh", "si", dd], g.dost, k.dout.offset),
-                                k.dout.dtype))
-        L.append(f"{ind}var lse_r: f32 = 0.0;")
-        L.append(f"{ind}var delta_r: f32 = 0.0;")
-        L.append(f"{ind}if (row_ok) {{")
-        _row_stats(g, L, i2, "qh", "qi", "lse_r", "delta_r")
-        L.append(f"{ind}}}")
-        L.append(f"{ind}let row_has = row_ok && !(lse_r < -{FLT_MAX});")
-        L.append(f"{ind}let lse_s = select(0.0, lse_r, row_has);")
-        n_acc, acc_w, acc_u = -(-g.du // g.TPR), g.wd, g.du
-    else:
-        L.append(f"{ind}var m: f32 = -{FLT_MAX};")
-        L.append(f"{ind}var l: f32 = 0.0;")
-        n_acc, acc_w, acc_u = -(-g.vu // g.TPR), g.wv, g.vu
-    for j in range(n_acc):
-        L.append(f"{ind}var acc{j}: {_vt(acc_w)} = {_vt(acc_w)}(0.0);")
-    return n_acc, acc_w, acc_u
+        g.stage(L, ind, "Os", g.own, "dout", g.wv, g.vp, pre, valid,
+                lambda c: ["b", "sh", "si", c])
 
 
-def _rows_scores(g: _Gen, L, i2) -> None:
-    """This invocation's scores of the key tile (columns c + TPR·n): q·k (and for dQ dO·v),
-    masked; fwd keeps them in registers (and their max in ``Red``), dQ stores dS in ``Ss``."""
-    k, kind, TPR, i3 = g.k, g.k.kind, g.TPR, i2 + "    "
-    NS = g.BK // TPR
-    for n in range(NS):
-        L.append(f"{i2}var s{n}: f32 = 0.0;")
-        if kind == "dq":
-            L.append(f"{i2}var p{n}: f32 = 0.0;")
-    for acc, w, units, pad, arr, tile, row in (("s", g.wd, g.du, g.dp, "Ks", "Qs", "qv"),
-                                                ("p", g.wv, g.vu, g.vp, "Vs", "Os", "ov")):
-        if acc == "p" and kind != "dq":
-            continue
-        L.append(f"{i2}for (var d: u32 = 0u; d < {u(units)}; d = d + 1u) {{")
-        L.append(f"{i3}let {row} = {tile}[r * {u(pad)} + d];")
-        for n in range(NS):
-            col = _pcol(n, TPR)
-            L.append(f"{i3}{acc}{n} = {acc}{n} + {_dot(w, row, f'{arr}[{col} * {u(pad)} + d]')};")
-        L.append(f"{i2}}}")
-    if kind == "fwd":
-        L.append(f"{i2}var lm: f32 = -{FLT_MAX};")
-    for n in range(NS):
-        if kind == "fwd":
-            L.append(f"{i2}var x{n}: f32;")
-        L.append(f"{i2}{{")
-        L.append(f"{i3}let col = {_pcol(n, TPR)};")
-        L.append(f"{i3}let j = kt + i32(col);")
-        L.append(f"{i3}var x = s{n};")
-        L.append(f"{i3}let inb = row_ok && j < kv_hi;")
-        if k.mask is not None:
-            mv = g.ld("mask", g.midx("b", "qh", "qi", "u32(j)"), k.mask.dtype)
-            L.append(f"{i3}if (inb) {{ x = x + {mv}; }}")
-        vis = " && ".join(["inb"] + g.vis_terms("j", "pos"))
-        if kind == "fwd":
-            L.append(f"{i3}x{n} = select(-mn_inf(), x, {vis});")
-            L.append(f"{i3}lm = max(lm, x{n});")
-        else:
-            L.append(f"{i3}let ok = {vis} && row_has && !(x < -{FLT_MAX});")
-            L.append(f"{i3}let p = select(0.0, exp(select(0.0, x - lse_s, ok)), ok);")
-            L.append(f"{i3}Ss[r * {u(g.BK + 1)} + col] = p * (p{n} - delta_r);")
-        L.append(f"{i2}}}")
-    if kind == "fwd":
-        L.append(f"{i2}Red[lid] = lm;")
-    L.append(f"{i2}workgroupBarrier();")
+def _stage_kv_tile(g: _Gen, L, ind) -> None:
+    """Stage the key tile starting at ``kt`` (keys past ``kv_hi`` as zeros)."""
+    pre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
+    for arr, which, w, pad in (("Ks", "k", g.wd, g.dp), ("Vs", "v", g.wv, g.vp)):
+        g.stage(L, ind, arr, g.loop, which, w, pad, pre, "jj < kv_hi",
+                lambda c: ["b", "hkv", "u32(jj)", c])
+    L.append(f"{ind}workgroupBarrier();")
 
 
-def _rows_softmax_pv(g: _Gen, L, i2, n_acc) -> None:
-    """fwd: row max from the per-invocation maxima, then each invocation turns its own scores
-    into probabilities (one exp per score); the row sum is taken in the P·V loop."""
-    TPR, BKp, i3 = g.TPR, g.BK + 1, i2 + "    "
-    L.append(f"{i2}var mt = m;")
-    L.append(f"{i2}for (var cc: u32 = 0u; cc < {u(TPR)}; cc = cc + 1u) {{")
-    L.append(f"{i3}mt = max(mt, Red[r * {u(TPR)} + cc]);")
-    L.append(f"{i2}}}")
-    for n in range(g.BK // TPR):
-        L.append(f"{i2}Ss[r * {u(BKp)} + {_pcol(n, TPR)}] = select(exp(x{n} - mt), 0.0, "
-                 f"x{n} < -{FLT_MAX});")
-    L.append(f"{i2}workgroupBarrier();")
-    L.append(f"{i2}let alpha = exp(m - mt);")
-    L.append(f"{i2}l = l * alpha;")
-    for j in range(n_acc):
-        L.append(f"{i2}acc{j} = acc{j} * alpha;")
-    _tile_products(g, L, i2, BKp, "p", ["l = l + p;"], n_acc, "Vs", g.vp)
-    L.append(f"{i2}m = mt;")
+def _rows_score(g: _Gen, i: int, j: int, x: str) -> list[str]:
+    """Lines: key ``kj{j}`` of the tile and ``vis`` (visible, in range) for score (i, j);
+    the mask is added to ``x``."""
+    k = g.k
+    out = [f"let kj = kt + i32(tc + {u(j * g.TC)});", f"let inb = rok{i} && kj < kv_hi;"]
+    if k.mask is not None:
+        mv = g.ld("mask", g.midx("b", f"q{i}h", f"q{i}i", "u32(kj)"), k.mask.dtype)
+        out.append(f"if (inb) {{ {x} = {x} + {mv}; }}")
+    out.append(f"let vis = {' && '.join(['inb'] + g.vis_terms('kj', f'pos{i}'))};")
+    return out
 
 
-def _tile_products(g: _Gen, L, i2, BKp, var, extra, n_acc, arr, pad) -> None:
-    """acc_j += Ss[r][kk] · arr[kk][c + j·TPR] over the key tile."""
-    i3 = i2 + "    "
-    L.append(f"{i2}for (var kk: u32 = 0u; kk < {u(g.BK)}; kk = kk + 1u) {{")
-    L.append(f"{i3}let {var} = Ss[r * {u(BKp)} + kk];")
-    L += [i3 + x for x in extra]
-    for j in range(n_acc):
-        L.append(f"{i3}acc{j} = acc{j} + {var} * {arr}[kk * {u(pad)} + {_col(j, g.TPR)}];")
-    L.append(f"{i2}}}")
+def _fwd_softmax(g: _Gen, L, ind) -> None:
+    """Scores -> probabilities of the tile with the running max/sum updated; P to ``Ps``."""
+    RM, RN, TR, TC, i2 = g.RM, g.RN, g.TR, g.TC, ind + "    "
+    for i in range(RM):
+        L.append(f"{ind}var mx{i}: f32 = -{FLT_MAX};")
+        for j in range(RN):
+            L.append(f"{ind}{{")
+            L += [i2 + x for x in _rows_score(g, i, j, f"s{i}_{j}")]
+            L.append(f"{i2}s{i}_{j} = select(-mn_inf(), s{i}_{j}, vis);")
+            L.append(f"{i2}mx{i} = max(mx{i}, s{i}_{j});")
+            L.append(f"{ind}}}")
+    L.append(f"{ind}Red[tc * {u(TR)} + tr] = {_vec([f'mx{i}' for i in range(RM)])};")
+    L.append(f"{ind}workgroupBarrier();")
+    L.append(f"{ind}var mt = m;")
+    L.append(f"{ind}for (var cc: u32 = 0u; cc < {u(TC)}; cc = cc + 1u) {{")
+    L.append(f"{i2}mt = max(mt, Red[cc * {u(TR)} + tr]);")
+    L.append(f"{ind}}}")
+    for i in range(RM):
+        for j in range(RN):
+            mi = _comp("mt", i, RM)
+            L.append(f"{ind}let p{i}_{j} = select(exp(s{i}_{j} - {mi}), 0.0, "
+                     f"s{i}_{j} < -{FLT_MAX});")
+    L.append(f"{ind}let alpha = exp(m - mt);")
+    sums = [" + ".join(f"p{i}_{j}" for j in range(RN)) for i in range(RM)]
+    L.append(f"{ind}l = l * alpha + {_vec(sums)};")
+    L.append(f"{ind}m = mt;")
+    for i in range(RM):
+        for c in range(g.nc):
+            L.append(f"{ind}o{i}_{c} = o{i}_{c} * {_comp('alpha', i, RM)};")
+    g.put_tile(L, ind, "Ps", lambda i, j: f"p{i}_{j}")
+    L.append(f"{ind}workgroupBarrier();")
 
 
-def _rows_kernel(g: _Gen, t) -> tuple[list[str], int, object, dict, int]:
-    """Forward and dQ: blocks of packed query rows looping over key tiles."""
+def _fwd_kernel(g: _Gen, t):
     k, ind, i2 = g.k, "    ", "        "
-    S, words = _rows_shared(g, t)
-    total = -(-g.rows // g.BQ) * g.B * g.Hkv
-    grid = make_grid(k.name, total, t)
+    RM, TR, TC = g.RM, g.TR, g.TC
+    g.array("Qs", g.wd, g.own * g.dp)
+    g.array("Ks", g.wd, g.loop * g.dp)
+    g.array("Vs", g.wv, g.loop * g.vp)
+    g.array("Ps", RM, g.loop * TR)
+    g.array("Red", RM, TC * TR)
+    total = -(-g.rows // g.own) * g.B * g.Hkv
+    grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
-    n_acc, acc_w, acc_u = _rows_stage(g, L, ind)
-    # key tiles
-    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.BK)}) {{")
-    pre_k = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
-    g.stage(L, i2, "Ks", g.BK, g.D, g.wd, g.dp, pre_k, "jj < kv_hi",
-            lambda dd: g.ld("k", g.kvidx("k", "b", "hkv", "u32(jj)", dd), k.k.dtype))
-    g.stage(L, i2, "Vs", g.BK, g.Dv, g.wv, g.vp, pre_k, "jj < kv_hi",
-            lambda dd: g.ld("v", g.kvidx("v", "b", "hkv", "u32(jj)", dd), k.v.dtype))
-    L.append(f"{i2}workgroupBarrier();")
-    _rows_scores(g, L, i2)
-    if k.kind == "fwd":
-        _rows_softmax_pv(g, L, i2, n_acc)
-    else:
-        _tile_products(g, L, i2, g.BK + 1, "x", [], n_acc, "Ks", g.dp)
+    _rows_stage_q(g, L, ind)
+    L.append(f"{ind}var m: {_vt(RM)} = {_vt(RM)}(-{FLT_MAX});")
+    L.append(f"{ind}var l: {_vt(RM)} = {_vt(RM)}(0.0);")
+    g.nc = g.acc_decl(L, ind, "o", g.wv, g.vu)
+    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
+    _stage_kv_tile(g, L, i2)
+    g.dots(L, i2, "s", "Qs", "Ks", g.wd, g.du, g.dp)
+    _fwd_softmax(g, L, i2)
+    g.outer(L, i2, g.loop, [("o", "Ps", "Vs", g.vp, g.nc)])
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
-    _rows_store(g, L, ind, n_acc, acc_u)
-    meta = {"tiles": (g.BQ, g.TPR, g.BK), "workgroup_storage": 4 * words}
-    return S + L, g.wg, grid, meta, 4 * words
+    # the row sums: partial per invocation, summed over the TC invocations of a row
+    L.append(f"{ind}Red[tc * {u(TR)} + tr] = l;")
+    L.append(f"{ind}workgroupBarrier();")
+    L.append(f"{ind}var lt = {_vt(RM)}(0.0);")
+    L.append(f"{ind}for (var cc: u32 = 0u; cc < {u(TC)}; cc = cc + 1u) {{")
+    L.append(f"{i2}lt = lt + Red[cc * {u(TR)} + tr];")
+    L.append(f"{ind}}}")
+    _fwd_store(g, L, ind)
+    return L
 
 
-def _rows_store(g: _Gen, L, ind, n_acc, acc_u) -> None:
-    k = g.k
-    L.append(f"{ind}if (!row_ok) {{ return; }}")
-    obase = f"((b * {u(g.Hq)} + qh) * {u(g.Sq)} + qi)"
-    rbase = obase  # row of the stored output
-    if k.kind == "fwd":
-        L.append(f"{ind}let inv = select(1.0 / l, 0.0, l == 0.0);")
-        dim, target, w, scale = g.Dv, "out", g.wv, "inv"
-        if k.out_bshd:
-            rbase = f"((b * {u(g.Sq)} + qi) * {u(g.Hq)} + qh)"
-    else:
-        dim, target, w, scale = g.D, "dq", g.wd, _f(k.scale)
-    _store_acc(g, L, ind, target, n_acc, g.TPR, acc_u, w, dim, rbase,
-               lambda j: f"acc{j} * {scale}")
-    if k.kind == "fwd":
-        L.append(f"{ind}if (c == 0u) {{")
+def _fwd_store(g: _Gen, L, ind) -> None:
+    k, RM = g.k, g.RM
+    for i in range(RM):
+        li, mi = _comp("lt", i, RM), _comp("m", i, RM)
+        L.append(f"{ind}let inv{i} = select(1.0 / {li}, 0.0, {li} == 0.0);")
+        L.append(f"{ind}if (rok{i} && tc == 0u) {{")
+        obase = f"((b * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"
         L.append(f"{ind}    {g.bind['lse_out']}[{obase}] = "
-                 f"{_store('select(m + log(l), -mn_inf(), l == 0.0)', g.dt)};")
+                 f"{_store(f'select({mi} + log({li}), -mn_inf(), {li} == 0.0)', g.dt)};")
         L.append(f"{ind}}}")
+    if k.out_bshd:
+        rbase = lambda i: f"((b * {u(g.Sq)} + q{i}i) * {u(g.Hq)} + q{i}h)"  # noqa: E731
+    else:
+        rbase = lambda i: f"((b * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"  # noqa: E731
+    g.store_rows(L, ind, "out", "o", g.nc, g.wv, g.vu, g.Dv, rbase, lambda i: f"rok{i}",
+                 lambda i: f"inv{i}")
+
+
+def _dq_row_stats(g: _Gen, L, ind) -> None:
+    """lse and delta of this invocation's rows (lse_s: 0 for rows with no visible key)."""
+    k = g.k
+    for i in range(g.RM):
+        L.append(f"{ind}var lse{i}: f32 = 0.0;")
+        L.append(f"{ind}var dl{i}: f32 = 0.0;")
+        L.append(f"{ind}if (rok{i}) {{")
+        li = index_code(["b", f"q{i}h", f"q{i}i"], g.lst, k.lse.offset)
+        di = index_code(["b", f"q{i}h", f"q{i}i"], g.dlst, k.delta.offset)
+        L.append(f"{ind}    lse{i} = {g.ld('lse', li, k.lse.dtype)};")
+        L.append(f"{ind}    dl{i} = {g.ld('delta', di, k.delta.dtype)};")
+        L.append(f"{ind}}}")
+        L.append(f"{ind}let has{i} = rok{i} && !(lse{i} < -{FLT_MAX});")
+        L.append(f"{ind}let lss{i} = select(0.0, lse{i}, has{i});")
+
+
+def _dq_ds(g: _Gen, L, ind) -> None:
+    """dS of the tile (registers) to ``Ps``."""
+    i2 = ind + "    "
+    for i in range(g.RM):
+        for j in range(g.RN):
+            L.append(f"{ind}var ds{i}_{j}: f32;")
+            L.append(f"{ind}{{")
+            L += [i2 + x for x in _rows_score(g, i, j, f"s{i}_{j}")]
+            L.append(f"{i2}let ok = vis && has{i} && !(s{i}_{j} < -{FLT_MAX});")
+            L.append(f"{i2}let p = select(0.0, exp(select(0.0, s{i}_{j} - lss{i}, ok)), ok);")
+            L.append(f"{i2}ds{i}_{j} = p * (t{i}_{j} - dl{i});")
+            L.append(f"{ind}}}")
+    g.put_tile(L, ind, "Ps", lambda i, j: f"ds{i}_{j}")
+    L.append(f"{ind}workgroupBarrier();")
+
+
+def _dq_kernel(g: _Gen, t):
+    k, ind, i2 = g.k, "    ", "        "
+    g.array("Qs", g.wd, g.own * g.dp)
+    g.array("Os", g.wv, g.own * g.vp)
+    g.array("Ks", g.wd, g.loop * g.dp)
+    g.array("Vs", g.wv, g.loop * g.vp)
+    g.array("Ps", g.RM, g.loop * g.TR)
+    total = -(-g.rows // g.own) * g.B * g.Hkv
+    grid = g.grid = make_grid(k.name, total, t)
+    L: list[str] = []
+    _rows_head(g, L, ind, grid, total)
+    _rows_stage_q(g, L, ind)
+    _dq_row_stats(g, L, ind)
+    nc = g.acc_decl(L, ind, "o", g.wd, g.du)
+    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
+    _stage_kv_tile(g, L, i2)
+    g.dots(L, i2, "s", "Qs", "Ks", g.wd, g.du, g.dp)
+    g.dots(L, i2, "t", "Os", "Vs", g.wv, g.vu, g.vp)
+    _dq_ds(g, L, i2)
+    g.outer(L, i2, g.loop, [("o", "Ps", "Ks", g.dp, nc)])
+    L.append(f"{i2}workgroupBarrier();")
+    L.append(f"{ind}}}")
+    g.store_rows(L, ind, "dq", "o", nc, g.wd, g.du, g.D,
+                 lambda i: f"((b * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)",
+                 lambda i: f"rok{i}", lambda i: _f(k.scale))
+    return L
 
 
 # ------------------------------------------------------------------------------ dK/dV
 
 
-def _keys_shared(g: _Gen, t) -> tuple[list[str], int]:
-    k = g.k
-    storage = t.lim("max_compute_workgroup_storage_size")
-    g.NH = g.Hq if k.split_heads else g.Hkv  # heads of the work items
-    g.P = 1 if k.split_heads else g.G  # packed rows per query position
-    g.BKV, g.TPR, g.BQ = keys_config(g.Sq * g.P, g.Skv, g.B * g.NH, g.D, g.Dv, storage, k.tiles)
-    BKV, TPR, BQ = g.BKV, g.TPR, g.BQ
-    g.wg = BKV * TPR
-    S: list[str] = []
-    words = _shared(S, "Ks", g.wd, BKV * g.dp)
-    words += _shared(S, "Vs", g.wv, BKV * g.vp)
-    words += _shared(S, "Qs", g.wd, BQ * g.dp + TPR)
-    words += _shared(S, "Os", g.wv, BQ * g.vp + TPR)
-    words += _shared(S, "Ls", 1, BQ)
-    words += _shared(S, "Dl", 1, BQ)
-    words += _shared(S, "Ps", 1, BKV * (BQ + 1))
-    words += _shared(S, "Ds", 1, BKV * (BQ + 1))
-    return S, words
-
-
 def _keys_head(g: _Gen, L, ind, grid, total) -> None:
-    """Block of keys, this invocation's key, the packed query rows that can see the block;
+    """Block of keys, this invocation's keys, the packed query rows that can see the block;
     stage K (pre-scaled) and V."""
-    k, BKV = g.k, g.BKV
+    k, BKV = g.k, g.own
     _grid_head(L, ind, grid, total, "kb", -(-g.Skv // BKV), "hw", g.NH)
     if k.split_heads:
         L.append(f"{ind}let hq_w = hw;")
         L.append(f"{ind}let hkv = hw / {u(g.G)};")
     else:
         L.append(f"{ind}let hkv = hw;")
-    _lanes(L, ind, "kr", g.TPR)
+    _lanes(g, L, ind)
     L.append(f"{ind}let j0 = kb * {u(BKV)};")
     L.append(f"{ind}let j1 = min(j0 + {u(BKV)}, {u(g.Skv)});")
-    L.append(f"{ind}let jk = j0 + kr;")
-    L.append(f"{ind}let key_ok = jk < {u(g.Skv)};")
-    L.append(f"{ind}let j = i32(jk);")
+    for i in range(g.RM):
+        L.append(f"{ind}let jk{i} = j0 + tr + {u(i * g.TR)};")
+        L.append(f"{ind}let kok{i} = jk{i} < {u(g.Skv)};")
     L.append(f"{ind}var i_lo: i32 = 0i;")
     L.append(f"{ind}var i_hi: i32 = {_i(g.Sq)};")
     if k.causal:
@@ -594,109 +670,97 @@ def _keys_head(g: _Gen, L, ind, grid, total) -> None:
                  f"{_i(g.Sq)});")
     L.append(f"{ind}let R_lo = u32(i_lo) * {u(g.P)};")
     L.append(f"{ind}let R_hi = u32(max(i_hi, i_lo)) * {u(g.P)};")
-    pre_k = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
-    g.stage(L, ind, "Ks", BKV, g.D, g.wd, g.dp, pre_k, f"jj < {u(g.Skv)}",
-            lambda dd: g.ld("k", g.kvidx("k", "b", "hkv", "jj", dd), k.k.dtype), k.scale)
-    g.stage(L, ind, "Vs", BKV, g.Dv, g.wv, g.vp, pre_k, f"jj < {u(g.Skv)}",
-            lambda dd: g.ld("v", g.kvidx("v", "b", "hkv", "jj", dd), k.v.dtype))
+    pre = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
+    for arr, which, w, pad, sc in (("Ks", "k", g.wd, g.dp, k.scale), ("Vs", "v", g.wv, g.vp,
+                                                                       None)):
+        g.stage(L, ind, arr, BKV, which, w, pad, pre, f"jj < {u(g.Skv)}",
+                lambda c: ["b", "hkv", "jj", c], sc)
 
 
 def _keys_stage_rows(g: _Gen, L, i2) -> None:
-    """Stage a chunk of BQ packed query rows: Q, dO, lse and delta."""
-    k, BQ, i3 = g.k, g.BQ, i2 + "    "
+    """Stage a tile of packed query rows: Q, dO, lse and delta."""
+    k, BQ, i3 = g.k, g.loop, i2 + "    "
     pre = lambda rr: [f"let RR = R0 + {rr};"] + g.packed("RR", "s")  # noqa: E731
-    g.stage(L, i2, "Qs", BQ, g.D, g.wd, g.dp, pre, "RR < R_hi",
-            lambda dd: g.ld("q", g.qidx("b", "sh", "si", dd), k.q.dtype))
-    g.stage(L, i2, "Os", BQ, g.Dv, g.wv, g.vp, pre, "RR < R_hi",
-            lambda dd: g.ld("dout", index_code(["b", "sh", "si", dd], g.dost, k.dout.offset),
-                            k.dout.dtype))
-    L.append(f"{i2}if (lid < {u(BQ)}) {{")
-    L.append(f"{i3}let RR = R0 + lid;")
+    coords = lambda c: ["b", "sh", "si", c]  # noqa: E731
+    g.stage(L, i2, "Qs", BQ, "q", g.wd, g.dp, pre, "RR < R_hi", coords)
+    g.stage(L, i2, "Os", BQ, "dout", g.wv, g.vp, pre, "RR < R_hi", coords)
+    L.append(f"{i2}for (var e: u32 = lid; e < {u(BQ)}; e = e + {u(g.wg)}) {{")
+    L.append(f"{i3}let RR = R0 + e;")
     L += [i3 + x for x in g.packed("RR", "s")]
-    L.append(f"{i3}var lv: f32 = 0.0;")
+    L.append(f"{i3}var lv: f32 = -mn_inf();")
     L.append(f"{i3}var dv_: f32 = 0.0;")
     L.append(f"{i3}if (RR < R_hi) {{")
-    _row_stats(g, L, i3 + "    ", "sh", "si", "lv", "dv_")
+    li = index_code(["b", "sh", "si"], g.lst, k.lse.offset)
+    di = index_code(["b", "sh", "si"], g.dlst, k.delta.offset)
+    L.append(f"{i3}    lv = {g.ld('lse', li, k.lse.dtype)};")
+    L.append(f"{i3}    dv_ = {g.ld('delta', di, k.delta.dtype)};")
     L.append(f"{i3}}}")
-    L.append(f"{i3}Ls[lid] = lv;")
-    L.append(f"{i3}Dl[lid] = dv_;")
+    L.append(f"{i3}Ls[e] = lv;")
+    L.append(f"{i3}Dl[e] = dv_;")
     L.append(f"{i2}}}")
-    if BQ > g.wg:
-        raise CodegenError(f"kernel {k.name!r}: BQ {BQ} > workgroup {g.wg}")
     L.append(f"{i2}workgroupBarrier();")
 
 
-def _keys_p_ds(g: _Gen, L, i2) -> None:
-    """P and dS of this invocation's (key, row) pairs into ``Ps``/``Ds``."""
-    k, TPR, BQp, i3 = g.k, g.TPR, g.BQ + 1, i2 + "    "
-    dp, vp = g.dp, g.vp
-    for n in range(g.BQ // TPR):
-        L.append(f"{i2}{{")
-        L.append(f"{i3}let qq = {_pcol(n, TPR)};")
-        L.append(f"{i3}let RR = R0 + qq;")
-        L += [i3 + x for x in g.packed("RR", "s")]
-        L.append(f"{i3}let pos = i32(si) + {_i(k.q_offset)};")
-        for var, units, w, a, b in (("s", g.du, g.wd, f"Ks[kr * {u(dp)} + d]",
-                                     f"Qs[qq * {u(dp)} + d]"),
-                                    ("dp_", g.vu, g.wv, f"Vs[kr * {u(vp)} + d]",
-                                     f"Os[qq * {u(vp)} + d]")):
-            L.append(f"{i3}var {var}: f32 = 0.0;")
-            L.append(f"{i3}for (var d: u32 = 0u; d < {u(units)}; d = d + 1u) {{")
-            L.append(f"{i3}    {var} = {var} + {_dot(w, a, b)};")
-            L.append(f"{i3}}}")
-        L.append(f"{i3}let inb = key_ok && RR < R_hi;")
-        if k.mask is not None:
-            mv = g.ld("mask", g.midx("b", "sh", "si", "jk"), k.mask.dtype)
-            L.append(f"{i3}if (inb) {{ s = s + {mv}; }}")
-        L.append(f"{i3}let lq = Ls[qq];")
-        vis = " && ".join(["inb"] + g.vis_terms("j", "pos")
-                          + [f"!(lq < -{FLT_MAX})", f"!(s < -{FLT_MAX})"])
-        L.append(f"{i3}let ok = {vis};")
-        L.append(f"{i3}let p = select(0.0, exp(select(0.0, s - lq, ok)), ok);")
-        L.append(f"{i3}Ps[kr * {u(BQp)} + qq] = p;")
-        L.append(f"{i3}Ds[kr * {u(BQp)} + qq] = p * (dp_ - Dl[qq]);")
-        L.append(f"{i2}}}")
-    L.append(f"{i2}workgroupBarrier();")
+def _keys_p_ds(g: _Gen, L, ind) -> None:
+    """P and dS of the invocation's (key, row) pairs to ``Ps``/``Ds``."""
+    k, i2 = g.k, ind + "    "
+    for j in range(g.RN):
+        L.append(f"{ind}let qq{j} = tc + {u(j * g.TC)};")
+        L.append(f"{ind}let RR{j} = R0 + qq{j};")
+        L += [ind + x for x in g.packed(f"RR{j}", f"s{j}")]
+        L.append(f"{ind}let pq{j} = i32(s{j}i) + {_i(k.q_offset)};")
+        L.append(f"{ind}let lq{j} = Ls[qq{j}];")
+        L.append(f"{ind}let dq{j} = Dl[qq{j}];")
+        L.append(f"{ind}let rin{j} = RR{j} < R_hi && !(lq{j} < -{FLT_MAX});")
+    for i in range(g.RM):
+        for j in range(g.RN):
+            x = f"s{i}_{j}"
+            L.append(f"{ind}var p{i}_{j}: f32;")
+            L.append(f"{ind}var ds{i}_{j}: f32;")
+            L.append(f"{ind}{{")
+            L.append(f"{i2}let kj = i32(jk{i});")
+            L.append(f"{i2}let inb = kok{i} && rin{j};")
+            if k.mask is not None:
+                mv = g.ld("mask", g.midx("b", f"s{j}h", f"s{j}i", f"jk{i}"), k.mask.dtype)
+                L.append(f"{i2}if (inb) {{ {x} = {x} + {mv}; }}")
+            vis = " && ".join(["inb"] + g.vis_terms("kj", f"pq{j}") + [f"!({x} < -{FLT_MAX})"])
+            L.append(f"{i2}let ok = {vis};")
+            L.append(f"{i2}p{i}_{j} = select(0.0, exp(select(0.0, {x} - lq{j}, ok)), ok);")
+            L.append(f"{i2}ds{i}_{j} = p{i}_{j} * (t{i}_{j} - dq{j});")
+            L.append(f"{ind}}}")
+    g.put_tile(L, ind, "Ps", lambda i, j: f"p{i}_{j}")
+    g.put_tile(L, ind, "Ds", lambda i, j: f"ds{i}_{j}")
+    L.append(f"{ind}workgroupBarrier();")
 
 
-def _keys_kernel(g: _Gen, t):
-    """dK/dV: blocks of keys looping over packed query rows."""
-    k, ind, i2, i3 = g.k, "    ", "        ", "            "
-    S, words = _keys_shared(g, t)
-    TPR, BQp = g.TPR, g.BQ + 1
-    total = -(-g.Skv // g.BKV) * g.B * g.NH
-    grid = make_grid(k.name, total, t)
+def _dkdv_kernel(g: _Gen, t):
+    k, ind, i2 = g.k, "    ", "        "
+    g.NH = g.Hq if k.split_heads else g.Hkv  # heads of the work items
+    g.P = 1 if k.split_heads else g.G  # packed rows per query position
+    for name, w, n in (("Ks", g.wd, g.own * g.dp), ("Vs", g.wv, g.own * g.vp),
+                       ("Qs", g.wd, g.loop * g.dp), ("Os", g.wv, g.loop * g.vp),
+                       ("Ps", g.RM, g.loop * g.TR), ("Ds", g.RM, g.loop * g.TR),
+                       ("Ls", 1, g.loop), ("Dl", 1, g.loop)):
+        g.array(name, w, n)
+    total = -(-g.Skv // g.own) * g.B * g.NH
+    grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _keys_head(g, L, ind, grid, total)
-    n_dk, n_dv = -(-g.du // TPR), -(-g.vu // TPR)
-    for j in range(n_dk):
-        L.append(f"{ind}var dk{j}: {_vt(g.wd)} = {_vt(g.wd)}(0.0);")
-    for j in range(n_dv):
-        L.append(f"{ind}var dv{j}: {_vt(g.wv)} = {_vt(g.wv)}(0.0);")
-    L.append(f"{ind}for (var R0: u32 = R_lo; R0 < R_hi; R0 = R0 + {u(g.BQ)}) {{")
-    L.append(f"{i2}workgroupBarrier();")
+    nk = g.acc_decl(L, ind, "ak", g.wd, g.du)
+    nv = g.acc_decl(L, ind, "av", g.wv, g.vu)
+    L.append(f"{ind}for (var R0: u32 = R_lo; R0 < R_hi; R0 = R0 + {u(g.loop)}) {{")
     _keys_stage_rows(g, L, i2)
+    g.dots(L, i2, "s", "Ks", "Qs", g.wd, g.du, g.dp)
+    g.dots(L, i2, "t", "Vs", "Os", g.wv, g.vu, g.vp)
     _keys_p_ds(g, L, i2)
-    L.append(f"{i2}for (var qq: u32 = 0u; qq < {u(g.BQ)}; qq = qq + 1u) {{")
-    L.append(f"{i3}let p = Ps[kr * {u(BQp)} + qq];")
-    L.append(f"{i3}let ds = Ds[kr * {u(BQp)} + qq];")
-    for j in range(n_dv):
-        L.append(f"{i3}dv{j} = dv{j} + p * Os[qq * {u(g.vp)} + {_col(j, TPR)}];")
-    for j in range(n_dk):
-        L.append(f"{i3}dk{j} = dk{j} + ds * Qs[qq * {u(g.dp)} + {_col(j, TPR)}];")
-    L.append(f"{i2}}}")
+    g.outer(L, i2, g.loop, [("av", "Ps", "Os", g.vp, nv), ("ak", "Ds", "Qs", g.dp, nk)])
+    L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
-    L.append(f"{ind}if (!key_ok) {{ return; }}")
-    obase = f"((b * {u(g.NH)} + hw) * {u(g.Skv)} + jk)"
-    scale = _f(k.scale)
-    _store_acc(g, L, ind, "dk", n_dk, TPR, g.du, g.wd, g.D, obase, lambda j: f"dk{j} * {scale}")
-    _store_acc(g, L, ind, "dv", n_dv, TPR, g.vu, g.wv, g.Dv, obase, lambda j: f"dv{j}")
-    meta = {"tiles": (g.BKV, TPR, g.BQ), "workgroup_storage": 4 * words}
-    return S + L, g.wg, grid, meta, 4 * words
-
-
-def _store(e: str, dt: DType) -> str:
-    return e if dt is f32 else f"{dt.wgsl}({e})"
+    obase = lambda i: f"((b * {u(g.NH)} + hw) * {u(g.Skv)} + jk{i})"  # noqa: E731
+    ok = lambda i: f"kok{i}"  # noqa: E731
+    g.store_rows(L, ind, "dk", "ak", nk, g.wd, g.du, g.D, obase, ok, lambda i: _f(k.scale))
+    g.store_rows(L, ind, "dv", "av", nv, g.wv, g.vu, g.Dv, obase, ok, lambda i: "1.0")
+    return L
 
 
 def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSpec:
@@ -704,26 +768,22 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
     g = _Gen(k, t, alias)
     if g.dt not in (f32, f16):
         raise CodegenError(f"kernel {k.name!r}: attention of {g.dt.name} tensors")
-    n_bind = len(g.dts)
-    check_bindings(k.name, n_bind, t)
+    check_bindings(k.name, len(g.dts), t)
     uses_f16 = check_dtypes(k.name, g.dts, t)
-    if k.kind == "dkdv":
-        lines, wg, grid, meta, words = _keys_kernel(g, t)
-    elif k.kind in ("fwd", "dq"):
-        lines, wg, grid, meta, words = _rows_kernel(g, t)
-    else:
+    body = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}.get(k.kind)
+    if body is None:
         raise CodegenError(f"unknown attention kernel kind {k.kind!r}")
-    check_invocations(k.name, wg, t)
-    check_workgroup_storage(k.name, words, t)
-    shared = [x for x in lines if x.startswith("var<workgroup>")]
-    body = [x for x in lines if not x.startswith("var<workgroup>")]
-    src = module_source(module_header(uses_f16) + g.bd.decls() + shared, {"mn_inf"},
-                        wg, body)
+    lines = body(g, t)
+    check_invocations(k.name, g.wg, t)
+    check_workgroup_storage(k.name, 4 * g.words, t)
+    src = module_source(module_header(uses_f16) + g.bd.decls() + g.shared, {"mn_inf"},
+                        g.wg, lines)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)
-    meta.update({"archetype": f"attention_{k.kind}", "workgroup_size": wg,
-                 "binding_dtypes": tuple(g.dts), "flops": flops})
-    return KernelSpec(k.name, src, g.bd.n, grid.workgroups, meta=meta)
+    meta = {"tiles": (g.own, g.loop), "config": (g.TR, g.TC, g.RM, g.RN),
+            "workgroup_storage": 4 * g.words, "archetype": f"attention_{k.kind}",
+            "workgroup_size": g.wg, "binding_dtypes": tuple(g.dts), "flops": flops}
+    return KernelSpec(k.name, src, g.bd.n, g.grid.workgroups, meta=meta)
 
 
 # ------------------------------------------------------------------------------ registration
@@ -746,4 +806,4 @@ def _make(kind):
 
 for _kind, _family in (("fwd", "attention_fwd"), ("dq", "attention_grad_dq"),
                       ("dkdv", "attention_grad_dkdv")):
-    register(_family, KIND_TYPES[_kind], emit, make=_make(_kind))
+    register(_family, KIND_TYPES[_kind], emit, make=_make(_kind), candidates=candidates)

@@ -1,0 +1,218 @@
+"""Attention kernels one at a time (fwd, dQ, dK/dV) at the Whisper-tiny, SmolLM2 and a D = 128
+shape, every tile configuration the tuner would time (``kernels.candidates``, the heuristic
+first, marked ``*``), dispatched directly through ``kernels.emit`` and the runtime device.
+Checks each result against a float64 numpy reference (relative max error) and prints µs
+(median GPU timestamp of one dispatch) and TFLOP/s.  Optionally times PyTorch's
+scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
+
+  python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
+
+``--quick``: the heuristic configuration only; ``--smoke``: tiny shapes, few timings (a check
+that the script runs, e.g. on lavapipe)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+from meganeura import kernels
+from meganeura.dtypes import f32
+from meganeura.kernels import attention as A
+from meganeura.kernels.common import make_target
+from meganeura.kernels.ir import Strided
+from meganeura.ops.attention import SPLIT_HEADS_BELOW, _attention_ref, _grad_parts
+from meganeura.runtime.device import get_device
+
+# name: (B, Hq, Hkv, S, D, causal)
+SHAPES = {
+    "whisper": (1, 6, 6, 1500, 64, False),
+    "smollm2": (1, 9, 3, 128, 64, True),
+    "d128": (1, 8, 8, 1024, 128, False),
+}
+KINDS = ("fwd", "dq", "dkdv")
+OUTS = {"fwd": ("out", "lse"), "dq": ("dq",), "dkdv": ("dk", "dv")}
+
+
+def problem(shape, seed=0):
+    """float32 inputs (q, k, v, dout, lse, delta), attrs and float64 references."""
+    B, Hq, Hkv, S, D, causal = shape
+    r = np.random.default_rng(seed)
+    a = {"causal": causal, "scale": 1 / math.sqrt(D), "window": 0, "q_offset": 0,
+         "has_mask": False}
+    x = {"q": r.standard_normal((B, Hq, S, D)), "k": r.standard_normal((B, Hkv, S, D)),
+         "v": r.standard_normal((B, Hkv, S, D))}
+    x = {n: v.astype(np.float32) for n, v in x.items()}
+    base = [x[n].astype(np.float64) for n in ("q", "k", "v")]
+    out, lse = _attention_ref(base, a)
+    dout = r.standard_normal(out.shape).astype(np.float32)
+    delta = (dout.astype(np.float64) * out).sum(-1)
+    x.update(dout=dout, lse=lse.astype(np.float32), delta=delta.astype(np.float32))
+    # dK/dV per query head where the op would split (too few kv heads × key blocks)
+    a["split_heads"] = Hq != Hkv and B * Hkv * -(-S // 16) < SPLIT_HEADS_BELOW
+    dq, dk, dv = _grad_parts(base + [dout.astype(np.float64), lse, delta], a)
+    return x, a, {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def describe(kind, x, a):
+    v = {n: Strided.contiguous(f32, arr.shape) for n, arr in x.items()}
+    extra = (None, None, None) if kind == "fwd" else (v["dout"], v["lse"], v["delta"])
+    return A.KIND_TYPES[kind](kind, v["q"], v["k"], v["v"], None, *extra, a["causal"],
+                              a["scale"], a["window"], a["q_offset"], name=f"attention_{kind}",
+                              split_heads=kind == "dkdv" and a["split_heads"])
+
+
+def rel_err(got, want):
+    want = np.asarray(want, np.float64)
+    fin = np.isfinite(want)
+    if not np.array_equal(fin, np.isfinite(got)):
+        return float("inf")
+    scale = max(float(np.abs(want[fin]).max(initial=0.0)), 1e-30)
+    return float(np.abs(got[fin] - want[fin]).max(initial=0.0)) / scale
+
+
+SMOKE = {"whisper": (1, 2, 2, 70, 64, False), "smollm2": (1, 3, 1, 33, 64, True),
+         "d128": (1, 1, 1, 40, 128, False)}
+REPEATS = {"n": 50, "warm_s": 0.25}
+
+
+def time_dispatch(dev, spec, bufs):
+    """Median GPU time (µs) of one dispatch: ``n`` dispatches, each in its own timestamped
+    pass, after ``warm_s`` seconds of back-to-back work (the clocks ramp up)."""
+    import wgpu as _w
+
+    wgpu = dev.module or _w
+    n, warm_s = REPEATS["n"], REPEATS["warm_s"]
+    pipe, bg = dev.pipeline(spec), dev.bind_group(spec, bufs)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        enc = dev.device.create_command_encoder()
+        for _ in range(20):
+            cp = enc.begin_compute_pass()
+            cp.set_pipeline(pipe)
+            cp.set_bind_group(0, bg)
+            cp.dispatch_workgroups(*spec.workgroups)
+            cp.end()
+        dev.queue.submit([enc.finish()])
+        dev.sync()
+    qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * n)
+    res = dev.device.create_buffer(size=16 * n, usage=wgpu.BufferUsage.QUERY_RESOLVE
+                                   | wgpu.BufferUsage.COPY_SRC)
+    enc = dev.device.create_command_encoder()
+    for i in range(n):
+        cp = enc.begin_compute_pass(timestamp_writes={
+            "query_set": qs, "beginning_of_pass_write_index": 2 * i,
+            "end_of_pass_write_index": 2 * i + 1})
+        cp.set_pipeline(pipe)
+        cp.set_bind_group(0, bg)
+        cp.dispatch_workgroups(*spec.workgroups)
+        cp.end()
+    enc.resolve_query_set(qs, 0, 2 * n, res, 0)
+    dev.queue.submit([enc.finish()])
+    ts = np.frombuffer(dev.read_buffer(res, 0, 16 * n), dtype=np.uint64).astype(np.float64)
+    return float(np.median(ts[1::2] - ts[0::2])) / 1e3
+
+
+def run_config(dev, desc, x, ref, poison=True):
+    """(spec, worst relative error over the outputs, µs)."""
+    kind = desc.kind
+    spec = kernels.emit(desc, dev.limits, dev.features)
+    names = ["q", "k", "v"] + ([] if kind == "fwd" else ["dout", "lse", "delta"])
+    q, k, v = x["q"].shape, x["k"].shape, x["v"].shape
+    kv = (q[:2] + k[2:], q[:2] + v[2:]) if desc.split_heads else (k, v)
+    shapes = {"fwd": [q[:3] + v[3:], q[:3]], "dq": [q], "dkdv": list(kv)}[kind]
+    bufs = [dev.upload(x[n]) for n in names]
+    outs = [dev.upload(np.full(s, np.nan, np.float32)) for s in shapes]  # poisoned
+    dev.dispatch(spec, bufs + outs)
+    err = max(rel_err(dev.read_array(b, s, f32), ref[n])
+              for b, s, n in zip(outs, shapes, OUTS[kind], strict=True))
+    return spec, err, time_dispatch(dev, spec, bufs + outs)
+
+
+def torch_times(shape):
+    """PyTorch SDPA (f32, CUDA) fwd and fwd+bwd µs at ``shape``, or None without CUDA."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    B, Hq, Hkv, S, D, causal = shape
+    q = torch.randn(B, Hq, S, D, device="cuda", requires_grad=True)
+    k = torch.randn(B, Hkv, S, D, device="cuda", requires_grad=True)
+    v = torch.randn(B, Hkv, S, D, device="cuda", requires_grad=True)
+    g = torch.randn(B, Hq, S, D, device="cuda")
+
+    def fwd():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)
+
+    def both():
+        fwd().backward(g)
+
+    res = []
+    for fn in (fwd, both):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(50):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+        res.append(e0.elapsed_time(e1) / 50 * 1e3)
+    return res
+
+
+def main(argv) -> None:
+    backend = next((a for a in argv if not a.startswith("-")), "dawn")
+    quick = "--quick" in argv
+    if "--smoke" in argv:
+        SHAPES.update(SMOKE)
+        REPEATS.update(n=3, warm_s=0.0)
+    dev = get_device(backend)
+    t = make_target(dev.limits, dev.features)
+    rows = []
+    print(f"device: {dev.adapter_name} ({dev.implementation})", flush=True)
+    for sname, shape in SHAPES.items():
+        x, a, ref = problem(shape)
+        for kind in KINDS:
+            desc = describe(kind, x, a)
+            cands = kernels.candidates(desc, t)
+            for n, c in enumerate(cands[:1] if quick else cands):
+                spec, err, us = run_config(dev, c, x, ref)
+                fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0)  # causal: half the pairs
+                rows.append({"shape": sname, "kind": kind, "config": list(c.config),
+                             "default": n == 0, "us": us, "tflops": fl / us / 1e6, "err": err,
+                             "wg": spec.meta["workgroup_size"],
+                             "workgroups": list(spec.workgroups)})
+                print(f"{sname:8} {kind:5} {str(c.config):16}{'*' if n == 0 else ' '} "
+                      f"{us:9.1f} µs {fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
+    if "--torch" in argv:
+        for sname, shape in SHAPES.items():
+            tt = torch_times(shape)
+            if tt:
+                print(f"torch SDPA f32 {sname:8} fwd {tt[0]:8.1f} µs  fwd+bwd {tt[1]:8.1f} µs")
+                rows.append({"shape": sname, "kind": "torch", "fwd_us": tt[0],
+                             "fwd_bwd_us": tt[1]})
+    if "--json" in argv:
+        with open(argv[argv.index("--json") + 1], "w") as f:
+            json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
+    print("\nbest per kernel (heuristic in brackets):")
+    for sname in SHAPES:
+        for kind in KINDS:
+            rs = [r for r in rows if r["shape"] == sname and r["kind"] == kind]
+            if rs:
+                b = min(rs, key=lambda r: r["us"])
+                d = next(r for r in rs if r["default"])
+                print(f"{sname:8} {kind:5} best {b['us']:8.1f} µs {str(b['config']):16} "
+                      f"[{d['us']:8.1f} µs {str(d['config'])}] max err "
+                      f"{max(r['err'] for r in rs):.1e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,158 @@
+"""The attention kernels one at a time (emit → dispatch → read back) against the float64 numpy
+reference of ``ops/attention.py``: every tile configuration of ``CONFIGS`` that fits the device,
+forced, on awkward shapes (blocks and tiles cut by the sizes, grouped-query heads, causal,
+window, mask, q_offset, Dv != D, scalar head dims), plus the heuristic and the tuner's
+candidates."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from meganeura import kernels
+from meganeura.dtypes import f32
+from meganeura.kernels import attention as A
+from meganeura.kernels.common import make_target
+from meganeura.kernels.ir import Strided
+from meganeura.ops.attention import _attention_ref, _grad_parts
+
+C = Strided.contiguous
+
+
+def _problem(rng, dims, attrs, mask_shape=None):
+    """Inputs (float32), the attrs dict and the float64 references (out, lse, dq, dk, dv)."""
+    B, Hq, Hkv, Sq, Skv, D, Dv = dims
+    a = {"causal": False, "scale": 1.0 / np.sqrt(D), "window": 0, "q_offset": 0,
+         "has_mask": mask_shape is not None, **attrs}
+    x = {"q": rng.normal(size=(B, Hq, Sq, D)), "k": rng.normal(size=(B, Hkv, Skv, D)),
+         "v": rng.normal(size=(B, Hkv, Skv, Dv))}
+    if mask_shape is not None:
+        m = rng.normal(size=mask_shape)
+        m[..., ::5] = -np.inf
+        x["mask"] = m
+    x = {n: v.astype(np.float32) for n, v in x.items()}
+    base = [x[n].astype(np.float64) for n in x]
+    out, lse = _attention_ref(base, a)
+    dout = rng.normal(size=out.shape).astype(np.float32)
+    delta = (dout.astype(np.float64) * out).sum(-1)
+    x.update(dout=dout, lse=lse.astype(np.float32), delta=delta.astype(np.float32))
+    grads = _grad_parts(base + [dout.astype(np.float64), lse, delta], a)
+    return x, a, dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+
+
+def _desc(kind, x, a, config=(), out_bshd=False):
+    views = {n: C(f32, v.shape) for n, v in x.items()}
+    mask = views.get("mask")
+    extra = (None, None, None) if kind == "fwd" else (views["dout"], views["lse"], views["delta"])
+    return A.KIND_TYPES[kind](kind, views["q"], views["k"], views["v"], mask, *extra,
+                              a["causal"], a["scale"], a["window"], a["q_offset"],
+                              name=f"attention_{kind}", config=config, out_bshd=out_bshd)
+
+
+def _run(run, kind, x, desc):
+    names = ["q", "k", "v"] + (["mask"] if "mask" in x else [])
+    if kind != "fwd":
+        names += ["dout", "lse", "delta"]
+    q, k, v = x["q"].shape, x["k"].shape, x["v"].shape
+    outs = {"fwd": [(q[:3] + v[3:], f32), (q[:3], f32)], "dq": [(q, f32)],
+            "dkdv": [(k, f32), (v, f32)]}[kind]
+    return run(desc, [x[n] for n in names], outs)
+
+
+def _check(got, want, what):
+    want = np.asarray(want, np.float64)
+    fin = np.isfinite(want)
+    assert np.array_equal(fin, np.isfinite(got)), f"{what}: non-finite pattern differs"
+    scale = max(float(np.abs(want[fin]).max(initial=0.0)), 1e-30)
+    err = float(np.abs(got[fin] - want[fin]).max(initial=0.0)) / scale
+    assert err <= 2e-5, f"{what}: relative error {err:.3g}"
+
+
+def _check_kind(run, kind, x, a, ref, config=()):
+    desc = _desc(kind, x, a, config)
+    got = _run(run, kind, x, desc)
+    names = {"fwd": ["out", "lse"], "dq": ["dq"], "dkdv": ["dk", "dv"]}[kind]
+    for n, gv in zip(names, got, strict=True):
+        _check(gv, ref[n], f"{kind} {n} config={config or 'heuristic'}")
+    return run.last_spec
+
+
+def _fitting(dev, kind, D, Dv):
+    t = make_target(dev.limits, dev.features)
+    return [c for c in A.CONFIGS if A.config_fits(kind, c, D, Dv, t)]
+
+
+# (B, Hq, Hkv, Sq, Skv, D, Dv), attrs: sizes cut blocks and tiles
+SHAPES = {
+    "gqa_causal": ((1, 4, 2, 37, 37, 8, 8), {"causal": True}),
+    "cross_window": ((2, 2, 1, 21, 45, 4, 12), {"window": 9, "q_offset": 20}),
+}
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_config(run, dev, rng, kind, shape):
+    dims, attrs = SHAPES[shape]
+    x, a, ref = _problem(rng, dims, attrs)
+    for cfg in _fitting(dev, kind, dims[5], dims[6]):
+        _check_kind(run, kind, x, a, ref, cfg)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
+def test_mask_scalar_head_dim_and_offset(run, rng, kind):
+    """Additive mask with -inf entries (broadcast over batch), D = 5, Dv = 3, causal with a
+    q_offset, heuristic configuration."""
+    dims = (2, 3, 1, 11, 19, 5, 3)
+    x, a, ref = _problem(rng, dims, {"causal": True, "q_offset": 6}, mask_shape=(1, 3, 11, 19))
+    _check_kind(run, kind, x, a, ref)
+    _check_kind(run, kind, x, a, ref, (4, 8, 2, 2))
+
+
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_head_dims(run, rng, D):
+    """The head dims of real models with the heuristic tiles (one causal GQA problem)."""
+    x, a, ref = _problem(rng, (1, 4, 2, 70, 70, D, D), {"causal": True})
+    for kind in ("fwd", "dq", "dkdv"):
+        _check_kind(run, kind, x, a, ref)
+
+
+def test_decode_rows(run, rng):
+    """One query position (KV-cache decode) with G = 3: few rows, many keys."""
+    x, a, ref = _problem(rng, (1, 6, 2, 1, 77, 8, 8), {"causal": True, "q_offset": 76})
+    spec = _check_kind(run, "fwd", x, a, ref)
+    assert spec.meta["tiles"][0] <= 4
+
+
+def test_out_bshd(run, rng):
+    x, a, ref = _problem(rng, (1, 3, 3, 10, 10, 8, 8), {})
+    desc = _desc("fwd", x, a, out_bshd=True)
+    out, lse = _run(run, "fwd", x, desc)
+    want = ref["out"].transpose(0, 2, 1, 3)
+    _check(out.reshape(want.shape), want, "out_bshd")
+    _check(lse, ref["lse"], "lse")
+
+
+def test_candidates_heuristic_first_and_valid(dev):
+    """The tuner's list: the heuristic first, distinct, each emitting within the limits."""
+    t = make_target(dev.limits, dev.features)
+    q, kv, row = C(f32, (1, 6, 1500, 64)), C(f32, (1, 6, 1500, 64)), C(f32, (1, 6, 1500))
+    for kind in ("fwd", "dq", "dkdv"):
+        extra = (None, None, None) if kind == "fwd" else (q, row, row)
+        desc = A.KIND_TYPES[kind](kind, q, kv, kv, None, *extra, False, 0.125, 0, 0)
+        cands = kernels.candidates(desc, t)
+        assert 2 <= len(cands) <= 8
+        assert cands[0].config == A.resolve_config(desc, t)
+        assert len({c.config for c in cands}) == len(cands)
+        for c in cands:
+            spec = kernels.emit(c, dev.limits, dev.features)
+            assert spec.meta["workgroup_storage"] <= t.lim("max_compute_workgroup_storage_size")
+
+
+def test_bad_config_is_an_error(dev):
+    q = C(f32, (1, 2, 8, 8))
+    desc = A.AttentionFwdKernel("fwd", q, q, q, None, None, None, None, False, 0.3, 0, 0,
+                                config=(8, 8, 3, 4))
+    with pytest.raises(kernels.CodegenError):
+        kernels.emit(desc, dev.limits, dev.features)
+    with pytest.raises(kernels.CodegenError):
+        kernels.emit(dataclasses.replace(desc, config=(64, 64, 4, 4)), dev.limits, dev.features)
