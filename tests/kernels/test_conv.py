@@ -43,6 +43,8 @@ def _geom(xs, ws, st, pad, dil, g):
 SHAPES = [
     ((2, 24, 9, 7), (36, 12, 3, 2), (1, 1), ((1, 2), (0, 1)), (1, 2), 2),
     ((1, 10, 11, 9), (70, 10, 3, 3), (2, 2), ((1, 1), (1, 0)), (1, 1), 1),
+    # channels a multiple of every staged step: K ordered (tap, channel), taps uniform per step
+    ((1, 64, 6, 5), (64, 64, 3, 3), (1, 1), ((1, 1), (1, 1)), (1, 2), 1),
 ]
 
 
