@@ -694,17 +694,28 @@ def _as_batched(s: ir.Strided, batch, transposed: bool) -> ir.Strided:
 
 SPLIT_K_MIN_TILES = 64  # fewer 128x128 output tiles than this leaves a big GPU mostly idle
 SPLIT_K_MIN_CHUNK = 256
+# Small-M GEMMs (transformer projections at 128 rows): fewer than SPLIT_K_SMALL_TILES 64x64
+# tiles get K chunks of at least SPLIT_K_SMALL_CHUNK until there are SPLIT_K_TARGET
+# workgroups.  H200, Dawn (bench/matmul_bench.py): 1x128x576x960 41 µs unsplit, 17 µs split
+# 12; 1x128x576x1536 78 µs (12) vs 255; 1x128x1536x576 45 µs (8) vs 77.
+SPLIT_K_SMALL_TILES = 64
+SPLIT_K_SMALL_CHUNK = 64
+SPLIT_K_TARGET = 264  # two workgroups per SM of a 132-SM GPU
 
 
 def split_k(desc: ir.MatmulKernel) -> int:
     """How many K chunks a single-batch matmul with few output tiles should be split into
     (1 = no split).  A divisor of K, so every chunk has the same length."""
-    if desc.batch != 1 or desc.m <= 4 or desc.n <= 4 or desc.k < 4 * SPLIT_K_MIN_CHUNK:
+    if desc.batch != 1 or desc.m <= 4 or desc.n <= 4:
         return 1
-    tiles = -(-desc.m // 128) * -(-desc.n // 128)
-    if tiles >= SPLIT_K_MIN_TILES:
-        return 1
-    want = min(desc.k // SPLIT_K_MIN_CHUNK, -(-2 * SPLIT_K_MIN_TILES // tiles), 64)
+    small = -(-desc.m // 64) * -(-desc.n // 64)
+    if small < SPLIT_K_SMALL_TILES and desc.k >= 4 * SPLIT_K_SMALL_CHUNK:
+        want = min(desc.k // SPLIT_K_SMALL_CHUNK, -(-SPLIT_K_TARGET // small), 64)
+    else:
+        tiles = -(-desc.m // 128) * -(-desc.n // 128)
+        if tiles >= SPLIT_K_MIN_TILES or desc.k < 4 * SPLIT_K_MIN_CHUNK:
+            return 1
+        want = min(desc.k // SPLIT_K_MIN_CHUNK, -(-2 * SPLIT_K_MIN_TILES // tiles), 64)
     for s in range(want, 1, -1):
         if desc.k % s == 0:
             return s

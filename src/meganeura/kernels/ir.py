@@ -131,6 +131,10 @@ class MatmulKernel:
     # "fast": operands rounded to f16, f32 accumulation, on tensor cores where the device has
     # f16 subgroup matrices; elsewhere (and always for "strict") the f32 kernels.
     precision: str = "strict"
+    # Tuning configuration (``kernels.matmul.Cfg``: kind, tile, per-thread block, K step, …),
+    # set by the matmul family's ``candidates`` hook / the tuner; overrides ``variant``.  Empty:
+    # the heuristic default (``kernels.matmul.choose_config``).
+    config: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,36 @@
 """Batched matmul ``C[b] = A[b] @ B[b]`` (+ epilogue), operands read in place through strides.
 
-Variants, chosen at compile time (``MatmulKernel.variant`` forces one):
+Configurations (``Cfg``), chosen at compile time: ``MatmulKernel.config`` (the tuner's pick)
+or ``variant`` (a named one: ``tiled64``, ``tiled64v``, ``tiled128``, ``tiled128v``,
+``sgmat64``, ``sgmat128``, ``gemv``) force one, otherwise ``choose_config`` picks by shape:
 
-* **tiled** — a workgroup of 16×16 invocations computes a 64×64 (``tiled64*``, 4×4 results per
-  invocation) or 128×128 (``tiled128*``, 8×8) tile of C, stepping K by 16 with the A and B tiles
-  staged through workgroup memory (8 or 16 KiB).  ``…v`` variants give each invocation
-  contiguous rows/columns and read workgroup memory as vec4; the others interleave (rows
-  ``ty + 16 i``).  The staging thread→element map follows each operand's contiguous axis, so a
-  transposed operand is still read with neighbouring threads on neighbouring addresses.
-  Bounds checks only where needed: interior tiles (a uniform branch) run unguarded loads and
-  stores, and a K tail (K not a multiple of 16) is one guarded step after the main loop.
+* **tiled** — a workgroup computes a TM×TN tile of C, RM×RN results per invocation, stepping
+  K by BK with the A and B tiles staged through workgroup memory.  ``vr`` gives each
+  invocation contiguous rows/columns read from workgroup memory as vec4; otherwise rows
+  ``ty + TY·i`` (scalar, conflict-free).  The staging thread→element map follows each operand's
+  contiguous axis (a transposed operand is still read coalesced), as vec4 loads where strides
+  and alignment allow; the next step's loads are issued into registers before the current step
+  is computed (prefetch).  Bounds checks only where needed: interior tiles (a uniform branch)
+  run unguarded loads and stores; a K tail is zero-filled.  Small tiles (32×32, 64×32) exist
+  for the small-M GEMMs of transformer projections: they give enough workgroups to fill a big
+  GPU.
+* **sgmat** (precision "fast", Dawn's f16 subgroup matrices, f32 accumulation) — the same
+  staging (rounded to f16), each subgroup owns a block of 16×16 accumulator fragments.
 * **gemv** — when one of M, N is ≤ 4 (a matrix–vector product, M = 1 decoding, a 1-wide output
   layer): invocations split the long dimension *and* K, fold their share of K serially with
   four loads in flight, and a tree in workgroup memory adds the K partial sums.
 
 The batch index comes from the (wrapped) workgroup id, so batches beyond 65,535 work; batch
-broadcast is stride 0.  f16 operands are converted to f32 and accumulated in f32.  Measured on
-the H200 (f32, GPU timestamps): 4096³ tiled128v 23.5 TFLOP/s on wgpu-native, 27.6 on Dawn;
-gemv 1×8192×8192 2.3 TB/s (k-contiguous weights, wgpu).
+broadcast is stride 0.  f16 operands are converted to f32 and accumulated in f32.
+``candidates`` lists the configurations worth timing for one description (the tuner's hook).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..dtypes import DType, f32
+from ..errors import LimitError
 from .archetypes import kernel_family
 from .common import (
     Bindings,
@@ -47,26 +55,65 @@ from .common import (
 )
 from .ir import PRECISIONS, KernelSpec, MatmulKernel
 
-THREADS = 16  # invocations per tile edge (16 x 16 = 256 per workgroup)
-BK = 16  # K step
-# variant -> (output tile edge, vectorized workgroup-memory reads).  64: 4x4 results per
-# invocation, 128: 8x8.  "v": each invocation owns contiguous rows/columns of the tile and reads
-# its operands from workgroup memory as vec4 (fewer shared-memory instructions); otherwise rows
-# ty + 16 i and columns tx + 16 j (scalar reads, conflict-free).
-TILES = {"tiled64": (64, False), "tiled128": (128, False), "tiled64v": (64, True),
-         "tiled128v": (128, True)}
-BIG_TILE_MIN_WORKGROUPS = 256  # use 128x128 tiles only when that still fills a big GPU
+
+class Cfg(NamedTuple):
+    """One matmul configuration (a hashable tuple: ``MatmulKernel.config``).  ``kind`` "tiled":
+    TM x TN output tile, RM x RN results per invocation, K step BK, ``vr`` vec4 reads of
+    workgroup memory (RM, RN multiples of 4), ``vl`` vec4 global loads where the operand allows.
+    "sgmat": rm x rn subgroups (of 32) along rows/columns.  "gemv": no fields."""
+
+    kind: str
+    tm: int = 0
+    tn: int = 0
+    rm: int = 0
+    rn: int = 0
+    bk: int = 0
+    vr: int = 0
+    vl: int = 1
+
+
+GEMV = Cfg("gemv")
+NAMED = {  # the named variants (``MatmulKernel.variant``) as configurations
+    "tiled64": Cfg("tiled", 64, 64, 4, 4, 16, 0), "tiled64v": Cfg("tiled", 64, 64, 4, 4, 16, 1),
+    "tiled128": Cfg("tiled", 128, 128, 8, 8, 16, 0),
+    "tiled128v": Cfg("tiled", 128, 128, 8, 8, 16, 1),
+    "sgmat64": Cfg("sgmat", 64, 64, 2, 2, 32), "sgmat128": Cfg("sgmat", 128, 128, 2, 4, 32),
+    "gemv": GEMV,
+}
+TILES = {k: (v.tm, bool(v.vr)) for k, v in NAMED.items() if v.kind == "tiled"}
+SGMAT = {k: (v.tm, v.tn, v.rm, v.rn) for k, v in NAMED.items() if v.kind == "sgmat"}
+# Strict f32 tiles from big to small: the heuristic takes the first one giving at least
+# FILL_WORKGROUPS workgroups, else the last.  H200, Dawn (bench/matmul_bench.py): 4096³
+# 128x64 38.4 TFLOP/s, 128x128 37.0, 64x64 32.0; at M = 128 (1x128x576x960, 1x128x3072x576)
+# 64x64 beats every smaller tile (41 vs 42-76 µs, 77 vs 122-150 µs): 2x2/2x4 blocks are too
+# little work per invocation; small-M GEMMs get their parallelism from split-K instead
+# (compile/schedule.py split_k).
+STRICT_LADDER = (
+    Cfg("tiled", 128, 64, 8, 4, 16, 1),
+    NAMED["tiled64v"],
+)
+TC_LADDER = (
+    NAMED["sgmat128"],
+    Cfg("sgmat", 128, 64, 2, 2, 32),
+    NAMED["sgmat64"],
+    Cfg("sgmat", 32, 64, 1, 2, 32),
+)
+# (4096³ fast: sgmat128 148 TFLOP/s, its K-step-16 twin 117, 256x128 80, 64x64 83)
+# further configurations the tuner times (candidates) besides the ladders
+STRICT_EXTRAS = (
+    NAMED["tiled128v"], Cfg("tiled", 64, 64, 4, 4, 32, 1), Cfg("tiled", 128, 128, 8, 8, 8, 1),
+    Cfg("tiled", 64, 32, 4, 2, 16, 0), Cfg("tiled", 32, 32, 2, 2, 16, 0),
+    Cfg("tiled", 32, 64, 2, 4, 16, 0),
+)
+TC_EXTRAS = (Cfg("sgmat", 128, 128, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32))
+FILL_WORKGROUPS = 256
 GEMV_MAX = 4  # M or N up to this use the gemv variant
-# Tensor-core variants (precision "fast", Dawn's subgroup matrices, f16 x f16 -> f32 16x16x16,
-# subgroups of 32): variant -> (tile rows, tile cols, subgroups along rows, along cols).  Each
-# subgroup owns a (rows/sgm) x (cols/sgn) block of 16x16 accumulator fragments.
-SGMAT = {"sgmat64": (64, 64, 2, 2), "sgmat128": (128, 128, 2, 4)}
-SG_BK = 32  # K step of the tensor-core variants (two 16-deep fragments)
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 # the device's pseudo-feature for that (runtime.device derives it from Dawn's configs)
 SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
 GEMV_THREADS = 256
 GEMV_UNROLL = 4
+MAX_CANDIDATES = 8
 
 
 def _norm(s, shape, what, name):
@@ -77,7 +124,32 @@ def _norm(s, shape, what, name):
     return s, bcast_strides(s, shape, f"{name} {what}")
 
 
-@kernel_family("matmul", MatmulKernel)
+def _candidates(k: MatmulKernel, target) -> list[MatmulKernel]:
+    """Configurations worth timing for ``k`` on ``target`` (heuristic default first): the
+    neighbours of the default on the tile ladder, and K-step / read-mode alternatives."""
+    from dataclasses import replace
+
+    t = make_target(target) if not hasattr(target, "lim") else target
+    B, M, N, K = int(k.batch), int(k.m), int(k.n), int(k.k)
+    fast = (k.precision == "fast" and k.a.dtype.is_float and SG_FEATURE in t.features
+            and t.has_f16)
+    first = choose_config(B, M, N, K, tensor_cores=fast)
+    if first.kind == "gemv":
+        return [replace(k, config=first)]
+    ladder = TC_LADDER + TC_EXTRAS if fast else STRICT_LADDER + STRICT_EXTRAS
+    out = []
+    for g in (first,) + ladder:
+        if g in out or len(out) >= MAX_CANDIDATES:
+            continue
+        try:
+            emit(replace(k, config=g), t)
+        except (CodegenError, LimitError):
+            continue
+        out.append(g)
+    return [replace(k, config=g) for g in out]
+
+
+@kernel_family("matmul", MatmulKernel, candidates=_candidates)
 def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
     t = make_target(limits, features)
     name = k.name
@@ -97,46 +169,128 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
     out_dt: DType = k.out_dtype or res_dt
     check_binding_size(name, "output", B * M * N, out_dt, t)
     n_in = 2 + len(k.extra)
-    n_bind = n_in + 1
-    check_bindings(name, n_bind, t)
+    check_bindings(name, n_in + 1, t)
     dts = [op_dt, op_dt] + [s.dtype for s in k.extra] + [out_dt]
     uses_f16 = check_dtypes(name, dts + [i.dtype for i in k.epilogue], t)
 
     bd = Bindings(dts, alias)
     ctx = _Ctx(name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in, bd)
-    variant = _variant(k, ctx, t)
-    if variant == "gemv":
+    g = _config(k, ctx, t)
+    ops = []
+    if g.kind == "gemv":
         body, shared, wg_size, grid, helpers, variant = _gemv(ctx, t)
-    elif variant in SGMAT:
-        uses_f16 = True
-        body, shared, wg_size, grid, helpers, variant = _sgmat(ctx, t, *SGMAT[variant])
     else:
-        tile, vec = TILES[variant]
-        body, shared, wg_size, grid, helpers, variant = _tiled(ctx, t, tile, vec)
+        gen = _sgmat if g.kind == "sgmat" else _tiled
+        body, shared, wg_size, grid, helpers, ops = gen(ctx, t, g)
+        variant = config_name(g)
+    uses_f16 = uses_f16 or g.kind == "sgmat"
     check_invocations(name, wg_size, t)
     check_workgroup_storage(name, shared[1], t)
-
     lines = module_header(uses_f16)
-    if variant in SGMAT:
+    if g.kind == "sgmat":
         # per-subgroup fragment offsets (lid / 32) are not uniform across the workgroup
         lines[-1:-1] = ["enable chromium_experimental_subgroup_matrix;",
                         "diagnostic(off, chromium.subgroup_matrix_uniformity);"]
-    lines += bd.decls()
+    lines += _decls(bd, ops, acc_t)
     lines += shared[0]
     return KernelSpec(
-        name=name,
-        wgsl=module_source(lines, helpers, wg_size, body),
-        n_bindings=bd.n,
+        name=name, wgsl=module_source(lines, helpers, wg_size, body), n_bindings=bd.n,
         workgroups=grid.workgroups,
-        meta={
-            "archetype": "matmul",
-            "variant": variant,
-            "workgroup_size": wg_size,
-            "workgroup_storage": shared[1],
-            "binding_dtypes": tuple(dts),
-            "flops": 2 * B * M * N * K,
-        },
+        meta={"archetype": "matmul", "variant": variant, "config": tuple(g),
+              "workgroup_size": wg_size, "workgroup_storage": shared[1],
+              "binding_dtypes": tuple(dts), "flops": 2 * B * M * N * K},
     )
+
+
+def _decls(bd: Bindings, ops, acc_t) -> list[str]:
+    """Binding declarations; operands loaded as vec4 are declared as arrays of vec4."""
+    lines = bd.decls()
+    for o in ops:
+        if o.w > 1:
+            var = bd.name(o.slot)
+            lines = [ln.replace(f"{var}: array<{acc_t.wgsl}>", f"{var}: array<vec4<{acc_t.wgsl}>>")
+                     for ln in lines]
+    return lines
+
+
+def config_name(g: Cfg) -> str:
+    """The variant name of a configuration (``meta["variant"]``): the named variant it is, or
+    ``tiled<TM>x<TN>_<RM>x<RN>k<BK>[v][s]`` / ``sgmat<TM>x<TN>_<SGM>x<SGN>k<BK>``."""
+    for name, cfg in NAMED.items():
+        if cfg == g:
+            return name
+    if g.kind == "sgmat":
+        return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{'' if g.vl else 's'}"
+    return f"tiled{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{'v' if g.vr else ''}{'' if g.vl else 's'}"
+
+
+def _check_config(g: Cfg, name: str) -> Cfg:
+    """A configuration the emitters can build (whole thread blocks and fragments)."""
+    bad = ""
+    if g.kind == "tiled":
+        if min(g.tm, g.tn, g.rm, g.rn, g.bk) <= 0 or g.tm % g.rm or g.tn % g.rn:
+            bad = "the tile must split into whole per-invocation blocks"
+        elif g.vr and (g.rm % 4 or g.rn % 4):
+            bad = "vec4 reads (vr) need RM and RN multiples of 4"
+    elif g.kind == "sgmat":
+        if min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
+            bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
+    elif g != GEMV:
+        bad = "unknown kind"
+    if bad:
+        raise CodegenError(f"kernel {name!r}: matmul config {tuple(g)}: {bad}")
+    return g
+
+
+def _config(k: MatmulKernel, c: _Ctx, t) -> Cfg:
+    """The configuration for this kernel, precision and device (tensor cores only for
+    "fast")."""
+    name, op_dt = k.name, c.op_dt
+    if k.precision not in PRECISIONS:
+        raise CodegenError(f"kernel {name!r}: precision must be one of {PRECISIONS}, "
+                           f"got {k.precision!r}")
+    fast = k.precision == "fast" and op_dt.is_float and SG_FEATURE in t.features and t.has_f16
+    if k.config:
+        g = _check_config(Cfg(*k.config), name)
+        if g == GEMV and min(c.M, c.N) > 2 * GEMV_MAX:
+            raise CodegenError(f"kernel {name!r}: the gemv variant needs M or N ≤ "
+                               f"{2 * GEMV_MAX}, got {c.M}×{c.N}")
+    elif k.variant:
+        g = NAMED[choose_variant(c.B, c.M, c.N, c.K, k.variant, name, fast)]
+    else:
+        g = choose_config(c.B, c.M, c.N, c.K, tensor_cores=fast)
+    if g.kind == "sgmat" and not (op_dt.is_float and SG_FEATURE in t.features):
+        raise CodegenError(f"kernel {name!r}: variant {config_name(g)!r} needs f16 subgroup "
+                           f"matrices (Dawn, feature {SG_FEATURE!r}) and float operands")
+    return g
+
+
+def choose_config(B: int, M: int, N: int, K: int, tensor_cores: bool = False) -> Cfg:
+    """The heuristic default (what runs without a tuning cache): gemv when M or N ≤ 4, else
+    the biggest tile of the ladder that still gives ``FILL_WORKGROUPS`` workgroups (enough to
+    fill a big GPU), the smallest otherwise."""
+    if min(M, N) <= GEMV_MAX:
+        return GEMV
+    ladder = TC_LADDER if tensor_cores else STRICT_LADDER
+    for g in ladder:
+        if B * -(-M // g.tm) * -(-N // g.tn) >= FILL_WORKGROUPS:
+            return g
+    return ladder[-1]
+
+
+def choose_variant(B: int, M: int, N: int, K: int, forced: str = "", name: str = "",
+                   tensor_cores: bool = False) -> str:
+    """The variant name: ``forced`` (checked) or the heuristic default's (``choose_config``)."""
+    if forced:
+        if forced not in NAMED:
+            raise CodegenError(f"kernel {name!r}: unknown matmul variant {forced!r}; expected "
+                               f"{', '.join(NAMED)}")
+        if forced == "gemv" and min(M, N) > 2 * GEMV_MAX:
+            raise CodegenError(
+                f"kernel {name!r}: the gemv variant needs M or N ≤ {2 * GEMV_MAX}, got {M}×{N}"
+            )
+        return forced
+    return config_name(choose_config(B, M, N, K, tensor_cores))
 
 
 def _extras(k: MatmulKernel, shape, t) -> dict[int, tuple[int, ...]]:
@@ -153,46 +307,6 @@ def _extras(k: MatmulKernel, shape, t) -> dict[int, tuple[int, ...]]:
         check_extent(name, f"extra input {i}", s, shape, st, t)
         xs[i] = st
     return xs
-
-
-def _variant(k: MatmulKernel, c: _Ctx, t) -> str:
-    """The variant for this kernel, precision and device (tensor cores only for "fast")."""
-    name, op_dt = k.name, c.op_dt
-    if k.precision not in PRECISIONS:
-        raise CodegenError(f"kernel {name!r}: precision must be one of {PRECISIONS}, "
-                           f"got {k.precision!r}")
-    fast = k.precision == "fast" and op_dt.is_float and SG_FEATURE in t.features and t.has_f16
-    variant = choose_variant(c.B, c.M, c.N, c.K, getattr(k, "variant", ""), name, fast)
-    if variant in SGMAT and not (op_dt.is_float and SG_FEATURE in t.features):
-        raise CodegenError(f"kernel {name!r}: variant {variant!r} needs f16 subgroup matrices "
-                           f"(Dawn, feature {SG_FEATURE!r}) and float operands")
-    return variant
-
-
-def choose_variant(B: int, M: int, N: int, K: int, forced: str = "", name: str = "",
-                   tensor_cores: bool = False) -> str:
-    """``gemv`` when M or N ≤ 4; ``tiled128v`` (8×8 per invocation), or ``sgmat128`` with
-    ``tensor_cores``, when there are enough 128×128 tiles to fill a large GPU; else
-    ``tiled64v`` / ``sgmat64``.  ``forced`` overrides."""
-    if forced:
-        if forced != "gemv" and forced not in TILES and forced not in SGMAT:
-            raise CodegenError(
-                f"kernel {name!r}: unknown matmul variant {forced!r}; expected gemv, "
-                f"{', '.join(TILES)}, {', '.join(SGMAT)}"
-            )
-        if forced == "gemv" and min(M, N) > 2 * GEMV_MAX:
-            raise CodegenError(
-                f"kernel {name!r}: the gemv variant needs M or N ≤ {2 * GEMV_MAX}, got {M}×{N}"
-            )
-        return forced
-    if min(M, N) <= GEMV_MAX:
-        return "gemv"
-    # H200 (f32, 4096³): tiled128v 23.5 / 27.6 TFLOP/s (wgpu / Dawn), tiled128 21.5 / 26.2,
-    # tiled64v 19.2 / 21.8, tiled64 13.3 / 19.0.
-    big = B * -(-M // 128) * -(-N // 128) >= BIG_TILE_MIN_WORKGROUPS
-    if tensor_cores:
-        return "sgmat128" if big else "sgmat64"
-    return "tiled128v" if big else "tiled64v"
 
 
 class _Ctx:
@@ -270,135 +384,249 @@ def _tile_start(c: _Ctx, t, TM: int, TN: int, L: list[str], ind: str):
     return grid, live_check, full_m, full_n
 
 
-def _k_steps(c: _Ctx, L: list[str], ind: str, bk: int, edges: bool, stage, compute) -> None:
-    """The K loop: whole ``bk`` steps, then one guarded tail step when K is not a multiple.
-    Each step stages the A and B tiles (``stage(out, ii, check_mn, check_k)``; interior tiles
-    unguarded), waits, runs ``compute(out, ii)`` on them and waits again."""
-    i2 = ind + "    "
+class _Operand:
+    """How one operand's (T x bk) tile is staged: ``n`` items per invocation, each ``w``
+    consecutive elements (w = 4: one vec4 load) along the operand's contiguous axis
+    (``k_fast``: along K), so neighbouring invocations read neighbouring addresses."""
 
-    def step(ii: str, check_k: bool) -> None:
+    def __init__(self, c: _Ctx, which: str, T: int, bk: int, nthreads: int, want_vec: bool):
+        self.which, self.T, self.bk = which, T, bk
+        self.arr, self.p = ("As", "a") if which == "a" else ("Bs", "b")
+        _, s_x, s_k = (c.sa if which == "a" else (c.sb[0], c.sb[2], c.sb[1]))
+        self.s_x, self.s_k = s_x, s_k
+        self.k_fast = not (s_x == 1 and s_k != 1)
+        self.dim = c.M if which == "a" else c.N
+        self.slot = 0 if which == "a" else 1
+        self.w = 4 if want_vec and _vec_ok(c, which, self) and (
+            T * bk // 4) % nthreads in (0, T * bk // 4) else 1
+        self.items = T * bk // self.w  # loads per step; fewer than invocations: some idle
+        self.n = max(1, self.items // nthreads)
+        self.part = self.items < nthreads
+
+    def coords(self, L: list[str], ind: str, nthreads: int) -> None:
+        """Each item's (row-or-column ``x``, ``kx``) within the tile (constant over K)."""
+        w, along = self.w, (self.bk if self.k_fast else self.T) // self.w
+        for l in range(self.n):
+            e = f"(lid + {u(l * nthreads)})"
+            fast, slow = f"{e} % {u(along)}", f"{e} / {u(along)}"
+            if w > 1:
+                fast = f"({fast}) * {u(w)}"
+            x, kx = (slow, fast) if self.k_fast else (fast, slow)
+            L += [f"{ind}let {self.p}x{l} = {x};", f"{ind}let {self.p}k{l} = {kx};"]
+
+
+def _vec_ok(c: _Ctx, which: str, o: _Operand) -> bool:
+    """vec4 loads need f32 elements, the contiguous axis of stride 1 and every other stride,
+    the offset, the bound range and the contiguous extent multiples of 4, and a binding no
+    other slot shares (its declared element type changes)."""
+    v = c.a if which == "a" else c.b
+    sbatch = (c.sa if which == "a" else c.sb)[0]
+    other = o.s_x if o.k_fast else o.s_k
+    contig = o.s_k if o.k_fast else o.s_x
+    ext = c.K if o.k_fast else o.dim
+    slot = 0 if which == "a" else 1
+    alias = c.bd.alias
+    shared = any(alias[i] == alias[slot] for i in range(len(alias)) if i != slot)
+    return (c.op_dt is f32 and contig == 1 and other % 4 == 0 and sbatch % 4 == 0
+            and v.offset % 4 == 0 and v.extent % 4 == 0 and ext % 4 == 0 and not shared)
+
+
+def _load_items(c: _Ctx, out: list[str], ii: str, o: _Operand, check_mn: bool, check_k: bool,
+                live_check: bool) -> None:
+    """Step ``kb``'s loads of operand ``o`` into its registers, zero outside the matrices."""
+    full = o.dim % o.T == 0
+    origin = "row0" if o.which == "a" else "col0"
+    zero = f"vec4<{c.acc_t.wgsl}>(0)" if o.w > 1 else f"{c.acc_t.wgsl}(0)"
+    if o.part:
+        out.append(f"{ii}if (lid < {u(o.items)}) {{")
+        ii += "    "
+    for l in range(o.n):
+        x, kx = f"{o.p}x{l}", f"{o.p}k{l}"
+        idx = f"{o.p}base + " + index_code([f"({origin} + {x})", f"(kb + {kx})"],
+                                           [o.s_x, o.s_k])
+        val = (f"{c.bd.name(o.slot)}[({idx}) / 4u]" if o.w > 1 else c.read(o.which, idx))
+        conds = [f"{origin} + {x} < {u(o.dim)}"] if check_mn and not full else []
+        conds += [f"kb + {kx} < {u(c.K)}"] if check_k else []
+        conds += ["live"] if check_mn and live_check else []
+        r = f"{o.p}r{l}"
+        if conds:
+            out += [f"{ii}if ({' && '.join(conds)}) {{", f"{ii}    {r} = {val};",
+                    f"{ii}}} else {{", f"{ii}    {r} = {zero};", f"{ii}}}"]
+        else:
+            out.append(f"{ii}{r} = {val};")
+    if o.part:
+        out.append(f"{ii[:-4]}}}")
+
+
+def _store_items(out: list[str], ii: str, o: _Operand, sh, conv) -> None:
+    """The registers of operand ``o`` into workgroup memory (``sh(arr, k, x, vec)``: the
+    element, or with ``vec`` the aligned vec4 at x, when the layout has one; else None)."""
+    if o.part:
+        out.append(f"{ii}if (lid < {u(o.items)}) {{")
+        ii += "    "
+    for l in range(o.n):
+        x, kx, r = f"{o.p}x{l}", f"{o.p}k{l}", f"{o.p}r{l}"
+        whole = sh(o.arr, kx, x, True) if o.w > 1 and not o.k_fast else None
+        if whole is not None and conv is None:
+            out.append(f"{ii}{whole} = {r};")
+            continue
+        for j in range(o.w):
+            v = f"{r}.{'xyzw'[j]}" if o.w > 1 else r
+            kj = f"({kx} + {u(j)})" if o.k_fast and j else kx
+            xj = f"({x} + {u(j)})" if not o.k_fast and j else x
+            out.append(f"{ii}{sh(o.arr, kj, xj, False)} = {conv(v) if conv else v};")
+    if o.part:
+        out.append(f"{ii[:-4]}}}")
+
+
+def _k_loop(c: _Ctx, L: list[str], ind: str, bk: int, edges: bool, live_check: bool, ops,
+            sh, conv, compute) -> None:
+    """The K loop with register prefetch: step k's tiles go from registers to workgroup
+    memory, then step k + bk's global loads are issued before computing on step k, so their
+    latency hides behind the arithmetic.  Whole steps load unguarded along K; the K tail (K
+    not a multiple of bk) is zero-filled; edge tiles check rows/columns, interior ones not."""
+    i2, i3 = ind + "    ", ind + "        "
+    kf, K = c.K - c.K % bk, c.K
+
+    def load(ii: str, check_k: bool) -> None:
         if edges:
             L.append(f"{ii}if (interior) {{")
-            stage(L, ii + "    ", False, check_k)
+            for o in ops:
+                _load_items(c, L, ii + "    ", o, False, check_k, live_check)
             L.append(f"{ii}}} else {{")
-            stage(L, ii + "    ", True, check_k)
+            for o in ops:
+                _load_items(c, L, ii + "    ", o, True, check_k, live_check)
             L.append(f"{ii}}}")
         else:
-            stage(L, ii, False, check_k)
-        L.append(f"{ii}workgroupBarrier();")
-        compute(L, ii)
-        L.append(f"{ii}workgroupBarrier();")
+            for o in ops:
+                _load_items(c, L, ii, o, False, check_k, live_check)
 
-    kf = c.K - c.K % bk  # K covered by whole steps
-    if kf:
-        L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(bk)}) {{")
-        step(i2, False)
-        L.append(f"{ind}}}")
-    if kf != c.K:
-        L.append(f"{ind}{{")
-        L.append(f"{i2}let k0 = {u(kf)};")
-        step(i2, True)
-        L.append(f"{ind}}}")
+    L += [f"{ind}{{", f"{i2}let kb = 0u;"]
+    load(i2, kf == 0)
+    L.append(f"{ind}}}")
+    ks = -(-K // bk) * bk
+    L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(bk)}) {{")
+    for o in ops:
+        _store_items(L, i2, o, sh, conv)
+    L += [f"{i2}workgroupBarrier();", f"{i2}let kb = k0 + {u(bk)};"]
+    if kf > bk:
+        L.append(f"{i2}if (kb < {u(kf)}) {{")
+        load(i3, False)
+        L.append(f"{i2}}}")
+    if kf != K:
+        L.append(f"{i2}if (kb == {u(kf)}) {{")
+        load(i3, True)
+        L.append(f"{i2}}}")
+    compute(L, i2)
+    L.append(f"{i2}workgroupBarrier();")
+    L.append(f"{ind}}}")
 
 
-def _tiled_compute(c: _Ctx, out: list[str], ii: str, TILE: int, vec: bool) -> None:
-    """c_ij += A·B over the staged BK slice: PER x PER results per invocation, rows
-    ty·PER + i (vec: read as vec4) or ty + 16 i."""
-    PER, T4, jj = TILE // THREADS, TILE // 4, ii + "    "
-    out.append(f"{ii}for (var kk: u32 = 0u; kk < {u(BK)}; kk = kk + 1u) {{")
-    if vec:
-        for q in range(PER // 4):
-            out.append(f"{jj}let a4{q} = As[kk * {u(T4)} + ty * {u(PER // 4)} + {u(q)}];")
-            out.append(f"{jj}let b4{q} = Bs[kk * {u(T4)} + tx * {u(PER // 4)} + {u(q)}];")
-        for i in range(PER):
-            out.append(f"{jj}let a{i} = a4{i // 4}.{'xyzw'[i % 4]};")
-        for j in range(PER):
-            out.append(f"{jj}let b{j} = b4{j // 4}.{'xyzw'[j % 4]};")
+def _operands(c: _Ctx, L: list[str], ind: str, TM: int, TN: int, bk: int, nthreads: int,
+              vec: bool):
+    """Both operands' staging plans, their per-invocation coordinates and registers."""
+    ops = [_Operand(c, "a", TM, bk, nthreads, vec), _Operand(c, "b", TN, bk, nthreads, vec)]
+    for o in ops:
+        if o.items > nthreads and o.items % nthreads:
+            raise CodegenError(f"kernel {c.name!r}: a {o.T}x{bk} tile does not split over "
+                               f"{nthreads} invocations")
+        o.coords(L, ind, nthreads)
+        t = f"vec4<{c.acc_t.wgsl}>" if o.w > 1 else c.acc_t.wgsl
+        L += [f"{ind}var {o.p}r{l}: {t};" for l in range(o.n)]
+    return ops
+
+
+def _tiled_compute(c: _Ctx, out: list[str], ii: str, g: Cfg, sa: int, sb: int) -> None:
+    """c_ij += A·B over the staged K step: RM x RN results per invocation, rows ty·RM + i
+    (``vr``: read as vec4) or ty + TY·i (scalar reads, conflict-free)."""
+    RM, RN, TY, TX, jj = g.rm, g.rn, g.tm // g.rm, g.tn // g.rn, ii + "    "
+    out.append(f"{ii}for (var kk: u32 = 0u; kk < {u(g.bk)}; kk = kk + 1u) {{")
+    if g.vr:
+        for q in range(RM // 4):
+            out.append(f"{jj}let a4{q} = As[kk * {u(sa // 4)} + ty * {u(RM // 4)} + {u(q)}];")
+        for q in range(RN // 4):
+            out.append(f"{jj}let b4{q} = Bs[kk * {u(sb // 4)} + tx * {u(RN // 4)} + {u(q)}];")
+        out += [f"{jj}let a{i} = a4{i // 4}.{'xyzw'[i % 4]};" for i in range(RM)]
+        out += [f"{jj}let b{j} = b4{j // 4}.{'xyzw'[j % 4]};" for j in range(RN)]
     else:
-        for i in range(PER):
-            out.append(f"{jj}let a{i} = As[kk * {u(TILE)} + ty + {u(THREADS * i)}];")
-        for j in range(PER):
-            out.append(f"{jj}let b{j} = Bs[kk * {u(TILE)} + tx + {u(THREADS * j)}];")
-    for i in range(PER):
-        for j in range(PER):
-            out.append(f"{jj}c{i}{j} = {_fma(c.acc_t, f'a{i}', f'b{j}', f'c{i}{j}')};")
+        out += [f"{jj}let a{i} = As[kk * {u(sa)} + ty + {u(TY * i)}];" for i in range(RM)]
+        out += [f"{jj}let b{j} = Bs[kk * {u(sb)} + tx + {u(TX * j)}];" for j in range(RN)]
+    for i in range(RM):
+        for j in range(RN):
+            out.append(f"{jj}c{i}_{j} = {_fma(c.acc_t, f'a{i}', f'b{j}', f'c{i}_{j}')};")
     out.append(f"{ii}}}")
 
 
-def _tiled_stores(c: _Ctx, out: list[str], ii: str, PER: int, checks, helpers) -> None:
+def _tiled_stores(c: _Ctx, out: list[str], ii: str, g: Cfg, checks, helpers) -> None:
     """Epilogue and store of every result; ``checks`` (row and column bounds) guard them."""
-    for i in range(PER):
-        for j in range(PER):
+    for i in range(g.rm):
+        for j in range(g.rn):
             conds = [x for x, ok in ((f"r{i} < {u(c.M)}", checks[0]),
                                      (f"n{j} < {u(c.N)}", checks[1])) if ok]
             if conds:
                 out.append(f"{ii}if ({' && '.join(conds)}) {{")
-                c.store(out, ii + "    ", "bi", f"r{i}", f"n{j}", f"c{i}{j}", helpers)
+                c.store(out, ii + "    ", "bi", f"r{i}", f"n{j}", f"c{i}_{j}", helpers)
                 out.append(f"{ii}}}")
             else:
-                c.store(out, ii, "bi", f"r{i}", f"n{j}", f"c{i}{j}", helpers)
+                c.store(out, ii, "bi", f"r{i}", f"n{j}", f"c{i}_{j}", helpers)
 
 
-def _tiled(c: _Ctx, t, TILE: int, vec: bool = False):
-    PER = TILE // THREADS
-    T4 = TILE // 4
-    acc = c.acc_t.wgsl
+def _tiled(c: _Ctx, t, g: Cfg):
+    """Register-blocked f32 tile (config ``g``): operands staged through padded workgroup
+    memory (row stride +4/+1 where the staging writes walk K, so they spread over banks)."""
+    TX, TY = g.tn // g.rn, g.tm // g.rm
+    nthreads, acc = TX * TY, c.acc_t.wgsl
     ind, i2 = "    ", "        "
-    L: list[str] = [f"{ind}let tx = lid % {u(THREADS)};", f"{ind}let ty = lid / {u(THREADS)};"]
-    grid, live_check, full_m, full_n = _tile_start(c, t, TILE, TILE, L, ind)
+    L: list[str] = [f"{ind}let tx = lid % {u(TX)};", f"{ind}let ty = lid / {u(TX)};"]
+    grid, live_check, full_m, full_n = _tile_start(c, t, g.tm, g.tn, L, ind)
     edges = not (full_m and full_n) or live_check
+    L += [f"{ind}var c{i}_{j}: {acc} = {acc}(0);" for i in range(g.rm) for j in range(g.rn)]
+    ops = _operands(c, L, ind, g.tm, g.tn, g.bk, nthreads, bool(g.vl))
+    pad = [(4 if g.vr else 1) if o.k_fast else 0 for o in ops]
+    sa, sb = g.tm + pad[0], g.tn + pad[1]
 
-    def sh(arr: str, k: str, x: str) -> str:
-        """Workgroup-memory element (k, x) of a BK x TILE operand tile."""
+    def sh(arr: str, k: str, x: str, vec: bool):
+        s = sa if arr == "As" else sb
+        if not g.vr:
+            return None if vec else f"{arr}[({k}) * {u(s)} + {x}]"
         if vec:
-            return f"{arr}[{k} * {u(T4)} + {x} / 4u][{x} % 4u]"
-        return f"{arr}[{k} * {u(TILE)} + {x}]"
+            return f"{arr}[({k}) * {u(s // 4)} + ({x}) / 4u]"
+        return f"{arr}[({k}) * {u(s // 4)} + ({x}) / 4u][({x}) % 4u]"
 
-    for i in range(PER):
-        for j in range(PER):
-            L.append(f"{ind}var c{i}{j}: {acc} = {acc}(0);")
-    nthreads = THREADS * THREADS
-
-    def stage(out: list[str], ii: str, check_mn: bool, check_k: bool) -> None:
-        _stage(c, out, ii, check_mn, check_k, TILE, TILE, BK, nthreads, live_check, sh,
-               lambda v: v)
-
-    _k_steps(c, L, ind, BK, edges, stage,
-             lambda out, ii: _tiled_compute(c, out, ii, TILE, vec))
+    _k_loop(c, L, ind, g.bk, edges, live_check, ops, sh, None,
+            lambda out, ii: _tiled_compute(c, out, ii, g, sa, sb))
     helpers: set[str] = set()
-    for i in range(PER):
-        r = f"ty * {u(PER)} + {u(i)}" if vec else f"ty + {u(THREADS * i)}"
-        L.append(f"{ind}let r{i} = row0 + {r};")
-    for j in range(PER):
-        n = f"tx * {u(PER)} + {u(j)}" if vec else f"tx + {u(THREADS * j)}"
-        L.append(f"{ind}let n{j} = col0 + {n};")
+    for i in range(g.rm):
+        L.append(f"{ind}let r{i} = row0 + "
+                 f"{f'ty * {u(g.rm)} + {u(i)}' if g.vr else f'ty + {u(TY * i)}'};")
+    for j in range(g.rn):
+        L.append(f"{ind}let n{j} = col0 + "
+                 f"{f'tx * {u(g.rn)} + {u(j)}' if g.vr else f'tx + {u(TX * j)}'};")
     if edges:
         L.append(f"{ind}if (interior) {{")
-        _tiled_stores(c, L, i2, PER, (False, False), helpers)
+        _tiled_stores(c, L, i2, g, (False, False), helpers)
         L.append(f"{ind}}} else if ({'live' if live_check else 'true'}) {{")
-        _tiled_stores(c, L, i2, PER, (not full_m, not full_n), helpers)
+        _tiled_stores(c, L, i2, g, (not full_m, not full_n), helpers)
         L.append(f"{ind}}}")
     else:
-        _tiled_stores(c, L, ind, PER, (False, False), helpers)
-    nbytes = 2 * BK * TILE * 4
-    et, n = (f"vec4<{acc}>", BK * T4) if vec else (acc, BK * TILE)
-    shared = (
-        [f"var<workgroup> As: array<{et}, {n}>;", f"var<workgroup> Bs: array<{et}, {n}>;"],
-        nbytes,
-    )
-    return L, shared, nthreads, grid, helpers, f"tiled{TILE}{'v' if vec else ''}"
+        _tiled_stores(c, L, ind, g, (False, False), helpers)
+    et, div = (f"vec4<{acc}>", 4) if g.vr else (acc, 1)
+    shared = ([f"var<workgroup> As: array<{et}, {g.bk * sa // div}>;",
+               f"var<workgroup> Bs: array<{et}, {g.bk * sb // div}>;"], 4 * g.bk * (sa + sb))
+    return L, shared, nthreads, grid, helpers, ops
 
 
-def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
+def _sgmat(c: _Ctx, t, g: Cfg):
     """Tensor-core tile: operands rounded to f16 while staged through workgroup memory, 16x16x16
-    subgroup-matrix multiply-accumulate into f32 fragments, then each fragment goes through
-    workgroup memory so every invocation applies the epilogue to its share of elements with
-    ordinary bounds checks (any shape, stride and epilogue works)."""
-    M, N = c.M, c.N
+    subgroup-matrix multiply-accumulate into f32 fragments (``g.rm`` x ``g.rn`` subgroups, each
+    owning a block of fragments), then each fragment goes through workgroup memory so every
+    invocation applies the epilogue to its share of elements with ordinary bounds checks (any
+    shape, stride and epilogue works)."""
+    TM, TN, SGM, SGN, BKs = g.tm, g.tn, g.rm, g.rn, g.bk
     nsg = SGM * SGN
     nthreads = 32 * nsg
     FM, FN = TM // SGM // 16, TN // SGN // 16  # fragments per subgroup
-    astr, bstr = SG_BK + SG_PAD, TN + SG_PAD  # workgroup-memory row strides (f16 elements)
+    astr, bstr = BKs + SG_PAD, TN + SG_PAD  # workgroup-memory row strides (f16 elements)
     ind = "    "
     L: list[str] = [
         f"{ind}let sid = lid / 32u;",
@@ -408,21 +636,17 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
     ]
     grid, live_check, full_m, full_n = _tile_start(c, t, TM, TN, L, ind)
     frag = "subgroup_matrix_result<f32, 16, 16>"
-    for i in range(FM):
-        for j in range(FN):
-            L.append(f"{ind}var c{i}_{j} = {frag}();")
+    L += [f"{ind}var c{i}_{j} = {frag}();" for i in range(FM) for j in range(FN)]
+    ops = _operands(c, L, ind, TM, TN, BKs, nthreads, bool(g.vl))
 
-    def sh(arr, kx, x):
-        return f"As[{x} * {u(astr)} + {kx}]" if arr == "As" else f"Bs[{kx} * {u(bstr)} + {x}]"
-
-    def conv(v):  # staged values come in the accumulator type (f32), also for f16 operands
-        return f"f16({v})"
-
-    def stage(out, ii, check_mn, check_k):
-        _stage(c, out, ii, check_mn, check_k, TM, TN, SG_BK, nthreads, live_check, sh, conv)
+    def sh(arr, kx, x, vec):
+        if vec:
+            return None
+        return (f"As[({x}) * {u(astr)} + {kx}]" if arr == "As"
+                else f"Bs[({kx}) * {u(bstr)} + {x}]")
 
     def compute(out: list[str], ii: str) -> None:
-        for kk in range(0, SG_BK, 16):
+        for kk in range(0, BKs, 16):
             for i in range(FM):
                 out.append(f"{ii}let a{i}_{kk} = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, "
                            f"16>>(&As, (fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, "
@@ -436,23 +660,17 @@ def _sgmat(c: _Ctx, t, TM: int, TN: int, SGM: int, SGN: int):
                     out.append(f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, "
                                f"b{j}_{kk}, c{i}_{j});")
 
-    _k_steps(c, L, ind, SG_BK, not (full_m and full_n) or live_check, stage, compute)
-
-    # epilogue: fragment -> this subgroup's 16x16 f32 scratch -> 8 elements per invocation
+    _k_loop(c, L, ind, BKs, not (full_m and full_n) or live_check, live_check, ops, sh,
+            lambda v: f"f16({v})", compute)
     helpers: set[str] = set()
-    guard = []
-    if not full_m:
-        guard.append(f"r < {u(M)}")
-    if not full_n:
-        guard.append(f"n < {u(N)}")
-    if live_check:
-        guard.append("live")
+    guard = ([] if full_m else [f"r < {u(c.M)}"]) + ([] if full_n else [f"n < {u(c.N)}"])
+    guard += ["live"] if live_check else []
     _sgmat_stores(c, L, FM, FN, guard, helpers)
-    nbytes = 2 * (TM * astr + SG_BK * bstr) + 4 * 256 * nsg
+    nbytes = 2 * (TM * astr + BKs * bstr) + 4 * 256 * nsg
     shared = ([f"var<workgroup> As: array<f16, {TM * astr}>;",
-               f"var<workgroup> Bs: array<f16, {SG_BK * bstr}>;",
+               f"var<workgroup> Bs: array<f16, {BKs * bstr}>;",
                f"var<workgroup> Cs: array<f32, {256 * nsg}>;"], nbytes)
-    return L, shared, nthreads, grid, helpers, f"sgmat{TM}"
+    return L, shared, nthreads, grid, helpers, ops
 
 
 def _sgmat_stores(c: _Ctx, L: list[str], FM: int, FN: int, guard: list[str], helpers) -> None:
@@ -476,51 +694,6 @@ def _sgmat_stores(c: _Ctx, L: list[str], FM: int, FN: int, guard: list[str], hel
                 c.store(L, i2, "bi", "r", "n", "v", helpers)
             L.append(f"{ind}}}")
             L.append(f"{ind}workgroupBarrier();")
-
-
-def _stage(c: _Ctx, out: list[str], ii: str, check_mn: bool, check_k: bool, TM: int, TN: int,
-           bk: int, nthreads: int, live_check: bool, sh, conv) -> None:
-    """Copy step ``k0``'s A (TM x bk) and B (bk x TN) tiles into workgroup memory, zero-filled
-    outside the matrices.  Neighbouring threads walk each operand's contiguous axis, so a
-    transposed operand is still read coalesced.  ``sh(arr, k, x)`` is the workgroup-memory
-    element, ``conv(value)`` converts the accumulator-typed value to its stored type."""
-    M, N, K = c.M, c.N, c.K
-    full_m, full_n = M % TM == 0, N % TN == 0
-    _, sam, sak = c.sa
-    _, sbk, sbn = c.sb
-    a_k_fast = not (sam == 1 and sak != 1)  # neighbouring threads walk k unless A is m-major
-    b_n_fast = not (sbk == 1 and sbn != 1)  # neighbouring threads walk n unless B is k-major
-    acc = c.acc_t.wgsl
-    for arr, tile, rows_fast in (("As", TM, not a_k_fast), ("Bs", TN, b_n_fast)):
-        for l in range(tile * bk // nthreads):
-            e = f"(lid + {u(l * nthreads)})"
-            x, kx = (f"ar{l}", f"ak{l}") if arr == "As" else (f"bn{l}", f"bk{l}")
-            if rows_fast:
-                out.append(f"{ii}let {x} = {e} % {u(tile)};")
-                out.append(f"{ii}let {kx} = {e} / {u(tile)};")
-            else:
-                out.append(f"{ii}let {kx} = {e} % {u(bk)};")
-                out.append(f"{ii}let {x} = {e} / {u(bk)};")
-            if arr == "As":
-                v, idx = f"av{l}", "abase + " + index_code([f"(row0 + {x})", f"(k0 + {kx})"],
-                                                           [sam, sak])
-                conds = [f"row0 + {x} < {u(M)}"] if check_mn and not full_m else []
-            else:
-                v, idx = f"bv{l}", "bbase + " + index_code([f"(k0 + {kx})", f"(col0 + {x})"],
-                                                           [sbk, sbn])
-                conds = [f"col0 + {x} < {u(N)}"] if check_mn and not full_n else []
-            conds += [f"k0 + {kx} < {u(K)}"] if check_k else []
-            if check_mn and live_check:
-                conds.append("live")
-            val = c.read("a" if arr == "As" else "b", idx)
-            if conds:
-                out.append(f"{ii}var {v}: {acc} = {acc}(0);")
-                out.append(f"{ii}if ({' && '.join(conds)}) {{")
-                out.append(f"{ii}    {v} = {val};")
-                out.append(f"{ii}}}")
-                out.append(f"{ii}{sh(arr, kx, x)} = {conv(v)};")
-            else:
-                out.append(f"{ii}{sh(arr, kx, x)} = {conv(val)};")
 
 
 def _gemv_layout(c: _Ctx):

@@ -1,0 +1,189 @@
+"""Matmul configurations on the GPU: every candidate (``kernels.candidates``) and the heuristic
+default for the SmolLM2 / Whisper projection shapes, split-K (partial products + the sum
+kernel) where K is long, and 4096³ strict and fast; results checked against numpy float64.
+
+  python bench/matmul_bench.py dawn [--before OLD_MATMUL.py] [--quick]
+
+Timing: after ≥ 0.5 s of warm-up work, one compute pass holding ``reps`` back-to-back
+dispatches between two GPU timestamps (≥ 5 ms in all, so Dawn's 65.5 µs timestamp
+quantization does not matter), median of 5 such passes, per call.  ``--before`` times the
+heuristic kernel of another matmul.py (e.g. ``git show <rev>:src/meganeura/kernels/matmul.py``)
+the same way.  The last lines are a table: shape, B layout, µs and TFLOP/s of the heuristic,
+the best configuration and the before kernel."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+
+import numpy as np
+
+from meganeura import kernels as codegen
+from meganeura.dtypes import f32
+from meganeura.kernels import MatmulKernel, ReduceKernel, Strided
+from meganeura.kernels.ir import Instr
+from meganeura.runtime.device import get_device
+
+ADD = (Instr("({0} + {1})", (("acc", 0), ("x", 0)), f32),)
+SHAPES = [  # (M, N, K, epilogue add, split-K tries)
+    (128, 576, 960, False), (128, 576, 576, True), (128, 960, 576, False),
+    (128, 1536, 576, False), (128, 3072, 576, False), (128, 576, 1536, False),
+    (128, 576, 3072, False), (1500, 1536, 384, True), (1500, 384, 384, False),
+    (1, 576, 960, False),
+]
+
+
+class Timer:
+    """GPU time per call of a sequence of dispatches (see the module docstring)."""
+
+    def __init__(self, dev):
+        self.dev, wgpu = dev, dev.module
+        self.qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+        self.rb = dev.device.create_buffer(
+            size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+
+    def once(self, seq, reps: int) -> float:
+        enc = self.dev.device.create_command_encoder()
+        cp = enc.begin_compute_pass(timestamp_writes={
+            "query_set": self.qs, "beginning_of_pass_write_index": 0,
+            "end_of_pass_write_index": 1})
+        for _ in range(reps):
+            for pipe, bg, wg in seq:
+                cp.set_pipeline(pipe)
+                cp.set_bind_group(0, bg)
+                cp.dispatch_workgroups(*wg)
+        cp.end()
+        enc.resolve_query_set(self.qs, 0, 2, self.rb, 0)
+        self.dev.queue.submit([enc.finish()])
+        ts = np.frombuffer(self.dev.read_buffer(self.rb, 0, 16), dtype=np.uint64)
+        return float(ts[1] - ts[0]) / 1e9 / reps
+
+    def __call__(self, calls) -> float:
+        """Median seconds per run of ``calls`` ([(spec, buffers)])."""
+        seq = [(self.dev.pipeline(s), self.dev.bind_group(s, b), s.workgroups) for s, b in calls]
+        est = max(self.once(seq, 3), 1e-7)
+        reps = int(min(2000, max(10, 5e-3 / est)))
+        self.once(seq, reps)  # clocks back up after the pipeline compile's idle gap
+        return float(np.median([self.once(seq, reps) for _ in range(5)]))
+
+    def warm(self, calls, seconds: float = 0.6) -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            self(calls)
+
+
+def _problem(dev, rng, M, N, K, add, b_nk, fast=False):
+    """(description, input arrays, buffers, float64 reference)."""
+    a = rng.standard_normal((1, M, K), dtype=np.float32)
+    w = rng.standard_normal((N, K) if b_nk else (K, N), dtype=np.float32)
+    sa = Strided.contiguous(f32, (1, M, K))
+    sb = Strided(f32, (1, K, N), (0, 1, K) if b_nk else (0, N, 1), 0, N * K)
+    r16 = (lambda x: x.astype(np.float16).astype(np.float64)) if fast else (
+        lambda x: x.astype(np.float64))
+    rows = slice(-8, None) if M * N * K > 1e9 else slice(None)
+    ref = r16(a[0, rows]) @ (r16(w).T if b_nk else r16(w))
+    extra, ins = (), [a, w]
+    if add:
+        res = rng.standard_normal((1, M, N), dtype=np.float32)
+        ins.append(res)
+        extra = (Strided.contiguous(f32, (1, M, N)),)
+        ref = ref + res[0, rows]
+    desc = MatmulKernel(1, M, N, K, sa, sb, extra, ADD if add else (),
+                        precision="fast" if fast else "strict")
+    bufs = [dev.upload(x) for x in ins] + [dev.create_buffer(4 * M * N)]
+    return desc, bufs, ref, rows
+
+
+def _err(dev, buf, M, N, ref, rows) -> float:
+    y = dev.read_array(buf, (M, N), f32)[rows].astype(np.float64)
+    return float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def _split_calls(dev, desc, bufs, s):
+    """Split-K by ``s`` as the scheduler builds it: a batch of partial matmuls, then the sum
+    kernel (with the epilogue)."""
+    a, b, kc = desc.a, desc.b, desc.k // s
+    a_s = Strided(a.dtype, (s, desc.m, kc), (a.strides[2] * kc,) + a.strides[1:], 0, a.extent)
+    b_s = Strided(b.dtype, (s, kc, desc.n), (b.strides[1] * kc,) + b.strides[1:], 0, b.extent)
+    part = MatmulKernel(s, desc.m, desc.n, kc, a_s, b_s, out_dtype=f32, name="matmul_splitk")
+    tmp = dev.create_buffer(4 * s * desc.m * desc.n)
+    shape = (s, desc.m, desc.n)
+    extra = tuple(Strided(x.dtype, x.shape[1:], x.strides[1:], 0, x.extent) for x in desc.extra)
+    red = ReduceKernel(shape, (0,), "sum", (Strided.contiguous(f32, shape),),
+                       (Instr("{0}", (("in", 0),), f32),), desc.epilogue, extra, out_dtype=f32)
+    return [(codegen.emit(part, dev), bufs[:2] + [tmp]),
+            (codegen.emit(red, dev), [tmp] + bufs[2:])]
+
+
+def _load_before(path):
+    """The ``emit`` of another matmul.py, without registering it as a family."""
+    src = open(path).read().replace('@kernel_family("matmul", MatmulKernel)', "")
+    spec = importlib.util.spec_from_loader("meganeura.kernels._before_matmul", loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    exec(compile(src, path, "exec"), mod.__dict__)
+    return mod.emit
+
+
+def bench_shape(dev, timer, rng, M, N, K, add, b_nk, fast, before, rows_out) -> None:
+    """Every candidate, split-K tries and the before kernel for one shape; one table row."""
+    desc, bufs, ref, rows = _problem(dev, rng, M, N, K, add, b_nk, fast)
+    flops = 2 * M * N * K
+    res = []
+    for i, d in enumerate(codegen.candidates(desc, codegen.make_target(dev))):
+        spec = codegen.emit(d, dev)
+        t = timer([(spec, bufs)])
+        res.append((spec.meta["variant"] + (" (heuristic)" if i == 0 else ""), t,
+                    _err(dev, bufs[-1], M, N, ref, rows)))
+    if not fast and M > 4 and K >= 384:
+        for s in (2, 3, 4, 6, 8, 12):
+            if K % s == 0 and K // s >= 64:
+                t = timer(_split_calls(dev, desc, bufs, s))
+                res.append((f"split-K {s}", t, _err(dev, bufs[-1], M, N, ref, rows)))
+    if before is not None:
+        spec = before(desc, dev)  # the old emitter ignores ``config``
+        t = timer([(spec, bufs)])
+        res.append((f"before {spec.meta['variant']}", t, _err(dev, bufs[-1], M, N, ref, rows)))
+    label = f"1x{M}x{N}x{K}{' +add' if add else ''} {'fast' if fast else 'strict'} " \
+            f"B {'nk' if b_nk else 'kn'}"
+    for name, t, e in res:
+        print(f"  {label:42} {name:34} {t * 1e6:9.1f} µs {flops / t / 1e12:7.2f} TFLOP/s "
+              f"err {e:.1e}", flush=True)
+    tol = 1e-3 if fast else 1e-4
+    bad = [n for n, _, e in res if not e < tol]
+    ok = [r for r in res if r[2] < tol and not r[0].startswith("before")]
+    best = min(ok, key=lambda r: r[1])
+    bef = [r for r in res if r[0].startswith("before")]
+    rows_out.append((label, res[0][1], best, bef[0][1] if bef else None, flops, bad))
+
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("impl", nargs="?", default="dawn")
+    ap.add_argument("--before")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    dev = get_device(args.impl)
+    print(args.impl, dev.adapter_name, flush=True)
+    timer, rng = Timer(dev), np.random.default_rng(0)
+    before = _load_before(args.before) if args.before else None
+    big = 1024 if args.quick else 4096
+    d0, b0, _, _ = _problem(dev, rng, big, big, big, False, False)
+    timer.warm([(codegen.emit(d0, dev), b0)])
+    rows = []
+    for M, N, K, add in SHAPES:
+        for b_nk in (True, False):
+            bench_shape(dev, timer, rng, M, N, K, add, b_nk, False, before, rows)
+    for fast in (False, True):
+        bench_shape(dev, timer, rng, big, big, big, False, False, fast, before, rows)
+    print(f"\n{'shape':42} {'heur µs':>8} {'TF/s':>6} {'best µs':>8} {'TF/s':>6} "
+          f"{'before µs':>9} best config")
+    for label, th, (bn, tb, _), tbef, flops, bad in rows:
+        bs = f"{tbef * 1e6:9.1f}" if tbef else f"{'-':>9}"
+        print(f"{label:42} {th * 1e6:8.1f} {flops / th / 1e12:6.2f} {tb * 1e6:8.1f} "
+              f"{flops / tb / 1e12:6.2f} {bs} {bn}{'  BAD: ' + ','.join(bad) if bad else ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Every strict matmul configuration (``kernels.matmul.Cfg``: the heuristic ladder and the
+tuner's extra candidates) forced on awkward cases against numpy float64: edges and K tails,
+vec4 and scalar global loads, transposes, batch broadcast, offsets, epilogues, f16 operands,
+wrapped grids; and the ``candidates`` hook."""
+
+import numpy as np
+import pytest
+
+from meganeura import kernels as codegen
+from meganeura.dtypes import f16, f32
+from meganeura.kernels import CodegenError, MatmulKernel, Strided
+from meganeura.kernels.matmul import (
+    GEMV,
+    STRICT_EXTRAS,
+    STRICT_LADDER,
+    TC_EXTRAS,
+    TC_LADDER,
+    Cfg,
+    choose_config,
+    config_name,
+)
+
+from ._util import assert_close, view_of
+from .test_matmul import BIAS_RELU, _operand
+
+CONFIGS = list(dict.fromkeys(STRICT_LADDER + STRICT_EXTRAS))
+IDS = [config_name(g) for g in CONFIGS]
+
+SHAPES = [
+    # batch, m, n, k, trans_a, trans_b, vec4 loads expected for (a, b)
+    (2, 70, 65, 33, False, False, (False, False)),  # K and N not multiples of 4: scalar
+    (1, 96, 136, 48, False, True, (True, True)),  # both k-contiguous, edge tiles
+    (2, 68, 72, 40, True, False, (True, True)),  # A m-contiguous, B n-contiguous
+    (1, 33, 47, 5, True, True, (False, False)),  # K shorter than one step
+]
+
+
+def _check(run, desc, inputs, ref, what, rtol=1e-4):
+    (y,) = run(desc, inputs, [(ref.shape, f32)])
+    assert_close(y, ref, rtol, 1e-5 * np.sqrt(desc.k), what=what)
+    return run.last_spec
+
+
+@pytest.mark.parametrize("g", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("b,m,n,k,ta,tb,vec", SHAPES)
+def test_config_shapes(run, rng, g, b, m, n, k, ta, tb, vec):
+    am, a, sa = _operand(rng, b, m, k, ta)
+    bm, bb, sb = _operand(rng, b, k, n, tb)
+    spec = _check(run, MatmulKernel(b, m, n, k, sa, sb, config=g), [am, bm],
+                  a.astype(np.float64) @ bb.astype(np.float64), config_name(g))
+    assert spec.meta["config"] == tuple(g)
+    decl = [ln for ln in spec.wgsl.splitlines() if "@binding" in ln]
+    assert ["vec4" in decl[0], "vec4" in decl[1]] == list(vec)
+
+
+@pytest.mark.parametrize("g", CONFIGS, ids=IDS)
+def test_config_epilogue_broadcast_offsets_f16(run, dev, rng, g):
+    """bias + relu with a batch-broadcast transposed weight; operands at odd offsets; f16."""
+    B, m, n, k = 3, 20, 36, 24
+    am, a, sa = _operand(rng, B, m, k, False)
+    wm, w, sw = _operand(rng, B, k, n, True, bcast=True)
+    bias = rng.standard_normal(n).astype(np.float32)
+    desc = MatmulKernel(B, m, n, k, sa, sw, (Strided(f32, (1, 1, n), (0, 0, 1), 0, n),),
+                        BIAS_RELU, config=g)
+    _check(run, desc, [am, wm, bias], np.maximum(a.astype(np.float64) @ w + bias, 0), "bias")
+    abuf = rng.standard_normal(2000).astype(np.float32)
+    a2 = abuf[5: 5 + 2 * 36 * 20].reshape(2, 36, 20)  # offset 5: no vec4 loads for A
+    bbuf = rng.standard_normal(2000).astype(np.float32)
+    b2 = bbuf[8: 8 + 2 * 20 * 44].reshape(2, 20, 44)
+    spec = _check(run, MatmulKernel(2, 36, 44, 20, view_of(abuf, a2), view_of(bbuf, b2),
+                                    config=g), [abuf, bbuf], a2.astype(np.float64) @ b2, "offs")
+    assert "b0: array<f32>" in spec.wgsl
+    if dev.has_f16:
+        a3 = rng.standard_normal((1, 40, 48)).astype(np.float16)
+        b3 = rng.standard_normal((1, 48, 36)).astype(np.float16)
+        desc = MatmulKernel(1, 40, 36, 48, Strided.contiguous(f16, a3.shape),
+                            Strided.contiguous(f16, b3.shape), out_dtype=f32, config=g)
+        _check(run, desc, [a3, b3], a3.astype(np.float64) @ b3.astype(np.float64), "f16")
+
+
+@pytest.mark.parametrize("g", CONFIGS[::2], ids=IDS[::2])
+def test_config_wrapped_grid(run, dev, rng, g):
+    B, m, n, k = 7, 40, 36, 8
+    am, a, sa = _operand(rng, B, m, k, False)
+    bm, bb, sb = _operand(rng, B, k, n, False)
+    limits = dict(dev.limits, max_compute_workgroups_per_dimension=5)
+    (y,) = run(MatmulKernel(B, m, n, k, sa, sb, config=g), [am, bm], [((B, m, n), f32)],
+               limits=limits)
+    assert max(run.last_spec.workgroups) <= 5
+    assert_close(y, a.astype(np.float64) @ bb.astype(np.float64), 1e-4, 1e-5, what="wrap")
+
+
+def test_candidates_hook(dev):
+    s = Strided.contiguous(f32, (1, 128, 960))
+    w = Strided(f32, (1, 960, 576), (0, 1, 960), 0, 576 * 960)
+    desc = MatmulKernel(1, 128, 576, 960, s, w)
+    found = codegen.candidates(desc, codegen.make_target(dev))
+    assert 2 <= len(found) <= 8
+    assert found[0].config == choose_config(1, 128, 576, 960)
+    assert len({d.config for d in found}) == len(found)
+    for d in found:
+        assert d.k == 960 and d.variant == "" and codegen.emit(d, dev).meta["variant"]
+    gv = MatmulKernel(1, 1, 576, 960, Strided.contiguous(f32, (1, 1, 960)), w)
+    assert [d.config for d in codegen.candidates(gv, codegen.make_target(dev))] == [GEMV]
+
+
+def test_config_errors_and_tensor_core_configs_fit():
+    s = Strided.contiguous(f32, (1, 64, 64))
+    for bad in (Cfg("tiled", 64, 64, 3, 4, 16), Cfg("tiled", 64, 64, 2, 2, 16, 1),
+                Cfg("sgmat", 64, 48, 2, 2, 32), Cfg("wide")):
+        with pytest.raises(CodegenError, match="matmul config"):
+            codegen.emit(MatmulKernel(1, 64, 64, 64, s, s, config=bad))
+    feats = {"shader-f16", "meganeura-subgroup-matrix-f16-16x16x16-sg32"}
+    lim = {"max_compute_workgroup_storage_size": 49152,
+           "max_compute_invocations_per_workgroup": 1024}
+    for g in TC_LADDER + TC_EXTRAS:
+        spec = codegen.emit(MatmulKernel(2, 300, 260, 200, Strided.contiguous(f32, (2, 300, 200)),
+                                         Strided.contiguous(f32, (2, 200, 260)),
+                                         precision="fast", config=g), lim, feats)
+        assert spec.meta["workgroup_storage"] <= 48 * 1024
+        assert spec.meta["workgroup_size"] == 32 * g.rm * g.rn
