@@ -697,10 +697,12 @@ SPLIT_K_MIN_CHUNK = 256
 # Small-M GEMMs (transformer projections at 128 rows): fewer than SPLIT_K_SMALL_TILES 64x64
 # tiles get K chunks of at least SPLIT_K_SMALL_CHUNK until there are SPLIT_K_TARGET
 # workgroups.  H200, Dawn (bench/matmul_bench.py): 1x128x576x960 41 µs unsplit, 17 µs split
-# 12; 1x128x576x1536 78 µs (12) vs 255; 1x128x1536x576 45 µs (8) vs 77.
+# 12 (13.5-17 µs in two runs); 1x128x576x1536 64-78 µs (12) vs 255; 1x128x1536x576 45 µs (8)
+# vs 77.
 SPLIT_K_SMALL_TILES = 64
 SPLIT_K_SMALL_CHUNK = 64
 SPLIT_K_TARGET = 264  # two workgroups per SM of a 132-SM GPU
+SPLIT_K_SMALL_MAX = 12  # the most measured (best of 2..12 at 1x128x576x{960,1536,3072})
 
 
 def split_k(desc: ir.MatmulKernel) -> int:
@@ -710,7 +712,7 @@ def split_k(desc: ir.MatmulKernel) -> int:
         return 1
     small = -(-desc.m // 64) * -(-desc.n // 64)
     if small < SPLIT_K_SMALL_TILES and desc.k >= 4 * SPLIT_K_SMALL_CHUNK:
-        want = min(desc.k // SPLIT_K_SMALL_CHUNK, -(-SPLIT_K_TARGET // small), 64)
+        want = min(desc.k // SPLIT_K_SMALL_CHUNK, -(-SPLIT_K_TARGET // small), SPLIT_K_SMALL_MAX)
     else:
         tiles = -(-desc.m // 128) * -(-desc.n // 128)
         if tiles >= SPLIT_K_MIN_TILES or desc.k < 4 * SPLIT_K_MIN_CHUNK:
