@@ -79,6 +79,10 @@ _WANTED_FEATURES = (
 # Dawn needs these before its instance exists (see GPU-NOTES.md): experimental features
 # (subgroup matrix) and f16 on NVIDIA drivers older than 615.71.
 _DAWN_TOGGLES = ("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia")
+# Dawn quantizes timestamp queries (a browser defence against timing attacks): measured steps
+# of 65.5 µs on the H200, which made per-kernel profiles of short kernels 0 or 65.5 µs.  A
+# native process profiling its own kernels wants the real ticks.
+_DAWN_DISABLED_TOGGLES = ("timestamp_quantization",)
 
 # Pseudo-feature the compiler keys tensor-core matmuls on: the adapter multiplies 16x16 f16
 # subgroup matrices into f32 with subgroups of exactly 32 invocations (the kernel maps
@@ -510,7 +514,8 @@ def _open_dawn() -> Device:
         try:
             toggles = extras.all_toggles()
             wanted = [t for t in _DAWN_TOGGLES if t in toggles]
-            extras.set_instance_extras(enable_toggles=wanted)
+            unwanted = [t for t in _DAWN_DISABLED_TOGGLES if t in toggles]
+            extras.set_instance_extras(enable_toggles=wanted, disable_toggles=unwanted)
         except RuntimeError:
             pass  # the instance already exists (someone requested an adapter before us)
         _DAWN_CONFIGURED = True
