@@ -7,11 +7,13 @@ scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
 
   python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
 
-``--quick``: the heuristic configuration only; ``--smoke``: tiny shapes, few timings (a check
+``--quick``: the heuristic configuration only; ``--all``: every configuration that fits;
+``--smoke``: tiny shapes, few timings (a check
 that the script runs, e.g. on lavapipe)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -76,44 +78,45 @@ def rel_err(got, want):
 
 SMOKE = {"whisper": (1, 2, 2, 70, 64, False), "smollm2": (1, 3, 1, 33, 64, True),
          "d128": (1, 1, 1, 40, 128, False)}
-REPEATS = {"n": 50, "warm_s": 0.25}
+REPEATS = {"n": 2000, "warm_s": 0.1}
 
 
 def time_dispatch(dev, spec, bufs):
-    """Median GPU time (µs) of one dispatch: ``n`` dispatches, each in its own timestamped
-    pass, after ``warm_s`` seconds of back-to-back work (the clocks ramp up)."""
+    """GPU µs of one dispatch: ``n`` dispatches in one timestamped pass (Dawn quantizes
+    timestamps to ~65 µs, so single dispatches cannot be timed), n sized for ~20 ms, the
+    median of 3 such passes, after ``warm_s`` seconds of back-to-back work (clocks ramp up)."""
     import wgpu as _w
 
     wgpu = dev.module or _w
-    n, warm_s = REPEATS["n"], REPEATS["warm_s"]
     pipe, bg = dev.pipeline(spec), dev.bind_group(spec, bufs)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warm_s:
-        enc = dev.device.create_command_encoder()
-        for _ in range(20):
-            cp = enc.begin_compute_pass()
-            cp.set_pipeline(pipe)
-            cp.set_bind_group(0, bg)
-            cp.dispatch_workgroups(*spec.workgroups)
-            cp.end()
-        dev.queue.submit([enc.finish()])
-        dev.sync()
-    qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * n)
-    res = dev.device.create_buffer(size=16 * n, usage=wgpu.BufferUsage.QUERY_RESOLVE
+    qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+    res = dev.device.create_buffer(size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE
                                    | wgpu.BufferUsage.COPY_SRC)
-    enc = dev.device.create_command_encoder()
-    for i in range(n):
-        cp = enc.begin_compute_pass(timestamp_writes={
-            "query_set": qs, "beginning_of_pass_write_index": 2 * i,
-            "end_of_pass_write_index": 2 * i + 1})
+
+    def once(n, stamp=True):
+        enc = dev.device.create_command_encoder()
+        tw = {"query_set": qs, "beginning_of_pass_write_index": 0, "end_of_pass_write_index": 1}
+        cp = enc.begin_compute_pass(timestamp_writes=tw) if stamp else enc.begin_compute_pass()
         cp.set_pipeline(pipe)
         cp.set_bind_group(0, bg)
-        cp.dispatch_workgroups(*spec.workgroups)
+        for _ in range(n):
+            cp.dispatch_workgroups(*spec.workgroups)
         cp.end()
-    enc.resolve_query_set(qs, 0, 2 * n, res, 0)
-    dev.queue.submit([enc.finish()])
-    ts = np.frombuffer(dev.read_buffer(res, 0, 16 * n), dtype=np.uint64).astype(np.float64)
-    return float(np.median(ts[1::2] - ts[0::2])) / 1e3
+        if stamp:
+            enc.resolve_query_set(qs, 0, 2, res, 0)
+        dev.queue.submit([enc.finish()])
+        if not stamp:
+            dev.sync()
+            return 0.0
+        ts = np.frombuffer(dev.read_buffer(res, 0, 16), dtype=np.uint64).astype(np.float64)
+        return max(ts[1] - ts[0], 0.0) / 1e3 / n
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < REPEATS["warm_s"]:
+        once(20, stamp=False)
+    est = max(once(20), 1.0)
+    n = int(min(max(20_000 / est, 20), REPEATS["n"]))
+    return float(np.median([once(n) for _ in range(3)]))
 
 
 def run_config(dev, desc, x, ref, poison=True):
@@ -130,6 +133,19 @@ def run_config(dev, desc, x, ref, poison=True):
     err = max(rel_err(dev.read_array(b, s, f32), ref[n])
               for b, s, n in zip(outs, shapes, OUTS[kind], strict=True))
     return spec, err, time_dispatch(dev, spec, bufs + outs)
+
+
+def configs(desc, t, everything=False):
+    """The tuner's candidates (heuristic first); with ``everything`` also every other
+    configuration that fits and is not larger than the problem."""
+    cands = kernels.candidates(desc, t)
+    if not everything:
+        return cands
+    own_n, _ = A._problem(desc)
+    seen = {c.config for c in cands}
+    D, Dv = desc.q.shape[3], desc.v.shape[3]
+    return cands + [dataclasses.replace(desc, config=c) for c in A.CONFIGS if c not in seen
+                    and A.config_fits(desc.kind, c, D, Dv, t) and c[0] * c[2] <= 2 * own_n]
 
 
 def torch_times(shape):
@@ -174,6 +190,7 @@ def main(argv) -> None:
     if "--smoke" in argv:
         SHAPES.update(SMOKE)
         REPEATS.update(n=3, warm_s=0.0)
+
     dev = get_device(backend)
     t = make_target(dev.limits, dev.features)
     rows = []
@@ -182,10 +199,11 @@ def main(argv) -> None:
         x, a, ref = problem(shape)
         for kind in KINDS:
             desc = describe(kind, x, a)
-            cands = kernels.candidates(desc, t)
+            cands = configs(desc, t, "--all" in argv)
             for n, c in enumerate(cands[:1] if quick else cands):
                 spec, err, us = run_config(dev, c, x, ref)
                 fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0)  # causal: half the pairs
+                us = max(us, 1e-3)
                 rows.append({"shape": sname, "kind": kind, "config": list(c.config),
                              "default": n == 0, "us": us, "tflops": fl / us / 1e6, "err": err,
                              "wg": spec.meta["workgroup_size"],

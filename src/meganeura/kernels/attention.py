@@ -69,20 +69,23 @@ from .common import (
 from .ir import KernelSpec, Strided
 
 FLT_MAX = "3.4028234663852886e38"
-MIN_WORKGROUPS = 256  # prefer the largest tiles that still give a problem this many workgroups
+MIN_WORKGROUPS = 128  # prefer the largest tiles that still give a problem this many workgroups
 MIN_OWN_BLOCK = 16  # ...but no fewer rows (keys) per workgroup than this unless the problem is
 
 # (TR, TC, RM, RN) in order of preference (largest per-invocation work first); the heuristic
 # takes the first that fits the device and gives enough workgroups
 CONFIGS = (
     (16, 8, 4, 4),  # 64 own × 32 loop, 128 invocations
-    (8, 8, 4, 4),  # 32 × 32, 64
-    (16, 8, 2, 4),  # 32 × 32, 128
+    (16, 16, 4, 2),  # 64 × 32, 256
+    (32, 8, 2, 4),  # 64 × 32, 256
     (8, 16, 4, 2),  # 32 × 32, 128
-    (8, 8, 4, 2),  # 32 × 16, 64
+    (16, 16, 2, 2),  # 32 × 32, 256
+    (16, 8, 2, 4),  # 32 × 32, 128
+    (8, 8, 4, 4),  # 32 × 32, 64
+    (16, 16, 1, 2),  # 16 × 32, 256
     (16, 8, 1, 4),  # 16 × 32, 128
+    (8, 8, 4, 2),  # 32 × 16, 64
     (8, 8, 2, 4),  # 16 × 32, 64
-    (4, 8, 4, 4),  # 16 × 32, 32
     (8, 8, 2, 2),  # 16 × 16, 64
     (8, 8, 1, 2),  # 8 × 16, 64
     (4, 8, 2, 2),  # 8 × 16, 32
@@ -346,12 +349,56 @@ class _Gen:
         L += [i2 + x for x in pre("rr")]
         L.append(f"{i2}var x: {_vt(w)} = {_vt(w)}(0.0);")
         L.append(f"{i2}if ({valid}) {{")
-        cols = ["uu"] if w == 1 else [f"uu * 4u + {u(c)}" for c in range(w)]
-        val = _vec([self.src(which, coords(c)) for c in cols])
-        L.append(f"{i3}x = {val}{'' if scale is None else ' * ' + _f(scale)};")
+        L.append(f"{i3}x = {self.unit_value(which, w, coords, scale)};")
         L.append(f"{i2}}}")
         L.append(f"{i2}{arr}[rr * {u(pad)} + uu] = x;")
         L.append(f"{ind}}}")
+
+    def unit_value(self, which, w, coords, scale=None) -> str:
+        """The vec unit ``uu`` of the row addressed by ``coords`` (times ``scale``)."""
+        cols = ["uu"] if w == 1 else [f"uu * 4u + {u(c)}" for c in range(w)]
+        val = _vec([self.src(which, coords(c)) for c in cols])
+        return val if scale is None else f"{val} * {_f(scale)}"
+
+    def prefetch_units(self, which, nrows) -> tuple[int, int, int]:
+        """(vec width, units per row, registers per invocation) of a prefetched tile."""
+        w = self.wv if which in ("v", "dout") else self.wd
+        units = (self.Dv if which in ("v", "dout") else self.D) // w
+        return w, units, -(-nrows * units // self.wg)
+
+    def prefetch_load(self, L, ind, tag, nrows, which, pre, valid, coords, scale=None):
+        """Load this invocation's units of the next tile into registers ``{tag}{m}`` (declared
+        by ``prefetch_decl``) so the global loads overlap the current tile's arithmetic."""
+        w, units, n = self.prefetch_units(which, nrows)
+        i2, i3 = ind + "    ", ind + "        "
+        for m in range(n):
+            L.append(f"{ind}{{")
+            L.append(f"{i2}let e = lid + {u(m * self.wg)};")
+            L.append(f"{i2}let rr = e / {u(units)};")
+            L.append(f"{i2}let uu = e % {u(units)};")
+            L += [i2 + x for x in pre("rr")]
+            cond = valid if (m + 1) * self.wg <= nrows * units else \
+                f"e < {u(nrows * units)} && {valid}"
+            L.append(f"{i2}{tag}{m} = {_vt(w)}(0.0);")
+            L.append(f"{i2}if ({cond}) {{")
+            L.append(f"{i3}{tag}{m} = {self.unit_value(which, w, coords, scale)};")
+            L.append(f"{i2}}}")
+            L.append(f"{ind}}}")
+
+    def prefetch_decl(self, L, ind, tag, nrows, which) -> None:
+        w, _, n = self.prefetch_units(which, nrows)
+        L += [f"{ind}var {tag}{m}: {_vt(w)};" for m in range(n)]
+
+    def prefetch_store(self, L, ind, tag, arr, nrows, which, pad) -> None:
+        """Registers ``{tag}{m}`` into workgroup array ``arr`` (row stride ``pad``)."""
+        _, units, n = self.prefetch_units(which, nrows)
+        for m in range(n):
+            e = f"(lid + {u(m * self.wg)})"
+            line = f"{arr}[{e} / {u(units)} * {u(pad)} + {e} % {u(units)}] = {tag}{m};"
+            if (m + 1) * self.wg <= nrows * units:
+                L.append(f"{ind}{line}")
+            else:
+                L.append(f"{ind}if ({e} < {u(nrows * units)}) {{ {line} }}")
 
     # -- register tiles --------------------------------------------------------------------
     def dots(self, L, ind, acc, own_arr, loop_arr, w, units, pad) -> None:
@@ -476,13 +523,28 @@ def _rows_stage_q(g: _Gen, L, ind) -> None:
                 lambda c: ["b", "sh", "si", c])
 
 
-def _stage_kv_tile(g: _Gen, L, ind) -> None:
-    """Stage the key tile starting at ``kt`` (keys past ``kv_hi`` as zeros)."""
-    pre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
-    for arr, which, w, pad in (("Ks", "k", g.wd, g.dp), ("Vs", "v", g.wv, g.vp)):
-        g.stage(L, ind, arr, g.loop, which, w, pad, pre, "jj < kv_hi",
-                lambda c: ["b", "hkv", "u32(jj)", c])
-    L.append(f"{ind}workgroupBarrier();")
+def _kv_tiles(g: _Gen, L, ind) -> None:
+    """The key-tile loop's head: K/V of the first tile prefetched into registers, then per
+    tile: registers to ``Ks``/``Vs`` (keys past ``kv_hi`` as zeros), barrier, and the next
+    tile's loads issued (they land while this tile is computed)."""
+    i2 = ind + "    "
+    for tag, which in (("pk", "k"), ("pv", "v")):
+        g.prefetch_decl(L, ind, tag, g.loop, which)
+    _kv_load(g, L, ind, "kv_lo")
+    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
+    g.prefetch_store(L, i2, "pk", "Ks", g.loop, "k", g.dp)
+    g.prefetch_store(L, i2, "pv", "Vs", g.loop, "v", g.vp)
+    L.append(f"{i2}workgroupBarrier();")
+    L.append(f"{i2}if (kt + {_i(g.loop)} < kv_hi) {{")
+    _kv_load(g, L, i2 + "    ", f"kt + {_i(g.loop)}")
+    L.append(f"{i2}}}")
+
+
+def _kv_load(g: _Gen, L, ind, start: str) -> None:
+    pre = lambda rr: [f"let jj = {start} + i32({rr});"]  # noqa: E731
+    for tag, which in (("pk", "k"), ("pv", "v")):
+        g.prefetch_load(L, ind, tag, g.loop, which, pre, "jj < kv_hi",
+                        lambda c: ["b", "hkv", "u32(jj)", c])
 
 
 def _rows_score(g: _Gen, i: int, j: int, x: str) -> list[str]:
@@ -546,8 +608,7 @@ def _fwd_kernel(g: _Gen, t):
     L.append(f"{ind}var m: {_vt(RM)} = {_vt(RM)}(-{FLT_MAX});")
     L.append(f"{ind}var l: {_vt(RM)} = {_vt(RM)}(0.0);")
     g.nc = g.acc_decl(L, ind, "o", g.wv, g.vu)
-    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
-    _stage_kv_tile(g, L, i2)
+    _kv_tiles(g, L, ind)
     g.dots(L, i2, "s", "Qs", "Ks", g.wd, g.du, g.dp)
     _fwd_softmax(g, L, i2)
     g.outer(L, i2, g.loop, [("o", "Ps", "Vs", g.vp, g.nc)])
@@ -628,8 +689,7 @@ def _dq_kernel(g: _Gen, t):
     _rows_stage_q(g, L, ind)
     _dq_row_stats(g, L, ind)
     nc = g.acc_decl(L, ind, "o", g.wd, g.du)
-    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
-    _stage_kv_tile(g, L, i2)
+    _kv_tiles(g, L, ind)
     g.dots(L, i2, "s", "Qs", "Ks", g.wd, g.du, g.dp)
     g.dots(L, i2, "t", "Os", "Vs", g.wv, g.vu, g.vp)
     _dq_ds(g, L, i2)
@@ -677,28 +737,48 @@ def _keys_head(g: _Gen, L, ind, grid, total) -> None:
                 lambda c: ["b", "hkv", "jj", c], sc)
 
 
-def _keys_stage_rows(g: _Gen, L, i2) -> None:
-    """Stage a tile of packed query rows: Q, dO, lse and delta."""
-    k, BQ, i3 = g.k, g.loop, i2 + "    "
-    pre = lambda rr: [f"let RR = R0 + {rr};"] + g.packed("RR", "s")  # noqa: E731
+def _keys_rows(g: _Gen, L, ind) -> None:
+    """The query-row loop's head: Q, dO, lse and delta of the first tile prefetched, then per
+    tile: registers to ``Qs``/``Os``/``Ls``/``Dl``, barrier, the next tile's loads issued."""
+    i2, BQ = ind + "    ", g.loop
+    g.prefetch_decl(L, ind, "pq", BQ, "q")
+    g.prefetch_decl(L, ind, "po", BQ, "dout")
+    n = -(-BQ // g.wg)
+    L += [f"{ind}var pl{m}: f32;\n{ind}var pd{m}: f32;" for m in range(n)]
+    _rows_load(g, L, ind, "R_lo")
+    L.append(f"{ind}for (var R0: u32 = R_lo; R0 < R_hi; R0 = R0 + {u(BQ)}) {{")
+    g.prefetch_store(L, i2, "pq", "Qs", BQ, "q", g.dp)
+    g.prefetch_store(L, i2, "po", "Os", BQ, "dout", g.vp)
+    for m in range(n):
+        e = f"lid + {u(m * g.wg)}"
+        line = f"Ls[{e}] = pl{m}; Dl[{e}] = pd{m};"
+        L.append(f"{i2}{line}" if (m + 1) * g.wg <= BQ else f"{i2}if ({e} < {u(BQ)}) {{ {line} }}")
+    L.append(f"{i2}workgroupBarrier();")
+    L.append(f"{i2}if (R0 + {u(BQ)} < R_hi) {{")
+    _rows_load(g, L, i2 + "    ", f"R0 + {u(BQ)}")
+    L.append(f"{i2}}}")
+
+
+def _rows_load(g: _Gen, L, ind, start: str) -> None:
+    """Issue the loads of the query-row tile starting at packed row ``start``."""
+    k, BQ, i2 = g.k, g.loop, ind + "    "
+    pre = lambda rr: [f"let RR = {start} + {rr};"] + g.packed("RR", "s")  # noqa: E731
     coords = lambda c: ["b", "sh", "si", c]  # noqa: E731
-    g.stage(L, i2, "Qs", BQ, "q", g.wd, g.dp, pre, "RR < R_hi", coords)
-    g.stage(L, i2, "Os", BQ, "dout", g.wv, g.vp, pre, "RR < R_hi", coords)
-    L.append(f"{i2}for (var e: u32 = lid; e < {u(BQ)}; e = e + {u(g.wg)}) {{")
-    L.append(f"{i3}let RR = R0 + e;")
-    L += [i3 + x for x in g.packed("RR", "s")]
-    L.append(f"{i3}var lv: f32 = -mn_inf();")
-    L.append(f"{i3}var dv_: f32 = 0.0;")
-    L.append(f"{i3}if (RR < R_hi) {{")
+    g.prefetch_load(L, ind, "pq", BQ, "q", pre, "RR < R_hi", coords)
+    g.prefetch_load(L, ind, "po", BQ, "dout", pre, "RR < R_hi", coords)
     li = index_code(["b", "sh", "si"], g.lst, k.lse.offset)
     di = index_code(["b", "sh", "si"], g.dlst, k.delta.offset)
-    L.append(f"{i3}    lv = {g.ld('lse', li, k.lse.dtype)};")
-    L.append(f"{i3}    dv_ = {g.ld('delta', di, k.delta.dtype)};")
-    L.append(f"{i3}}}")
-    L.append(f"{i3}Ls[e] = lv;")
-    L.append(f"{i3}Dl[e] = dv_;")
-    L.append(f"{i2}}}")
-    L.append(f"{i2}workgroupBarrier();")
+    for m in range(-(-BQ // g.wg)):
+        L.append(f"{ind}{{")
+        L.append(f"{i2}let RR = {start} + lid + {u(m * g.wg)};")
+        L += [i2 + x for x in g.packed("RR", "s")]
+        L.append(f"{i2}pl{m} = -mn_inf();")
+        L.append(f"{i2}pd{m} = 0.0;")
+        L.append(f"{i2}if (RR < R_hi && lid + {u(m * g.wg)} < {u(BQ)}) {{")
+        L.append(f"{i2}    pl{m} = {g.ld('lse', li, k.lse.dtype)};")
+        L.append(f"{i2}    pd{m} = {g.ld('delta', di, k.delta.dtype)};")
+        L.append(f"{i2}}}")
+        L.append(f"{ind}}}")
 
 
 def _keys_p_ds(g: _Gen, L, ind) -> None:
@@ -748,8 +828,7 @@ def _dkdv_kernel(g: _Gen, t):
     _keys_head(g, L, ind, grid, total)
     nk = g.acc_decl(L, ind, "ak", g.wd, g.du)
     nv = g.acc_decl(L, ind, "av", g.wv, g.vu)
-    L.append(f"{ind}for (var R0: u32 = R_lo; R0 < R_hi; R0 = R0 + {u(g.loop)}) {{")
-    _keys_stage_rows(g, L, i2)
+    _keys_rows(g, L, ind)
     g.dots(L, i2, "s", "Ks", "Qs", g.wd, g.du, g.dp)
     g.dots(L, i2, "t", "Vs", "Os", g.wv, g.vu, g.vp)
     _keys_p_ds(g, L, i2)
