@@ -113,11 +113,29 @@ def _emit(desc, alias=None):
     return kernels.emit(desc, alias=alias)
 
 
+def _decl_types(wgsl: str) -> dict[int, str]:
+    """Slot index -> declared array element type (``b3: array<vec4<f32>>`` -> 3: vec4<f32>)."""
+    import re
+
+    return {int(m[1]): m[2] for m in re.finditer(r"> b(\d+): array<(.+)>;", wgsl)}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_alias_matches_text_rewrite(case):
     desc, binds = CASES[case]
-    want, kept = _share_bindings(_emit(desc), binds)
+    plain = _emit(desc)
     alias = binding_aliases(binds)
+    types = _decl_types(plain.wgsl)
+    if any(types.get(i, "").startswith("vec") or types.get(a, "").startswith("vec")
+           for i, a in enumerate(alias) if a != i):
+        # vec4 loads on a shared range: the matmul emitter falls back to scalar reads for
+        # shared slots (their layouts may differ), which the text rewrite did not do;
+        # correctness is checked on the GPU below
+        got = _emit(desc, alias)
+        assert got.n_bindings == len(set(alias)) and "vec4<f32>>;" not in got.wgsl.split(
+            "var<workgroup>")[0]
+        return
+    want, kept = _share_bindings(plain, binds)
     got = _emit(desc, alias)
     assert got.wgsl == want.wgsl
     assert got.n_bindings == want.n_bindings == len(kept)
