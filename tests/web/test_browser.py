@@ -206,3 +206,38 @@ def test_bad_feeds_are_clear_errors(page, digits):
     assert "FeedError: unknown 'y'; expected feeds: x" in r["error"]
     r = _run(page, "digits/", {"x": x}, "train")
     assert r["error"].endswith("digits/ has no training stream")
+
+
+def test_demo_page_classifies_a_drawing_like_python(gpu, page, site, digits):
+    """web/demo/digits.html with a batch-1 export (what ``meganeura export`` writes): a stroke
+    drawn with the mouse becomes an 8x8 input whose logits match Python's; a broken artifact
+    is an error shown in the page."""
+    one = mlp_classifier(1, hidden=(32,))
+    p = mn.compile(one.graph, outputs={"logits": one.logits}, portable=True)
+    p.init_params(seed=0)
+    p.export(site[0] / "demo" / "mlp")
+    page.goto(site[1] + "demo/digits.html")
+    page.wait_for_selector("#status[data-state]", timeout=60_000)
+    assert page.get_attribute("#status", "data-state") == "ready", page.text_content("#status")
+    box = page.locator("#pad").bounding_box()
+    page.mouse.move(box["x"] + 128, box["y"] + 40)
+    page.mouse.down()
+    page.mouse.move(box["x"] + 120, box["y"] + 220, steps=10)
+    page.mouse.up()
+    page.wait_for_function("window.lastLogits", timeout=30_000)
+    x = np.asarray(page.evaluate("window.lastInput"), np.float32).reshape(1, 64)
+    assert 0 < x.max() <= 1 and x.sum() > 1  # a stroke, in the training images' range
+    got = np.asarray(page.evaluate("window.lastLogits"), np.float32)
+    np.testing.assert_allclose(got, p.run(x=x)["logits"][0], rtol=1e-5, atol=1e-5)
+    assert page.text_content("#prediction") == str(int(got.argmax()))
+
+    a = _broken(site, "v2-demo", "demo/mlp")
+    _edit_manifest(a, lambda m: m.update(version=2))
+    page.goto(site[1] + "demo/digits.html?model=../v2-demo/")
+    page.wait_for_selector("#status[data-state]", timeout=60_000)
+    assert "has format version 2; this meganeura.js reads version 1" in \
+        page.text_content("#status")
+    page.goto(site[1] + "demo/digits.html?model=../absent/")
+    page.wait_for_selector("#status[data-state=error]", timeout=60_000)
+    assert "meganeura export --checkpoint runs/mlp.safetensors" in page.text_content("#status")
+    page.goto(site[1] + "blank.html")
