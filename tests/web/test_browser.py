@@ -241,3 +241,37 @@ def test_demo_page_classifies_a_drawing_like_python(gpu, page, site, digits):
     page.wait_for_selector("#status[data-state=error]", timeout=60_000)
     assert "meganeura export --checkpoint runs/mlp.safetensors" in page.text_content("#status")
     page.goto(site[1] + "blank.html")
+
+
+DECODE_JS = """async ([url, tokens]) => {
+  try {
+    const m = await import('/meganeura.js');
+    const p = await m.loadProgram(url);
+    const logits = [];
+    for (let pos = 0; pos < tokens.length; pos++) {
+      const out = await p.step({ids: new Int32Array([tokens[pos]]), pos: new Int32Array([pos])});
+      logits.push(Array.from(out.logits));
+    }
+    return {logits};
+  } catch (e) {
+    return {error: `${e.name}: ${e.message}`};
+  }
+}"""
+
+
+def test_browser_decodes_a_tiny_llama_like_python(gpu, page, site):
+    """A transformer decode step (KV cache kept on the device between steps as a state, the
+    position an i32 scalar feed): the page's logits match Python's token after token."""
+    from meganeura.generate import LlamaGenerator
+    from meganeura.models.llama import tiny_llama
+
+    gen = LlamaGenerator(tiny_llama(), max_len=16, portable=True)
+    gen.decoder.init_params(seed=0)
+    gen.decoder.export(site[0] / "llama")
+    tokens = [5, 17, 42, 3]
+    want = [gen.decode(np.array([t]))[0] for t in tokens]
+    r = page.evaluate(DECODE_JS, ["llama/", tokens])
+    assert "error" not in r, r["error"]
+    np.testing.assert_allclose(np.asarray(r["logits"], np.float32), np.asarray(want),
+                               rtol=1e-5, atol=1e-5)
+    assert np.ptp(np.asarray(want)) > 0  # logits that say something
