@@ -357,19 +357,25 @@ export class Program {
     const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
     d.pushErrorScope("validation");
     d.pushErrorScope("out-of-memory");
-    this.buffers = new Map();
-    for (const [name, size] of bufferSizes(this.manifest)) {
-      this.buffers.set(name, d.createBuffer({ size, usage, label: name }));
-    }
-    for (const [name, bytes] of Object.entries(this._weights)) this._write(name, bytes);
-    this._weights = null;
-    const pipelines = await this._pipelines();
-    this.streams = {};
-    for (const [tag, s] of Object.entries(this.manifest.streams)) {
-      this.streams[tag] = this._stream(s, pipelines);
+    let failure = null;
+    try {
+      this.buffers = new Map();
+      for (const [name, size] of bufferSizes(this.manifest)) {
+        this.buffers.set(name, d.createBuffer({ size, usage, label: name }));
+      }
+      for (const [name, bytes] of Object.entries(this._weights)) this._write(name, bytes);
+      this._weights = null;
+      const pipelines = await this._pipelines();
+      this.streams = {};
+      for (const [tag, s] of Object.entries(this.manifest.streams)) {
+        this.streams[tag] = this._stream(s, pipelines);
+      }
+    } catch (e) {
+      failure = e; // reported after the scopes are popped: it says more than their errors
     }
     const oom = await d.popErrorScope();
     const invalid = await d.popErrorScope();
+    if (failure) throw failure;
     if (oom) throw new DeviceError(`not enough GPU memory for ${this.url}: ${oom.message}`);
     if (invalid) throw new DeviceError(`the GPU rejected ${this.url}: ${invalid.message}`);
   }

@@ -168,6 +168,8 @@ def test_broken_artifacts_are_clear_errors(page, site, digits):
                                                            "dtype": "f32"}}))
     e = _broken(site, "resized")
     _edit_manifest(e, lambda m: m["leaves"]["mlp.0.weight"].update(shape=[32, 65]))
+    f = _broken(site, "badwgsl")
+    (f / "kernels" / "000.wgsl").write_text("fn main( {\n")
     cases = {
         "nothing-here/": "ArtifactError: artifact {}nothing-here/: manifest.json is missing "
                          "(HTTP 404)",
@@ -177,6 +179,7 @@ def test_broken_artifacts_are_clear_errors(page, site, digits):
         "noweight/": "weights.safetensors lacks 'mlp.2.weight' (f32[3])",
         "resized/": "weights.safetensors: 'mlp.0.weight' is F32[32, 64] (8192 bytes); the "
                     "program needs f32[32, 65]",
+        "badwgsl/": "does not compile on this device at line 1: ",
     }
     for url, message in cases.items():
         r = _run(page, url, {"x": x})
