@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up meganeura on a fresh Debian/Ubuntu machine: a Vulkan driver if none is present (Mesa's
 # lavapipe CPU driver, installed through apt when running as root), and a virtualenv in .venv
-# with the package (and, with --test, the test dependencies).  Idempotent.
+# with the package (and, with --test, the test dependencies plus Debian's chromium, which runs the
+# browser runtime's tests headless through WebGPU).  Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_test=0
@@ -22,6 +23,20 @@ if ! have_vulkan || ! ldconfig -p 2>/dev/null | grep libvulkan.so.1 >/dev/null; 
   else
     echo "[setup] no Vulkan driver found. Install one, e.g.:" >&2
     echo "        sudo apt-get install -y mesa-vulkan-drivers libvulkan1" >&2
+  fi
+fi
+
+# the browser tests (tests/web) drive Debian's chromium: Playwright cannot download its own
+# browsers here, and Chromium's built-in SwiftShader adapter gives WebGPU without a GPU
+if [ $want_test = 1 ] && ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing chromium (browser runtime tests) via apt"
+    apt-get update -qq >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+      >/dev/null
+  else
+    echo "[setup] no chromium: tests/web will be skipped. Install it, e.g.:" >&2
+    echo "        sudo apt-get install -y chromium" >&2
   fi
 fi
 

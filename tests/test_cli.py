@@ -230,3 +230,25 @@ def test_tune_fills_the_cache_and_says_so(tmp_path):
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "tuned" in out.stdout and str(tmp_path / "t.json") in out.stdout
+
+
+def test_export_writes_a_portable_artifact_of_the_trained_model(gpu, tmp_path, capsys):
+    import numpy as np
+
+    import meganeura as mn
+    from meganeura.io.datasets import load_digits
+
+    assert main(["train", "--out", str(tmp_path), "--quiet", "--epochs", "1"]) == 0
+    ckpt, out = tmp_path / "mlp.safetensors", tmp_path / "web" / "mlp"
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(out),
+                 "--batch-size", "4"]) == 0
+    assert f"exported mlp (batch 4) to {out}" in capsys.readouterr().out
+    assert oct((out / "weights.safetensors").stat().st_mode & 0o444) == "0o444"  # servable
+    x = load_digits("test")[0][:4]
+    got = mn.load_program(out, device=gpu).run(x=x)["logits"]
+    tensors = mn.checkpoint.read_checkpoint(ckpt)[0]
+    w0, b0, w1, b1 = (tensors[f"mlp.{i}.{k}"] for i in (0, 1) for k in ("weight", "bias"))
+    want = np.maximum(x @ w0.T + b0, 0) @ w1.T + b1
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert main(["export", "--checkpoint", str(tmp_path / "none.safetensors")]) == 2
+    assert "does not exist (write one with 'meganeura train')" in capsys.readouterr().err

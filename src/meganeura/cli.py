@@ -1,7 +1,8 @@
 """``meganeura`` command line: ``info`` (WebGPU implementations, adapter, features, limits),
 ``train`` (a model on the embedded digits dataset, with progress bar, checkpoint and loss plot)
-``profile`` (per-kernel GPU times and roofline of a training step) and ``tune`` (time the
-candidate kernel configurations on this device and cache the fastest).
+``profile`` (per-kernel GPU times and roofline of a training step), ``tune`` (time the
+candidate kernel configurations on this device and cache the fastest) and ``export`` (a trained
+checkpoint as an artifact folder that ``mn.load_program`` and browsers run; docs/deploy.md).
 
 Errors are one line on stderr (``meganeura: error: …``) and a non-zero exit status, never a
 traceback: 2 for bad arguments or settings, 1 for failures while running, 3 when ``train`` ends
@@ -419,6 +420,50 @@ def cmd_tune(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------- export
+
+
+def cmd_export(args) -> int:
+    """A ``meganeura train`` checkpoint as an inference artifact for ``--batch-size`` examples,
+    compiled portable (WebGPU's guaranteed limits, no optional features) so that browsers run
+    it too (web/meganeura.js)."""
+    from . import compile
+    from .checkpoint import read_checkpoint
+
+    config = _checkpoint_config(args.checkpoint)
+    _open_backend(args.backend)
+    tensors, _ = read_checkpoint(args.checkpoint)
+    m = _model(config["model"], args.batch_size)
+    sess = compile(m.graph, outputs={"logits": m.logits}, backend=args.backend, portable=True)
+    try:
+        sess.set_params({n: tensors[n] for n in sess.param_names}, strict=True)
+    except KeyError as e:
+        raise CLIError(f"--checkpoint {args.checkpoint!r} lacks the parameter {e} of the "
+                       f"{config['model']} model") from None
+    t0 = time.perf_counter()
+    sess.export(args.out)
+    out = args.out
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+    print(f"exported {config['model']} (batch {args.batch_size}) to {out}: "
+          f"{size / 1024:.1f} KiB in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def _checkpoint_config(path: str) -> dict:
+    """The settings ``meganeura train`` stored in its checkpoint (which model it trained)."""
+    from .checkpoint import read_metadata
+
+    if not os.path.isfile(path):
+        raise CLIError(f"--checkpoint {path!r} does not exist (write one with 'meganeura train')")
+    try:
+        config = json.loads(read_metadata(path)["cli.config"])
+        if config["model"] not in ("mlp", "cnn"):
+            raise ValueError(config["model"])
+    except (KeyError, ValueError, TypeError):
+        raise CLIError(f"--checkpoint {path!r} was not written by 'meganeura train'") from None
+    return config
+
+
 def _tune_cache_path() -> str:
     from .compile.tune import default_cache_path
 
@@ -493,6 +538,16 @@ def _parser() -> argparse.ArgumentParser:
                     help="wgpu | dawn | auto (default: $MEGANEURA_WEBGPU, else wgpu)")
     pn.add_argument("--precision", default="strict", choices=["strict", "fast"],
                     help="fast: f16 tensor-core matmuls where the device has them")
+    pe = sub.add_parser("export", help="a trained checkpoint as an artifact for browsers and "
+                        "mn.load_program", description=_plain(cmd_export.__doc__),
+                        formatter_class=_HelpFormatter)
+    pe.add_argument("--checkpoint", default="runs/mlp.safetensors",
+                    help="checkpoint written by 'meganeura train'")
+    pe.add_argument("--out", default="web/demo/mlp", help="artifact folder to write (replaced)")
+    pe.add_argument("--batch-size", type=_positive_int, default=1,
+                    help="examples per run of the exported program")
+    pe.add_argument("--backend", type=_backend(False), default=None,
+                    help="wgpu | dawn | auto (default: $MEGANEURA_WEBGPU, else wgpu)")
     return p
 
 
@@ -506,7 +561,7 @@ def main(argv=None) -> int:
         return 2
     try:
         commands = {"info": cmd_info, "train": cmd_train, "profile": cmd_profile,
-                    "tune": cmd_tune}
+                    "tune": cmd_tune, "export": cmd_export}
         return commands[args.cmd](args)
     except CLIError as e:
         print(f"meganeura: error: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -73,3 +74,24 @@ def test_broken_artifacts_are_clear_errors(gpu, tmp_path):
     (tmp_path / "a" / "kernels" / "000.wgsl").unlink()
     with pytest.raises(mn.CheckpointError, match="unreadable"):
         mn.load_program(tmp_path / "a", device=gpu)
+
+
+def test_portable_programs_fit_webgpus_guaranteed_limits(gpu, tmp_path):
+    """compile(portable=True): bindings aligned for every WebGPU device (256 bytes), workgroups
+    of at most 256 invocations, no optional features; same results as the device's program."""
+    s, x, _ = _trained()
+    m = mlp_classifier(16, in_dim=64, hidden=(32,), classes=10)
+    p = mn.compile(m.graph, outputs={"logits": m.logits}, portable=True)
+    p.set_params(s.get_params())
+    p.export(tmp_path / "web")
+    man = json.loads((tmp_path / "web" / "manifest.json").read_text())
+    offsets = {b[2] for st in man["streams"].values() for op in st["ops"]
+               for b in op.get("bindings", ())}
+    assert all(o % 256 == 0 for o in offsets)
+    for src in (tmp_path / "web" / "kernels").iterdir():
+        text = src.read_text()
+        assert "enable " not in text
+        sizes = [np.prod([int(n) for n in dims.split(",")])
+                 for dims in re.findall(r"@workgroup_size\(([\d, ]+)\)", text)]
+        assert sizes and max(sizes) <= 256
+    np.testing.assert_allclose(p.run(x=x)["logits"], s.run(x=x)["logits"], rtol=1e-6, atol=1e-6)

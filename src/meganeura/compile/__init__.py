@@ -20,7 +20,7 @@ from ..program import build_program
 from .pipeline import CompileOptions, Tuning, compile_program
 from .tune import TuningCache, tune_mode
 
-_GPU_OPTIONS = ("fuse", "plan_memory", "group_params", "device", "share", "tune")
+_GPU_OPTIONS = ("fuse", "plan_memory", "group_params", "device", "share", "tune", "portable")
 _REFERENCE_OPTIONS = ("dtype", "share")
 
 
@@ -32,7 +32,11 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
     loss/optimizer: training (``step``); outputs: named values returned by ``run``/``step``.
     backend: "wgpu" (default), "dawn", "auto" or "reference" (numpy interpreter; option
     ``dtype=np.float64`` for double precision).  Options for the GPU backend: ``fuse``,
-    ``plan_memory``, ``group_params`` (all default True), ``device``, ``tune``.
+    ``plan_memory``, ``group_params`` (all default True), ``device``, ``tune``, ``portable``.
+
+    portable: True emits kernels for WebGPU's guaranteed limits and no optional features
+    (not this device's), untuned, so an exported program (``session.export``) runs on any
+    WebGPU device, browsers included (docs/deploy.md).  Default False.
 
     tune: "cache" (default; ``$MEGANEURA_TUNE``) uses tuned kernel configurations found in
     the on-disk cache (``$MEGANEURA_TUNE_CACHE``, default ``~/.cache/meganeura/tuning.json``)
@@ -94,8 +98,11 @@ def _gpu_session(program, precision: str, backend, check_finite: bool, options: 
     device = device or get_device(backend)
     opts = CompileOptions(precision, options.get("fuse", True), options.get("plan_memory", True),
                           options.get("group_params", True))
-    tuning = _tuning(device, options.get("tune"))
-    exe = compile_program(program, make_target(device), opts, shares_tensors=share is not None,
+    portable = bool(options.get("portable", False))
+    # portable: the limits every WebGPU device has; tuned configurations may assume more
+    tuning = _tuning(device, False if portable else options.get("tune"))
+    target = make_target(None) if portable else make_target(device)
+    exe = compile_program(program, target, opts, shares_tensors=share is not None,
                           tuning=tuning)
     sess = GPUSession(program, exe, device, check_finite, share)
     sess.tuning = tuning.report

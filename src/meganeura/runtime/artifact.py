@@ -61,6 +61,7 @@ def export_session(sess, path: str | os.PathLike) -> Path:
             (tmp / "kernels" / f"{i:03d}.wgsl").write_text(src)
         save_file({n: np.ascontiguousarray(v) for n, v in tensors.items()}, str(tmp / WEIGHTS))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _publishable(tmp)
         _replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -70,6 +71,19 @@ def export_session(sess, path: str | os.PathLike) -> Path:
 
 def _types(feeds: Mapping[str, TensorType]) -> dict:
     return {n: {"shape": list(t.shape), "dtype": t.dtype.name} for n, t in feeds.items()}
+
+
+def _publishable(folder: Path) -> None:
+    """The usual permissions (mkdtemp makes the folder private, safetensors the weights): a
+    web server running as another user must be able to read the artifact it serves."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for d, dirs, files in os.walk(folder):
+        for n in dirs:
+            os.chmod(os.path.join(d, n), 0o777 & ~umask)
+        for n in files:
+            os.chmod(os.path.join(d, n), 0o666 & ~umask)
 
 
 def _replace_dir(tmp: Path, target: Path) -> None:
