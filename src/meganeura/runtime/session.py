@@ -15,25 +15,37 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from ..compile.executable import Executable
-from ..errors import FeedError, GraphBuildError
+from ..errors import FeedError, GraphBuildError, NonFiniteError
 from ..graph import TensorType
 from ..init import init_leaves
-from ..program import Program
+from ..program import NONFINITE, Program
 from .executable import GPUStream, PinnedBuffers, from_gpu, round4, to_gpu
 
 
 class StepResult:
     """What a training step produced.  Values are fetched lazily: nothing waits for the GPU
-    until ``loss`` or ``outputs`` is read."""
+    until ``loss`` or ``outputs`` is read.  Under ``nan_check="step"`` the first read checks
+    the step's non-finite flags and raises ``NonFiniteError`` (every read, the step having
+    applied no update); ``on_nonfinite`` is called once, then."""
 
-    def __init__(self, fetch: Callable[[], dict[str, np.ndarray]], step: int):
+    def __init__(self, fetch: Callable[[], dict[str, np.ndarray]], step: int,
+                 flag_names: tuple[str, ...] = (), on_nonfinite: Callable[[], None] | None = None):
         self._fetch = fetch
         self._cache: dict[str, np.ndarray] | None = None
+        self._error: tuple | None = None
+        self._flag_names, self._on_nonfinite = flag_names, on_nonfinite
         self.step = step
 
     def _values(self) -> dict[str, np.ndarray]:
         if self._cache is None:
-            self._cache = self._fetch()
+            vals = dict(self._fetch())
+            flags = vals.pop(NONFINITE, None)
+            self._error = _nonfinite(flags, self._flag_names, self.step)
+            self._cache = vals
+            if self._error is not None and self._on_nonfinite is not None:
+                self._on_nonfinite()
+        if self._error is not None:
+            raise NonFiniteError(*self._error)
         return self._cache
 
     @property
@@ -52,6 +64,23 @@ class StepResult:
 
     def __repr__(self) -> str:
         return f"StepResult(step={self.step})"
+
+
+def _nonfinite(flags, names: tuple[str, ...], step: int) -> tuple | None:
+    """NonFiniteError's arguments when some flag is set (None when all is finite): the loss
+    or the first parameter whose gradient held NaN/inf, then the others."""
+    if flags is None:
+        return None
+    bad = [names[i] for i in np.flatnonzero(np.asarray(flags).reshape(-1) != 0)]
+    if not bad:
+        return None
+    first = "the loss" if bad[0] == "loss" else f"the gradient of parameter {bad[0]!r}"
+    more = [repr(n) for n in bad[1:]]
+    also = f" (also non-finite gradients of {', '.join(more[:8])}" \
+        f"{', …' if len(more) > 8 else ''})" if more else ""
+    msg = (f"step {step}: NaN/inf in {first}{also}; the update was not applied (parameters "
+           f"and optimizer state keep their values from step {step - 1})")
+    return msg, bad[0], tuple(bad), step
 
 
 def check_feeds(expected: Mapping[str, TensorType], feeds: Mapping[str, object],
@@ -167,7 +196,13 @@ class Session(ABC):
                              self.feed_ranges)
         fetch = self._step(arrays)
         self.step_count += 1
-        return StepResult(fetch, self.step_count)
+        return StepResult(fetch, self.step_count, self.program.nonfinite_names,
+                          self._skipped_step)
+
+    def _skipped_step(self) -> None:
+        """A nan_check'ed step turned out non-finite (no update was applied): it does not
+        count."""
+        self.step_count = max(0, self.step_count - 1)
 
     def run(self, **feeds) -> dict[str, np.ndarray]:
         """Inference: the named outputs for these feeds (parameters unchanged)."""
