@@ -78,6 +78,15 @@ def _check_options(precision: str, backend, options: dict) -> None:
         where = "the reference backend" if backend == "reference" else "the GPU backends"
         raise GraphBuildError(f"compile: unknown option(s) {unknown} for {where}; "
                               f"known: {list(known)}")
+    if "dtype" in options:  # an int or f16 interpreter would compute something else silently
+        try:
+            dt = np.dtype(options["dtype"])
+        except TypeError:
+            dt = None
+        if dt not in (np.float32, np.float64):
+            raise GraphBuildError(f"compile: dtype must be np.float32 or np.float64 (the "
+                                  f"reference interpreter's precision), got "
+                                  f"{options['dtype']!r}")
 
 
 def _gpu_session(program, precision: str, backend, check_finite: bool, options: dict):

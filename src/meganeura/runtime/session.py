@@ -83,6 +83,26 @@ def _nonfinite(flags, names: tuple[str, ...], step: int) -> tuple | None:
     return msg, bad[0], tuple(bad), step
 
 
+def _checked_value(what: str, arr: np.ndarray, t: TensorType, check_finite: bool) -> np.ndarray:
+    """``arr`` converted to ``t``'s dtype, refusing a wrong kind of dtype, integers out of
+    range and (``check_finite``) values that are NaN/inf as stored."""
+    if t.dtype.is_float and not np.issubdtype(arr.dtype, np.floating):
+        raise FeedError(f"{what} has dtype {arr.dtype}, expected {t}")
+    if t.dtype.is_int:
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise FeedError(f"{what} has dtype {arr.dtype}, expected {t}")
+        info = np.iinfo(t.dtype.np)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise FeedError(f"{what} has values outside the {t.dtype.name} range")
+    with np.errstate(over="ignore", invalid="ignore"):
+        conv = np.ascontiguousarray(arr, dtype=t.dtype.np).reshape(t.shape)
+    if t.dtype.is_float and check_finite and not np.isfinite(conv).all():
+        idx = tuple(int(i) for i in np.argwhere(~np.isfinite(conv))[0])
+        raise FeedError(f"{what} has NaN/inf values as {t.dtype.name}; the first at index "
+                        f"{idx} (value {arr[idx].item()!r})")
+    return conv
+
+
 def check_feeds(expected: Mapping[str, TensorType], feeds: Mapping[str, object],
                 check_finite: bool = True,
                 ranges: Mapping[str, list] | None = None) -> dict[str, np.ndarray]:
@@ -213,8 +233,12 @@ class Session(ABC):
         return self._run(arrays)
 
     def init_params(self, seed: int = 0) -> None:
-        """Deterministic initial parameters and states (identical on every backend)."""
-        self._write(init_leaves(self.program.graph, seed))
+        """Deterministic initial parameters and states (identical on every backend).  The seed
+        must be a non-negative int: 1.5 would silently become 1 and -1 fail deep in numpy."""
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+                or seed < 0:
+            raise FeedError(f"init_params: seed must be a non-negative int, got {seed!r}")
+        self._write(init_leaves(self.program.graph, int(seed)))
         self.step_count = 0
 
     def _shared_names(self, other: Session | None) -> list[str]:
@@ -249,9 +273,14 @@ class Session(ABC):
         return self._read(list(self.program.persistent))
 
     def set_params(self, values: Mapping[str, np.ndarray], strict: bool = False) -> None:
-        """Set some (``strict``: all) parameters/states; checked before anything is written."""
+        """Set some (``strict``: all) parameters/states; checked before anything is written:
+        names, shapes, dtypes, integer ranges and finiteness as stored (a NaN written into a
+        weight would otherwise surface steps later as a NaN loss far from its cause)."""
+        if not isinstance(values, Mapping):
+            raise FeedError(f"set_params: expected a dict of tensor name -> array, got "
+                            f"{type(values).__name__}")
         pers = self.program.persistent
-        unknown = sorted(set(values) - set(pers))
+        unknown = sorted(map(str, set(values) - set(pers)))
         if unknown:
             raise FeedError(f"set_params: unknown tensors {unknown}; known: {sorted(pers)}")
         if strict:
@@ -264,9 +293,7 @@ class Session(ABC):
             arr = np.asarray(arr)
             if arr.shape != t.shape:
                 raise FeedError(f"set_params: {name!r} has shape {arr.shape}, expected {t.shape}")
-            if t.dtype.is_float and not np.issubdtype(arr.dtype, np.floating):
-                raise FeedError(f"set_params: {name!r} has dtype {arr.dtype}, expected {t}")
-            checked[name] = np.ascontiguousarray(arr, dtype=t.dtype.np)
+            checked[name] = _checked_value(f"set_params: {name!r}", arr, t, self.check_finite)
         self._write(checked)
 
     def save(self, path: str | os.PathLike) -> None:
