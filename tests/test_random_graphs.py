@@ -327,19 +327,21 @@ def _run(r: Recipe, values, **compile_args):
     return sess.run()
 
 
-def _rel(a, b) -> float:
+def _err(a, b, atol: float) -> float:
+    """RMS difference over (atol + RMS of b): relative error, with an absolute floor for
+    values that cancel (x - mean(x) of nearly equal numbers has few significant bits left)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert a.shape == b.shape, f"shape {a.shape} vs {b.shape}"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-6))
+    n = max(a.size, 1)
+    return float(np.linalg.norm(a - b) / np.sqrt(n) / (atol + np.linalg.norm(b) / np.sqrt(n)))
 
 
-def _compare(ours, theirs, tol, what):
-    assert ours.keys() >= {k for k in theirs if not k.startswith("grad.")}
+def _compare(ours, theirs, tol, what, atol=1e-12):
     for k, v in theirs.items():
         if k not in ours:  # a parameter the loss does not reach has no gradient value
             assert not np.any(v), f"{what}: {k} missing but nonzero"
             continue
-        e = _rel(ours[k], v)
+        e = _err(ours[k], v, atol)
         assert e <= tol, f"{what}: {k} relative error {e:.2e} > {tol:.0e}"
 
 
@@ -366,7 +368,7 @@ def test_gpu_matches_reference_float64(r):
     values = _values(r)
     ours = _run(r, values)
     _compare(ours, _run(r, values, backend="reference", dtype=np.float64), 2e-4,
-             "wgpu f32 vs reference f64")
+             "wgpu f32 vs reference f64", atol=5e-3)
 
 
 # ----------------------------------------------------------------------------- found by it
