@@ -15,6 +15,7 @@ from .errors import (  # noqa: F401
     LimitError,
     MeganeuraError,
     NameConflictError,
+    NonFiniteError,
     ShapeError,
 )
 from .graph import Graph, TensorType, Value  # noqa: F401

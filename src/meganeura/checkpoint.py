@@ -84,7 +84,14 @@ def save_checkpoint(path, tensors: Mapping[str, np.ndarray], fingerprint: str, s
     meta = {**extra, "format": FORMAT, "fingerprint": fingerprint, "step": str(step),
             "scalars": ",".join(scalars),
             "crc32": json.dumps({k: _crc(v) for k, v in sorted(stored.items())})}
-    _write_atomic(path, save(stored, metadata=meta))
+    if os.path.isdir(path):
+        raise CheckpointError(f"cannot save checkpoint {path!r}: it is a directory")
+    try:
+        _write_atomic(path, save(stored, metadata=meta))
+    except OSError as e:  # the OS's message would name the temp file, not the target
+        err = OSError(f"cannot save checkpoint {path!r}: {e.strerror or e}")
+        err.errno = e.errno
+        raise err from e
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -176,6 +183,8 @@ def read_metadata(path) -> dict[str, str]:
     from safetensors import safe_open
 
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} is a directory, not a file")
     try:
         with safe_open(path, framework="numpy") as f:
             meta = f.metadata() or {}
@@ -197,6 +206,8 @@ def read_checkpoint(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} is a directory, not a file")
     try:
         with safe_open(path, framework="numpy") as f:
             meta = f.metadata() or {}

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import DTypeError
+
 
 @dataclass(frozen=True)
 class DType:
@@ -58,4 +60,4 @@ def as_dtype(x: object) -> DType:
         for d in ALL:
             if d.np == nd:
                 return d
-    raise TypeError(f"unknown dtype {x!r}; expected one of {[d.name for d in ALL]}")
+    raise DTypeError(f"unknown dtype {x!r}; expected one of {[d.name for d in ALL]}")

@@ -44,3 +44,14 @@ class DeviceError(MeganeuraError, RuntimeError):
 
 class LimitError(DeviceError):
     """A kernel or buffer would exceed a device limit."""
+
+
+class NonFiniteError(MeganeuraError, FloatingPointError):
+    """A training step compiled with ``nan_check="step"`` met a NaN/inf loss or gradient (its
+    update was not applied).  ``culprit``: "loss" or the first parameter with a bad gradient;
+    ``culprits``: all of them; ``step``: the step number."""
+
+    def __init__(self, msg: str, culprit: str = "", culprits: tuple[str, ...] = (),
+                 step: int = 0):
+        super().__init__(msg)
+        self.culprit, self.culprits, self.step = culprit, culprits, step

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .dtypes import DType, as_dtype, bool_, f32
-from .errors import GraphBuildError, NameConflictError, ShapeError
+from .errors import DTypeError, GraphBuildError, NameConflictError, ShapeError
 
 Shape = tuple[int, ...]
 
@@ -299,7 +299,10 @@ class Graph:
         if not isinstance(name, str) or not name:
             raise NameConflictError(f"{kind} name must be a non-empty string, got {name!r}")
         shape = _as_shape(shape, f"{kind} {name!r}")
-        dt = as_dtype(dtype)
+        try:
+            dt = as_dtype(dtype)
+        except DTypeError as e:
+            raise DTypeError(f"{kind} {name!r}: {e}") from None
         if name in self.leaves:
             other = self.leaves[name]
             raise NameConflictError(

@@ -273,11 +273,20 @@ class Optimizer(ABC):
         return list(self._state_names)
 
     # -- building -------------------------------------------------------------------------------
-    def apply(self, graph: Graph, grads: Mapping[str, Value]) -> dict[str, Value]:
+    def apply(self, graph: Graph, grads: Mapping[str, Value],
+              guard: Value | None = None) -> dict[str, Value]:
         """Append the update of every parameter in ``grads`` (name -> gradient value of ``graph``)
-        and of the optimizer states; registers each with ``graph.set_update`` and returns them."""
+        and of the optimizer states; registers each with ``graph.set_update`` and returns them.
+
+        ``guard``: a bool scalar of ``graph`` (``compile(nan_check="step")``); where it is false
+        every update keeps the old value (parameters, states and the step counter), selected
+        on the flat group vectors so the in-place group layout is unchanged."""
         self._check_apply(graph, grads)
-        return self._build_updates(graph, grads)
+        if guard is not None and (not isinstance(guard, Value) or guard.graph is not graph
+                                  or guard.shape != () or guard.dtype.name != "bool"):
+            raise OptimizerError(f"{type(self).__name__}.apply: guard must be a bool scalar "
+                                 f"value of this graph, got {guard!r}")
+        return self._build_updates(graph, grads, guard)
 
     def _check_apply(self, graph: Graph, grads: Mapping[str, Value]) -> None:
         """Every misuse of ``apply`` as one OptimizerError naming the culprit, before any
@@ -313,9 +322,14 @@ class Optimizer(ABC):
                     raise OptimizerError(f"{who}: {what} prefix {p!r} matches no parameter of the "
                                          f"graph (parameters: {_preview(params)})")
 
-    def _build_updates(self, graph: Graph, grads: Mapping[str, Value]) -> dict[str, Value]:
+    def _build_updates(self, graph: Graph, grads: Mapping[str, Value],
+                       guard: Value | None = None) -> dict[str, Value]:
         params = graph.params
         ops = _ops()
+
+        def keep(new: Value, old: Value) -> Value:
+            return new if guard is None else ops.where(guard, new, old)
+
         names = list(grads)
         # groups by (lr multiplier, decays, dtype), ordered by first appearance
         keyed: dict[tuple, list[str]] = {}
@@ -335,13 +349,7 @@ class Optimizer(ABC):
             flat_g.append(_flat([grads[n] for n in ns]).cast(f32))
 
         if self.clip_grad_norm is not None:
-            sq = [ops.sum(ops.square(fg)) for fg in flat_g]
-            total = sq[0]
-            for s in sq[1:]:
-                total = total + s
-            total_norm = ops.sqrt(total)
-            coef = ops.minimum(self.clip_grad_norm / (total_norm + 1e-6), 1.0)
-            flat_g = [fg * coef for fg in flat_g]
+            flat_g = self._clipped(flat_g)
 
         updates: dict[str, Value] = {}
         per_group = zip(self.groups, flat_p, flat_g, strict=True)
@@ -353,19 +361,32 @@ class Optimizer(ABC):
                 self._state_names.append(sname)
             lr_k = lr * mult if mult != 1.0 else lr
             new_p, new_states = self._update(p, gr, states, lr_k, t, decays)
+            new_p = keep(new_p, p)
             for slot, v in new_states.items():
-                updates[f"optim.{slot}.g{k}"] = v
+                updates[f"optim.{slot}.g{k}"] = keep(v, states[slot])
             sizes = [params[n].size for n in ns]
             parts = ops.split(new_p, sizes, 0) if len(ns) > 1 else (new_p,)
             for n, part in zip(ns, parts, strict=True):
                 updates[n] = ops.reshape(part, params[n].shape).cast(params[n].dtype)
-        updates[STEP_STATE] = t
+        updates[STEP_STATE] = keep(t, step)
         # parameters first (in grads order), then states
         ordered = {n: updates[n] for n in names}
         ordered.update({s: updates[s] for s in self._state_names})
         for n, v in ordered.items():
             graph.set_update(n, v)
         return ordered
+
+    def _clipped(self, flat_g: list[Value]) -> list[Value]:
+        """The flat gradients scaled to a global L2 norm of at most ``clip_grad_norm``
+        (``torch.nn.utils.clip_grad_norm_``)."""
+        ops = _ops()
+        sq = [ops.sum(ops.square(fg)) for fg in flat_g]
+        total = sq[0]
+        for s in sq[1:]:
+            total = total + s
+        total_norm = ops.sqrt(total)
+        coef = ops.minimum(self.clip_grad_norm / (total_norm + 1e-6), 1.0)
+        return [fg * coef for fg in flat_g]
 
     @abstractmethod
     def _update(self, p: Value, g: Value, states: dict[str, Value], lr: Value, t: Value,

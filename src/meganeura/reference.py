@@ -74,13 +74,8 @@ class ReferenceSession(Session):
         self._init_unshared(shared)
 
     def _roots(self, inference: bool):
-        p = self.program
-        names = list(p.outputs)
-        values = [p.outputs[n] for n in names]
-        if not inference and p.loss is not None:
-            names.append("__loss__")
-            values.append(p.loss)
-        return names, values
+        fetch = self.program.outputs if inference else self.program.step_fetch()
+        return list(fetch), list(fetch.values())
 
     def _step(self, feeds):
         p = self.program

@@ -26,7 +26,7 @@ _REFERENCE_OPTIONS = ("dtype", "share")
 
 def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value] | None = None,
             optimizer=None, precision: str = "strict", backend: str | None = None,
-            check_finite: bool = True, **options):
+            check_finite: bool = True, nan_check: str | None = None, **options):
     """Compile ``graph`` into a Session.
 
     loss/optimizer: training (``step``); outputs: named values returned by ``run``/``step``.
@@ -51,13 +51,19 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
     kernel, it is the same as strict.  ``session.kernel_variants()`` says which kernels ran
     fast.  The reference backend always computes exactly (precision is ignored there).
 
+    nan_check: None (default, no cost) or "step": each training step also reduces the loss and
+    every gradient to non-finite flags on the device (read with the loss); a step whose loss
+    or some gradient holds NaN/inf applies no update (parameters, optimizer states and
+    ``optim.step`` keep their values) and reading its result raises ``NonFiniteError``
+    naming the loss or the first parameter whose gradient was bad.
+
     share: another session of the same backend; persistent tensors (parameters, states) with
     the same name in both live in one buffer, so each session sees the other's updates (e.g. a
     prefill and a decode graph over one KV cache).  Shared tensors keep their current values;
     the others are initialized as usual.
     """
     _check_options(precision, backend, options)
-    program = build_program(graph, loss, outputs, optimizer)
+    program = build_program(graph, loss, outputs, optimizer, nan_check)
     if backend == "reference":
         from ..reference import ReferenceSession
 
@@ -76,6 +82,15 @@ def _check_options(precision: str, backend, options: dict) -> None:
         where = "the reference backend" if backend == "reference" else "the GPU backends"
         raise GraphBuildError(f"compile: unknown option(s) {unknown} for {where}; "
                               f"known: {list(known)}")
+    if "dtype" in options:  # an int or f16 interpreter would compute something else silently
+        try:
+            dt = np.dtype(options["dtype"])
+        except TypeError:
+            dt = None
+        if dt not in (np.float32, np.float64):
+            raise GraphBuildError(f"compile: dtype must be np.float32 or np.float64 (the "
+                                  f"reference interpreter's precision), got "
+                                  f"{options['dtype']!r}")
 
 
 def _gpu_session(program, precision: str, backend, check_finite: bool, options: dict):

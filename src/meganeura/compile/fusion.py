@@ -62,7 +62,8 @@ def materialized_values(graph: Graph, roots: list[Value], fuse: bool = True) -> 
             elif strided_view:
                 continue
             elif fuse and (isinstance(low, (Matmul, Reduce)) or takes_epilogue(node)) and \
-                    _epilogue_candidate(v, consumers, through_reshape=isinstance(low, Matmul)):
+                    _epilogue_candidate(v, consumers, root_ids,
+                                        through_reshape=isinstance(low, Matmul)):
                 continue  # computed inside its consumer's kernel, as an epilogue
             else:
                 out.add(v.id)
@@ -99,15 +100,18 @@ def _recompute(node, consumers, materialized: set[int], graph: Graph, position,
     return extended <= node.outputs[0].size
 
 
-def _epilogue_candidate(v: Value, consumers, through_reshape: bool = True) -> bool:
+def _epilogue_candidate(v: Value, consumers, root_ids: set[int],
+                        through_reshape: bool = True) -> bool:
     """A matmul result read once, elementwise at its own shape (bias, activation, residual…),
-    possibly through one reshape (a 2-D projection viewed as (batch, seq, features))."""
+    possibly through one reshape (a 2-D projection viewed as (batch, seq, features)) that is
+    not itself fetched (a fetched view is read from the result's buffer, which must exist)."""
     cons = {c.id: c for c in consumers.get(v.id, [])}
     if len(cons) != 1:
         return False
     (c,) = cons.values()
     if through_reshape and c.op == "reshape":
-        return _epilogue_candidate(c.outputs[0], consumers, through_reshape=False)
+        return c.outputs[0].id not in root_ids and _epilogue_candidate(
+            c.outputs[0], consumers, root_ids, through_reshape=False)
     return isinstance(_lowering(c), Pointwise) and c.outputs[0].shape == v.shape and sum(
         1 for x in c.inputs if x is v) == 1
 

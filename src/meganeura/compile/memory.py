@@ -395,10 +395,7 @@ class _Request:
 
     @functools.cached_property
     def fetch_values(self) -> dict[str, Value]:
-        fetch = dict(self.program.outputs)
-        if not self.inference and self.program.loss is not None:
-            fetch["__loss__"] = self.program.loss
-        return fetch
+        return dict(self.program.outputs) if self.inference else self.program.step_fetch()
 
     def leaf_loc(self, v: Value) -> Loc | None:
         lf = self.graph.leaf_of(v)

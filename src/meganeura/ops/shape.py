@@ -253,6 +253,12 @@ def getitem(x: Value, idx) -> Value:
     """Basic indexing: ints, slices (step > 0), ``None`` and ``...``.  Arrays: use ``gather``."""
     if not isinstance(idx, tuple):
         idx = (idx,)
+    for i in idx:
+        if not (i is None or i is Ellipsis or isinstance(i, (slice, int, np.integer))) \
+                or isinstance(i, (bool, np.bool_)):
+            raise build_error(GraphBuildError, "getitem", f"index {i!r} "
+                              f"({type(i).__name__}) is not an int, slice, None or ...; "
+                              "index with arrays through mn.ops.take", x)
     if sum(i is Ellipsis for i in idx) > 1:
         raise build_error(GraphBuildError, "getitem", f"index {idx!r}: only one ellipsis allowed",
                           x)

@@ -15,25 +15,37 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from ..compile.executable import Executable
-from ..errors import FeedError, GraphBuildError
+from ..errors import FeedError, GraphBuildError, NonFiniteError
 from ..graph import TensorType
 from ..init import init_leaves
-from ..program import Program
+from ..program import NONFINITE, Program
 from .executable import GPUStream, PinnedBuffers, from_gpu, round4, to_gpu, upload_feeds
 
 
 class StepResult:
     """What a training step produced.  Values are fetched lazily: nothing waits for the GPU
-    until ``loss`` or ``outputs`` is read."""
+    until ``loss`` or ``outputs`` is read.  Under ``nan_check="step"`` the first read checks
+    the step's non-finite flags and raises ``NonFiniteError`` (every read, the step having
+    applied no update); ``on_nonfinite`` is called once, then."""
 
-    def __init__(self, fetch: Callable[[], dict[str, np.ndarray]], step: int):
+    def __init__(self, fetch: Callable[[], dict[str, np.ndarray]], step: int,
+                 flag_names: tuple[str, ...] = (), on_nonfinite: Callable[[], None] | None = None):
         self._fetch = fetch
         self._cache: dict[str, np.ndarray] | None = None
+        self._error: tuple | None = None
+        self._flag_names, self._on_nonfinite = flag_names, on_nonfinite
         self.step = step
 
     def _values(self) -> dict[str, np.ndarray]:
         if self._cache is None:
-            self._cache = self._fetch()
+            vals = dict(self._fetch())
+            flags = vals.pop(NONFINITE, None)
+            self._error = _nonfinite(flags, self._flag_names, self.step)
+            self._cache = vals
+            if self._error is not None and self._on_nonfinite is not None:
+                self._on_nonfinite()
+        if self._error is not None:
+            raise NonFiniteError(*self._error)
         return self._cache
 
     @property
@@ -52,6 +64,43 @@ class StepResult:
 
     def __repr__(self) -> str:
         return f"StepResult(step={self.step})"
+
+
+def _nonfinite(flags, names: tuple[str, ...], step: int) -> tuple | None:
+    """NonFiniteError's arguments when some flag is set (None when all is finite): the loss
+    or the first parameter whose gradient held NaN/inf, then the others."""
+    if flags is None:
+        return None
+    bad = [names[i] for i in np.flatnonzero(np.asarray(flags).reshape(-1) != 0)]
+    if not bad:
+        return None
+    first = "the loss" if bad[0] == "loss" else f"the gradient of parameter {bad[0]!r}"
+    more = [repr(n) for n in bad[1:]]
+    also = f" (also non-finite gradients of {', '.join(more[:8])}" \
+        f"{', …' if len(more) > 8 else ''})" if more else ""
+    msg = (f"step {step}: NaN/inf in {first}{also}; the update was not applied (parameters "
+           f"and optimizer state keep their values from step {step - 1})")
+    return msg, bad[0], tuple(bad), step
+
+
+def _checked_value(what: str, arr: np.ndarray, t: TensorType, check_finite: bool) -> np.ndarray:
+    """``arr`` converted to ``t``'s dtype, refusing a wrong kind of dtype, integers out of
+    range and (``check_finite``) values that are NaN/inf as stored."""
+    if t.dtype.is_float and not np.issubdtype(arr.dtype, np.floating):
+        raise FeedError(f"{what} has dtype {arr.dtype}, expected {t}")
+    if t.dtype.is_int:
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise FeedError(f"{what} has dtype {arr.dtype}, expected {t}")
+        info = np.iinfo(t.dtype.np)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise FeedError(f"{what} has values outside the {t.dtype.name} range")
+    with np.errstate(over="ignore", invalid="ignore"):
+        conv = np.ascontiguousarray(arr, dtype=t.dtype.np).reshape(t.shape)
+    if t.dtype.is_float and check_finite and not np.isfinite(conv).all():
+        idx = tuple(int(i) for i in np.argwhere(~np.isfinite(conv))[0])
+        raise FeedError(f"{what} has NaN/inf values as {t.dtype.name}; the first at index "
+                        f"{idx} (value {arr[idx].item()!r})")
+    return conv
 
 
 def check_feeds(expected: Mapping[str, TensorType], feeds: Mapping[str, object],
@@ -167,7 +216,13 @@ class Session(ABC):
                              self.feed_ranges)
         fetch = self._step(arrays)
         self.step_count += 1
-        return StepResult(fetch, self.step_count)
+        return StepResult(fetch, self.step_count, self.program.nonfinite_names,
+                          self._skipped_step)
+
+    def _skipped_step(self) -> None:
+        """A nan_check'ed step turned out non-finite (no update was applied): it does not
+        count."""
+        self.step_count = max(0, self.step_count - 1)
 
     def run(self, **feeds) -> dict[str, np.ndarray]:
         """Inference: the named outputs for these feeds (parameters unchanged)."""
@@ -178,8 +233,12 @@ class Session(ABC):
         return self._run(arrays)
 
     def init_params(self, seed: int = 0) -> None:
-        """Deterministic initial parameters and states (identical on every backend)."""
-        self._write(init_leaves(self.program.graph, seed))
+        """Deterministic initial parameters and states (identical on every backend).  The seed
+        must be a non-negative int: 1.5 would silently become 1 and -1 fail deep in numpy."""
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+                or seed < 0:
+            raise FeedError(f"init_params: seed must be a non-negative int, got {seed!r}")
+        self._write(init_leaves(self.program.graph, int(seed)))
         self.step_count = 0
 
     def _shared_names(self, other: Session | None) -> list[str]:
@@ -214,9 +273,14 @@ class Session(ABC):
         return self._read(list(self.program.persistent))
 
     def set_params(self, values: Mapping[str, np.ndarray], strict: bool = False) -> None:
-        """Set some (``strict``: all) parameters/states; checked before anything is written."""
+        """Set some (``strict``: all) parameters/states; checked before anything is written:
+        names, shapes, dtypes, integer ranges and finiteness as stored (a NaN written into a
+        weight would otherwise surface steps later as a NaN loss far from its cause)."""
+        if not isinstance(values, Mapping):
+            raise FeedError(f"set_params: expected a dict of tensor name -> array, got "
+                            f"{type(values).__name__}")
         pers = self.program.persistent
-        unknown = sorted(set(values) - set(pers))
+        unknown = sorted(map(str, set(values) - set(pers)))
         if unknown:
             raise FeedError(f"set_params: unknown tensors {unknown}; known: {sorted(pers)}")
         if strict:
@@ -229,9 +293,7 @@ class Session(ABC):
             arr = np.asarray(arr)
             if arr.shape != t.shape:
                 raise FeedError(f"set_params: {name!r} has shape {arr.shape}, expected {t.shape}")
-            if t.dtype.is_float and not np.issubdtype(arr.dtype, np.floating):
-                raise FeedError(f"set_params: {name!r} has dtype {arr.dtype}, expected {t}")
-            checked[name] = np.ascontiguousarray(arr, dtype=t.dtype.np)
+            checked[name] = _checked_value(f"set_params: {name!r}", arr, t, self.check_finite)
         self._write(checked)
 
     def save(self, path: str | os.PathLike) -> None:

@@ -41,4 +41,6 @@ def rebuild(program: Program, rewrite: Rewrite, keep: set[int] | None = None) ->
         {k: vmap[v.id] for k, v in program.outputs.items()},
         {k: vmap[v.id] for k, v in program.grads.items() if v.id in vmap},
         program.optimizer, program.model_fingerprint,
+        vmap[program.nonfinite.id] if program.nonfinite is not None else None,
+        program.nonfinite_names,
     )
