@@ -60,11 +60,16 @@ def _run_case(gpu, dims, attrs, mask=None, mask_grad=False, seed=0, also_unfused
                            check_finite=False)
         plain.set_params(params)
         got2 = plain.run(**feeds)
+        again = sess.run(**feeds)
         for n in outs:
-            # Fused and unfused kernels are not promised to be bit-identical: the drivers'
-            # shader compilers contract a*b+c into fma differently in the two (measured ≤ 1 ulp
-            # apart on the H200 with both Dawn and wgpu-native; exact on lavapipe)
-            np.testing.assert_allclose(got2[n], got[n], rtol=4e-7, atol=1.2e-7)
+            # the same program twice: bit-identical (fixed summation orders, no races)
+            np.testing.assert_array_equal(again[n], got[n], err_msg=n)
+            # Fused and unfused programs are not promised to be bit-identical: the drivers'
+            # shader compilers contract a*b+c into fma differently in the two (e.g. in the
+            # delta = rowsum(dO·O) reduce), and dS = P·(dP - delta) amplifies such an ulp of
+            # delta by cancellation (exact on lavapipe; on the H200 the register-tiled kernels
+            # exceeded a 4e-7 bound here, 2026-11-30)
+            np.testing.assert_allclose(got2[n], got[n], rtol=2e-6, atol=1e-6, err_msg=n)
     return sess
 
 
@@ -111,8 +116,8 @@ def test_attention_gpu_differentiable_mask(gpu):
 
 @pytest.mark.parametrize("split", [False, True])
 def test_attention_gpu_large_tiles(gpu, monkeypatch, split):
-    """Without the small-problem rule the tiles are the real-size ones (64 rows per forward
-    block for D = 8, the largest dK/dV key block that fits the device) and dK/dV sums the query
+    """Without the small-problem rule the tiles are the real-size ones (the first of CONFIGS
+    that fits: 32 rows per forward block for D = 8) and dK/dV sums the query
     heads of a group in the kernel (split=False) or per query head plus a reduce (split=True);
     odd sizes still cross tile boundaries."""
     monkeypatch.setattr(cg_attention, "MIN_WORKGROUPS", 1)
@@ -122,9 +127,10 @@ def test_attention_gpu_large_tiles(gpu, monkeypatch, split):
     specs = [d.spec for d in sess.executable.infer.dispatches]
     tiles = {spec.meta["archetype"]: spec.meta["tiles"] for spec in specs if "tiles" in spec.meta}
     t = make_target(gpu.limits, gpu.features)
+    fwd_cfg = cg_attention.choose_config("fwd", 82, 2, 8, 8, t)
     dkdv_cfg = cg_attention.choose_config("dkdv", 41, 4 if split else 2, 8, 8, t)
-    assert tiles["attention_fwd"][0] == 64
-    assert tiles["attention_dkdv"][0] == dkdv_cfg[0] * dkdv_cfg[2] >= 32
+    assert tiles["attention_fwd"][0] == fwd_cfg[0] * fwd_cfg[2] == 32  # first of CONFIGS
+    assert tiles["attention_dkdv"][0] == dkdv_cfg[0] * dkdv_cfg[2] >= 16
     dkdv = [lbl for lbl in sess.kernel_labels(inference=True) if "dkdv" in lbl]
     assert dkdv == [f"attention_grad_dkdv {(1, 4 if split else 2, 41, 8)},"
                     f"{(1, 4 if split else 2, 41, 8)}"]
@@ -206,6 +212,9 @@ def test_attention_tile_configs_fit_the_limits(D, storage):
             kind, q, kv, kv, None, *extra, True, 0.125, 0, 0), limits)
         assert spec.meta["workgroup_storage"] <= storage
         assert spec.meta["workgroup_size"] <= 256
+    if storage == 49152 and D == 64:  # the H200: Whisper-tiny's encoder, the measured best
+        t = make_target(limits)
+        assert cg_attention.choose_config("fwd", 1500, 6, 64, 64, t) == (8, 16, 4, 2)
 
 
 # ---------------------------------------------------------------------------------- index ops
