@@ -119,7 +119,10 @@ def test_bad_settings_found_before_training_are_one_line_errors(tmp_path, capsys
 
 
 def test_dawn_without_its_package_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    from meganeura.runtime import device as device_module
+
     monkeypatch.setitem(sys.modules, "wgpudawn", None)  # as if the extra were not installed
+    monkeypatch.setattr(device_module, "_CACHE", {})  # (a Dawn device opened earlier)
     for argv in (["info", "--backend", "dawn"], ["profile", "--backend", "dawn"],
                  ["train", "--backend", "dawn", "--out", str(tmp_path)]):
         rc, line = _fails(argv, capsys)

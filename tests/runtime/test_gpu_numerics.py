@@ -2,7 +2,7 @@
 its edge values (tiny |x| where cancellation bites, large |x|, ±0, denormal-size values),
 compared per element with float64 numpy.  Bounds are per op, 2–10× the worst error measured on
 lavapipe (exp 1.0e-6, expm1 4.4e-7, log 9e-8, tanh 1.4e-7, sigmoid 1.8e-6, sqrt 6e-8, rsqrt
-9e-8, sin 1e-7, erf 1.6e-7), so a lowering that loses accuracy in one region (``expm1`` as
+9e-8, erf 1.6e-7; sin is held to 1e-5 absolute, see below), so a lowering that loses accuracy in one region (``expm1`` as
 ``exp(x) - 1``: 19 % off at 1e-7) fails here; bench/gpu_suite.sh runs them on the H200."""
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ CASES = {
                 1e-12),
     "sqrt": (lambda a: a.sqrt(), np.sqrt, (0, 1e6), False, 6e-7, 0.0),
     "rsqrt": (lambda a: a.rsqrt(), lambda x: 1 / np.sqrt(x), (1e-6, 1e6), False, 1e-6, 0.0),
-    "sin": (lambda a: a.sin(), np.sin, (-10, 10), True, 2e-6, 2e-6),
+    # sin: an absolute bound (floor 1): WGSL allows 2^-11 absolute inside [-π, π]; the H200's
+    # hardware sine is accurate to ~1e-6 absolute, not relatively (it returned sin(1e-7) = 0)
+    "sin": (lambda a: a.sin(), np.sin, (-10, 10), True, 1e-5, 1.0),
     "erf": (lambda a: a.erf(), None, (-5, 5), True, 1.5e-6, 1e-7),
 }
 
