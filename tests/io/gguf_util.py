@@ -10,7 +10,7 @@ import numpy as np
 
 GGUF_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
               "Q6_K"]
-_K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # f16 d / dmin in a block
+_K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82)}  # f16 d, dmin
 
 
 def package_file(package: str, *parts: str) -> str | None:

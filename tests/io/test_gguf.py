@@ -159,3 +159,70 @@ def test_smollm2_logits_and_greedy_generation_match_transformers(smollm2, backen
                                       do_sample=False)[0].numpy()
             np.testing.assert_array_equal(seq[: len(ref)], ref)
         np.testing.assert_array_equal(out, want[P - 1:].argmax(-1))
+
+
+# --------------------------------------------------------------------------- bad files
+
+
+@pytest.fixture(scope="module")
+def tiny_sd():
+    cfg = _tiny_cfg(num_hidden_layers=1)
+    return cfg, _hf_state(cfg)
+
+
+def _bad(tmp_path, tiny_sd, **kw):
+    cfg, sd = tiny_sd
+    path = tmp_path / "bad.gguf"
+    write_tiny_llama(path, sd, cfg, **kw)
+    return path
+
+
+def test_bad_files_name_the_file_and_what_is_wrong(tmp_path, tiny_sd):
+    import gguf
+
+    from meganeura.io.gguf import GGUFError
+
+    def fails(path, message):
+        with pytest.raises(GGUFError, match=message) as e:
+            load_gguf(path)
+        assert str(path) in str(e.value)
+        assert isinstance(e.value, mn.CheckpointError)
+
+    fails(tmp_path / "absent.gguf", "no such file")
+    good = _bad(tmp_path, tiny_sd)
+    raw = good.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(raw[:-1000])  # tensor data cut short
+    fails(tmp_path / "cut.gguf", "truncated — tensor 'blk.0.ffn_up.weight'|truncated")
+    (tmp_path / "head.gguf").write_bytes(raw[:200])  # inside the metadata
+    fails(tmp_path / "head.gguf", "not a readable GGUF file — truncated or corrupt")
+    (tmp_path / "text.gguf").write_text("not a gguf file at all")
+    fails(tmp_path / "text.gguf", "not a readable GGUF file")
+    fails(_bad(tmp_path, tiny_sd, types={"model.layers.0.mlp.up_proj.weight": "Q2_K"}),
+          "tensor 'blk.0.ffn_up.weight' has quantization type Q2_K, which is not supported")
+    fails(_bad(tmp_path, tiny_sd, arch="qwen2"),
+          "unsupported architecture general.architecture='qwen2'")
+    fails(_bad(tmp_path, tiny_sd, tokenizer=False),
+          "no tokenizer \\(metadata key 'tokenizer.ggml.model' is missing\\)")
+    fails(_bad(tmp_path, tiny_sd, extra=lambda w: w.add_rope_scaling_type(
+        gguf.RopeScalingType.LINEAR)), "RoPE scaling llama.rope.scaling.type='linear'")
+    fails(_bad(tmp_path, tiny_sd, extra=lambda w: w.add_tokenizer_pre("qwen35")),
+          "pre-tokenizer tokenizer.ggml.pre='qwen35' is not supported")
+    cfg, sd = tiny_sd
+    fails(_missing_tensor(tmp_path, cfg, sd), "missing 1: \\['model.norm.weight'\\]")
+    assert load_gguf(_bad(tmp_path, tiny_sd, tokenizer=False), tokenizer=False).tokenizer is None
+
+
+def _missing_tensor(tmp_path, cfg, sd):
+    path = tmp_path / "partial.gguf"
+    write_tiny_llama(path, {k: v for k, v in sd.items() if k != "model.norm.weight"}, cfg)
+    return path
+
+
+def test_folder_without_tokenizer_is_named(tmp_path):
+    from meganeura.io.tokenizer import TokenizerError, from_tokenizer_json
+
+    with pytest.raises(TokenizerError, match=f"{tmp_path}: no tokenizer.json"):
+        from_tokenizer_json(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(TokenizerError, match="tokenizer.json: unreadable tokenizer"):
+        from_tokenizer_json(tmp_path)

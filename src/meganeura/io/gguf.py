@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CheckpointError
-from .tokenizer import TextTokenizer, byte_level_bpe, require
+from .tokenizer import TextTokenizer, TokenizerError, byte_level_bpe, require
 
 __all__ = ["GGUFError", "GGUFModel", "load_gguf", "gguf_config", "unpermute_qk",
            "SUPPORTED_TYPES", "read_gguf"]
@@ -217,7 +217,10 @@ def gguf_tokenizer(reader, path: str) -> TextTokenizer:
     merges = _meta(reader, path, "tokenizer.ggml.merges")
     types = _meta(reader, path, "tokenizer.ggml.token_type", None)
     pre = _meta(reader, path, "tokenizer.ggml.pre", "default")
-    tok = byte_level_bpe(tokens, merges, pre, types, path)
+    try:
+        tok = byte_level_bpe(tokens, merges, pre, types, path)
+    except TokenizerError as e:
+        raise GGUFError(str(e)) from None
     tok.bos_id = _meta(reader, path, "tokenizer.ggml.bos_token_id", None)
     tok.eos_id = _meta(reader, path, "tokenizer.ggml.eos_token_id", None)
     tok.pad_id = _meta(reader, path, "tokenizer.ggml.padding_token_id", tok.eos_id)
