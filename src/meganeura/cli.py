@@ -1,8 +1,10 @@
 """``meganeura`` command line: ``info`` (WebGPU implementations, adapter, features, limits),
 ``train`` (a model on the embedded digits dataset, with progress bar, checkpoint and loss plot)
 ``profile`` (per-kernel GPU times and roofline of a training step), ``tune`` (time the
-candidate kernel configurations on this device and cache the fastest) and ``export`` (a trained
-checkpoint as an artifact folder that ``mn.load_program`` and browsers run; docs/deploy.md).
+candidate kernel configurations on this device and cache the fastest), ``export`` (a
+trained checkpoint as an artifact folder that ``mn.load_program`` and browsers run;
+docs/deploy.md), ``generate`` (stream text from a GGUF file or HF llama folder) and
+``embed`` (sentence embeddings).
 
 Errors are one line on stderr (``meganeura: error: …``) and a non-zero exit status, never a
 traceback: 2 for bad arguments or settings, 1 for failures while running, 3 when ``train`` ends
@@ -470,6 +472,107 @@ def _tune_cache_path() -> str:
     return str(default_cache_path())
 
 
+# ------------------------------------------------------------------------- real models
+
+
+def _load_lm(path: str):
+    """(LlamaConfig, params, tokenizer) of a GGUF file or an HF llama folder."""
+    if os.path.isdir(path):
+        from .io.hf import load_hf
+        from .io.tokenizer import from_tokenizer_json
+
+        m = load_hf(path)
+        if m.kind != "llama":
+            raise CLIError(f"{path}: model_type {m.kind!r} is not a causal LM (llama); "
+                           "for encoders use 'meganeura embed'")
+        return m.config, m.params, from_tokenizer_json(path, m.hf_config)
+    if not os.path.exists(path):
+        raise CLIError(f"model {path!r}: no such file or directory")
+    from .io.gguf import load_gguf
+
+    m = load_gguf(path)
+    return m.config, m.params, m.tokenizer
+
+
+def _prompt_ids(tok, args) -> list[int]:
+    text = args.prompt
+    if tok.chat_template and not args.raw:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+    ids = tok.encode(text)
+    if not ids:
+        raise CLIError("the prompt is empty after tokenization")
+    return ids
+
+
+def cmd_generate(args) -> int:
+    """Stream a completion of the prompt: prefill once, then one KV-cache decode step per
+    token; text goes to stdout, timings (time to first token, tokens/s) to stderr."""
+    from .generate import LlamaGenerator
+
+    _open_backend(args.backend)
+    t0 = time.perf_counter()
+    cfg, params, tok = _load_lm(args.model)
+    ids = _prompt_ids(tok, args)
+    max_len = len(ids) + args.max_new_tokens
+    if max_len > cfg.max_position_embeddings:
+        raise CLIError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} "
+                       f"exceed the model's context of {cfg.max_position_embeddings}")
+    gen = LlamaGenerator(cfg, params, max_len=max_len, backend=args.backend)
+    gen.prefill_session(len(ids))  # compile now, so the timings below are generation only
+    t_load = time.perf_counter() - t0
+    out: list[int] = []
+    shown = ""
+    t1 = time.perf_counter()
+    t_first = None
+    for t in gen.stream(np.array([ids]), args.max_new_tokens, args.temperature, args.top_k,
+                        args.seed, tok.eos_id, args.top_p):
+        t_first = t_first or time.perf_counter() - t1
+        out.append(int(t[0]))
+        text = tok.decode(out)
+        if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 character
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    total = time.perf_counter() - t1
+    rest = len(out) - 1
+    rate = f"{rest / (total - t_first):.1f} tokens/s" if rest and total > t_first else "n/a"
+    sys.stdout.write("\n")
+    print(f"[{len(ids)} prompt tokens, {len(out)} generated; load+compile {t_load:.1f} s; "
+          f"time to first token {t_first * 1e3:.0f} ms; decode {rate}]", file=sys.stderr)
+    return 0
+
+
+def cmd_embed(args) -> int:
+    """Sentence embeddings: the vectors (or a .npy file) and, for several sentences, their
+    cosine similarity table."""
+    from .embed import SentenceEncoder
+
+    _open_backend(args.backend)
+    if not os.path.isdir(args.model):
+        raise CLIError(f"model {args.model!r}: expected a sentence-transformers / HF folder")
+    if args.out and not args.out.endswith(".npy"):
+        raise CLIError(f"--out {args.out!r} must end in .npy")
+    enc = SentenceEncoder(args.model, backend=args.backend)
+    t0 = time.perf_counter()
+    vecs = enc.encode(args.sentences)
+    dt = time.perf_counter() - t0
+    if args.out:
+        np.save(args.out, vecs)
+        print(f"saved {vecs.shape[0]} embeddings of dimension {vecs.shape[1]} to {args.out}")
+    else:
+        for s, v in zip(args.sentences, vecs):
+            print(f"{s!r}: [" + " ".join(f"{x:.6f}" for x in v) + "]")
+    if len(args.sentences) > 1:
+        n = np.linalg.norm(vecs, axis=-1, keepdims=True)
+        sim = (vecs / np.maximum(n, 1e-12)) @ (vecs / np.maximum(n, 1e-12)).T
+        print("cosine similarity:")
+        print("      " + " ".join(f"{j:>6d}" for j in range(len(sim))))
+        for i, row in enumerate(sim):
+            print(f"{i:>5d} " + " ".join(f"{x:6.3f}" for x in row) + f"  {args.sentences[i]}")
+    print(f"[{len(vecs)} sentences in {dt:.2f} s]", file=sys.stderr)
+    return 0
+
+
 # ------------------------------------------------------------------------- main
 
 
@@ -548,7 +651,37 @@ def _parser() -> argparse.ArgumentParser:
                     help="examples per run of the exported program")
     pe.add_argument("--backend", type=_backend(False), default=None,
                     help="wgpu | dawn | auto (default: $MEGANEURA_WEBGPU, else wgpu)")
+    _add_model_commands(sub)
     return p
+
+
+def _add_model_commands(sub) -> None:
+    """``generate`` and ``embed``: the real-model commands (docs/real-models.md)."""
+    pg = sub.add_parser("generate", help="generate text with a GGUF file or HF llama folder",
+                        formatter_class=_HelpFormatter)
+    pg.add_argument("model", help="a .gguf file or an HF folder (config.json, safetensors, "
+                    "tokenizer.json)")
+    pg.add_argument("prompt", help="the prompt (wrapped in the model's chat template "
+                    "unless --raw)")
+    pg.add_argument("--max-new-tokens", type=_positive_int, default=64,
+                    help="tokens to generate at most (stops at the end-of-text token)")
+    pg.add_argument("--temperature", type=_float_at_least(0.0, True), default=0.0,
+                    help="0: greedy; > 0: sample from softmax(logits / temperature)")
+    pg.add_argument("--top-p", type=_fraction, default=1.0,
+                    help="nucleus sampling: keep the most likely tokens up to this probability")
+    pg.add_argument("--top-k", type=_positive_int, default=None,
+                    help="sample among the k most likely tokens")
+    pg.add_argument("--seed", type=_int_at_least(0), default=0, help="sampling seed")
+    pg.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    pg.add_argument("--backend", type=_backend(True), default=None,
+                    help="wgpu | dawn | auto | reference (default: $MEGANEURA_WEBGPU, else wgpu)")
+    pm = sub.add_parser("embed", help="sentence embeddings with a BERT-family folder",
+                        formatter_class=_HelpFormatter)
+    pm.add_argument("model", help="a sentence-transformers / HF bert folder")
+    pm.add_argument("sentences", nargs="+", help="one or more sentences")
+    pm.add_argument("--out", default=None, help="save the embeddings to this .npy file")
+    pm.add_argument("--backend", type=_backend(True), default=None,
+                    help="wgpu | dawn | auto | reference (default: $MEGANEURA_WEBGPU, else wgpu)")
 
 
 def main(argv=None) -> int:
@@ -561,7 +694,8 @@ def main(argv=None) -> int:
         return 2
     try:
         commands = {"info": cmd_info, "train": cmd_train, "profile": cmd_profile,
-                    "tune": cmd_tune, "export": cmd_export}
+                    "tune": cmd_tune, "export": cmd_export, "generate": cmd_generate,
+                    "embed": cmd_embed}
         return commands[args.cmd](args)
     except CLIError as e:
         print(f"meganeura: error: {e}", file=sys.stderr)

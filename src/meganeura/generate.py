@@ -9,7 +9,7 @@ Two compiled graphs share their parameters and the cache (``compile(share=...)``
 Both are graphs whose only updates are the cache states (``Graph.set_update``) and no loss:
 ``Session.step`` runs them once and applies the updates, so the cache never leaves the GPU and
 the prefix is never recomputed.  Sampling (greedy, temperature, top-k) runs on the host from
-the returned logits (B, vocab).
+the returned logits (B, vocab): greedy, temperature, top-k, top-p.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ __all__ = ["LlamaGenerator", "sample"]
 
 
 def sample(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None,
-           rng: np.random.Generator | None = None) -> np.ndarray:
+           rng: np.random.Generator | None = None, top_p: float | None = None) -> np.ndarray:
     """Next tokens (B,) from logits (B, V): argmax when ``temperature <= 0``, else a draw from
-    softmax(logits / temperature) restricted to the ``top_k`` largest logits (if given)."""
+    softmax(logits / temperature) restricted to the ``top_k`` largest logits (if given) and
+    then to the smallest set of most likely tokens whose probability reaches ``top_p``
+    (nucleus sampling, if given and < 1)."""
     z = np.asarray(logits, dtype=np.float64)
     if temperature is None or temperature <= 0:
         return np.argmax(z, axis=-1).astype(np.int32)
@@ -39,6 +41,12 @@ def sample(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = Non
     z = z - z.max(axis=-1, keepdims=True)
     p = np.exp(z)
     p /= p.sum(axis=-1, keepdims=True)
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sp = np.take_along_axis(p, order, -1)
+        drop = np.cumsum(sp, -1) - sp >= top_p  # tokens after the nucleus is complete
+        np.put_along_axis(sp, order, np.where(drop, 0.0, sp), -1)
+        p = sp / sp.sum(axis=-1, keepdims=True)
     rng = rng if rng is not None else np.random.default_rng()
     u = rng.random(p.shape[:-1])[..., None]
     idx = (np.cumsum(p, axis=-1) < u).sum(axis=-1)
@@ -100,9 +108,21 @@ class LlamaGenerator:
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, seed: int | None = None,
-                 eos_token_id: int | None = None) -> np.ndarray:
+                 eos_token_id: int | None = None, top_p: float | None = None) -> np.ndarray:
         """Prompt (B, P) followed by up to ``max_new_tokens`` generated tokens (B, P + n).
         Generation stops early once every sequence has produced ``eos_token_id``."""
+        prompt = np.asarray(prompt, dtype=np.int32)
+        if prompt.ndim == 1:
+            prompt = prompt[None]
+        out = [prompt] + [t[:, None] for t in self.stream(
+            prompt, max_new_tokens, temperature, top_k, seed, eos_token_id, top_p)]
+        return np.concatenate(out, axis=1)
+
+    def stream(self, prompt: np.ndarray, max_new_tokens: int, temperature: float = 0.0,
+               top_k: int | None = None, seed: int | None = None,
+               eos_token_id: int | None = None, top_p: float | None = None):
+        """:meth:`generate` one step at a time: yields each new token (B,) as soon as it is
+        sampled (for streaming output); sequences that ended keep yielding ``eos_token_id``."""
         prompt = np.asarray(prompt, dtype=np.int32)
         if prompt.ndim == 1:
             prompt = prompt[None]
@@ -111,18 +131,16 @@ class LlamaGenerator:
                             f"exceed max_len={self.max_len}")
         rng = np.random.default_rng(seed)
         logits = self.prefill(prompt)
-        out = [prompt]
         done = np.zeros(self.batch, dtype=bool)
         for i in range(max_new_tokens):
-            tok = sample(logits, temperature, top_k, rng)
+            tok = sample(logits, temperature, top_k, rng, top_p)
             if eos_token_id is not None:
                 tok = np.where(done, eos_token_id, tok).astype(np.int32)
                 done |= tok == eos_token_id
-            out.append(tok[:, None])
+            yield tok
             if done.all() or i == max_new_tokens - 1:
-                break
+                return
             logits = self.decode(tok)
-        return np.concatenate(out, axis=1)
 
     def cache(self) -> dict[str, np.ndarray]:
         """The KV cache as numpy (for inspection; it lives on the device)."""

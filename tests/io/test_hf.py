@@ -168,8 +168,8 @@ def test_folder_errors(tmp_path):
         {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(hf.HFCheckpointError, match="shard 'model-00001-of-00002"):
         hf.load_hf(tmp_path / "s")
-    with pytest.raises(hf.HFCheckpointError, match="unsupported model_type 'bert'"):
-        hf.config_from_hf({"model_type": "bert"})
+    with pytest.raises(hf.HFCheckpointError, match="unsupported model_type 'gpt_neox'"):
+        hf.config_from_hf({"model_type": "gpt_neox"})
     with pytest.raises(mn.GraphBuildError, match="rope_scaling"):
         LlamaConfig.from_hf(cfg.to_hf() | {"rope_scaling": {"rope_type": "llama3"}})
 
@@ -258,3 +258,63 @@ def test_index_shards_in_subfolders_and_symlinked_blobs_still_load(tmp_path):
         {"weight_map": {"a": "a.safetensors", "b": "./sub/b.safetensors"}}))
     _, tensors = hf.read_folder(folder)
     assert sorted(tensors) == ["a", "b"]
+
+
+# --------------------------------------------------------------------------- RoPE settings
+
+
+def test_transformers5_folder_keeps_its_rope_theta(tmp_path):
+    """transformers 5 writes ``rope_parameters`` and no top-level ``rope_theta``: the folder
+    must load with its theta (100000, SmolLM2's), and run like transformers' own model."""
+    transformers = pytest.importorskip("transformers")
+    hcfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hcfg).eval()
+    model.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_theta" not in written and written["rope_parameters"]["rope_theta"] == 100000
+    got = hf.load_hf(tmp_path)
+    assert got.config.rope_theta == 100000.0
+    m = llama_lm(got.config, 1, 40, loss=False)
+    s = mn.compile(m.graph, outputs={"logits": m.logits}, backend="reference")
+    s.set_params(got.params, strict=True)
+    ids = (np.arange(40, dtype=np.int32)[None] * 7) % 64
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids).long()).logits.numpy()
+    assert _rel(s.run(ids=ids)["logits"], ref) <= 1e-5
+
+
+@pytest.mark.parametrize("config, theta", [
+    ({"rope_theta": 5e5}, 5e5),                                          # transformers 4
+    ({"rope_theta": 5e5, "rope_scaling": None}, 5e5),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e5}}, 1e5),  # transformers 5
+    ({"rope_parameters": {"rope_theta": 2e4}}, 2e4),
+    ({"rope_theta": 1e5, "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}}, 1e5),
+    ({"rope_scaling": {"type": "default"}, "rope_theta": 7.0}, 7.0),
+    ({}, 10000.0),
+])
+def test_rope_theta_is_read_from_both_config_layouts(config, theta):
+    assert LlamaConfig.from_hf(tiny_llama().to_hf() | {"rope_theta": None} | config
+                               ).rope_theta == theta
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+     "rope_parameters.rope_type 'linear' is not supported"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
+     "rope_parameters.rope_type 'llama3'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     "rope_scaling.rope_type 'dynamic' is not supported"),
+    ({"rope_parameters": {"full_attention": {"rope_theta": 1e4}}}, "per-layer-type"),
+    ({"rope_parameters": "default"}, "must be an object"),
+    ({"rope_theta": 1e4, "rope_parameters": {"rope_theta": 1e5}}, "contradicts"),
+    ({"rope_parameters": {"rope_theta": -1.0}}, "positive number"),
+])
+def test_unimplemented_rope_variants_are_refused(config, message):
+    with pytest.raises(mn.GraphBuildError, match=message):
+        LlamaConfig.from_hf(tiny_llama().to_hf() | {"rope_theta": None} | config)

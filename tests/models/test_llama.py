@@ -242,3 +242,15 @@ def test_training_plan_writes_gradients_into_the_optimizer_vector(gpu):
     flat = [lbl for lbl in s.kernel_labels() if lbl.startswith("concat") and f"->({n},)" in lbl]
     assert not flat, flat
     assert not [k for k in s.executable.train.ops if isinstance(k, Copy)]
+
+
+def test_top_p_sampling_keeps_the_nucleus():
+    rng = np.random.default_rng(1)
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
+    nucleus = sample(logits, temperature=1.0, rng=rng, top_p=0.75)  # 0.5 + 0.3 reach 0.75
+    assert set(np.unique(nucleus)) == {0, 1}
+    np.testing.assert_allclose(np.mean(nucleus == 0), 0.5 / 0.8, atol=0.03)
+    assert set(np.unique(sample(logits, 1.0, rng=rng, top_p=0.5))) == {0}
+    assert set(np.unique(sample(logits, 1.0, rng=rng, top_p=1.0))) == {0, 1, 2, 3}
+    both = sample(logits, 1.0, top_k=3, rng=rng, top_p=0.8)  # of 0.5/0.3/0.15 renormalised
+    assert set(np.unique(both)) == {0, 1}

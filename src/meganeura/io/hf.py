@@ -294,7 +294,7 @@ def map_params(tensors: Mapping[str, np.ndarray], expected: Mapping[str, tuple[i
 class HFModel:
     """What :func:`load_hf` returns: the model config and our parameters by name."""
 
-    kind: str  # "llama" | "whisper"
+    kind: str  # "llama" | "whisper" | "bert"
     config: object
     params: dict[str, np.ndarray]
     hf_config: dict = field(default_factory=dict)
@@ -318,7 +318,11 @@ def config_from_hf(config: Mapping | str | os.PathLike, **kw):
         from ..models.whisper import WhisperEncoderConfig
 
         return WhisperEncoderConfig.from_hf(config, **kw)
-    raise HFCheckpointError(f"unsupported model_type {mt!r} (supported: llama, whisper)")
+    if mt == "bert":
+        from ..models.bert import BertConfig
+
+        return BertConfig.from_hf(config)
+    raise HFCheckpointError(f"unsupported model_type {mt!r} (supported: llama, whisper, bert)")
 
 
 def _expected(graph) -> dict[str, tuple[int, ...]]:
@@ -360,6 +364,17 @@ def _whisper_rename(cfg, tensors):
     return rename
 
 
+def _bert_rename(n: str) -> str | None:
+    """BertModel names, also under BertFor*'s ``bert.`` prefix; the pooler (sentence
+    embeddings do not use it), task heads (``cls.``, ``classifier.``) and the
+    ``position_ids`` buffer are skipped."""
+    if n.startswith("bert."):
+        n = n[len("bert."):]
+    if n.startswith(("pooler.", "cls.", "classifier.")) or n == "embeddings.position_ids":
+        return None
+    return n
+
+
 def load_hf(folder, num_classes: int | None = None, strict_head: bool = False) -> HFModel:
     """Read an HF folder and map it onto our model's parameters.
 
@@ -378,6 +393,11 @@ def load_hf(folder, num_classes: int | None = None, strict_head: bool = False) -
         params = map_params(tensors, expected, _whisper_rename(cfg, tensors), allow)
         return HFModel("whisper", cfg, params, hf_cfg)
     cfg = config_from_hf(hf_cfg)
+    if mt == "bert":
+        from ..models.bert import bert_encoder
+
+        expected = _expected(bert_encoder(cfg, 1, 2).graph)
+        return HFModel("bert", cfg, map_params(tensors, expected, _bert_rename), hf_cfg)
     from ..models.llama import llama_lm
 
     expected = _expected(llama_lm(cfg, 1, 2, loss=False).graph)

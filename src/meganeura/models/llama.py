@@ -28,7 +28,7 @@ from ..errors import GraphBuildError
 from ..graph import Graph, Value
 from ..nn.transformer import Attention, Embedding, RMSNorm, RoPE, SwiGLU, op_for
 
-__all__ = ["LlamaConfig", "SMOLLM2_135M", "tiny_llama", "LlamaGraph", "llama_lm",
+__all__ = ["LlamaConfig", "rope_settings", "SMOLLM2_135M", "tiny_llama", "LlamaGraph", "llama_lm",
            "llama_prefill", "llama_decode", "cache_names", "PRESETS"]
 
 
@@ -57,17 +57,19 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, config: Mapping) -> LlamaConfig:
         """From an HF ``config.json`` dict (missing fields keep the defaults; ``head_dim``
-        defaults to hidden_size / num_attention_heads as in HF)."""
-        names = {f.name for f in fields(cls)}
+        defaults to hidden_size / num_attention_heads as in HF).  RoPE settings are read from
+        both layouts (see :func:`rope_settings`), so a transformers-5 folder does not silently
+        fall back to the default theta."""
+        names = {f.name for f in fields(cls)} - {"rope_theta"}
         kw = {k: config[k] for k in names if k in config and config[k] is not None}
         if "head_dim" not in kw and "hidden_size" in kw:
             kw["head_dim"] = kw["hidden_size"] // kw.get("num_attention_heads",
                                                          cls.num_attention_heads)
         if "num_key_value_heads" not in kw and "num_attention_heads" in kw:
             kw["num_key_value_heads"] = kw["num_attention_heads"]
-        rs = config.get("rope_scaling")
-        if rs and rs.get("rope_type", rs.get("type", "default")) not in ("default", None):
-            raise GraphBuildError(f"rope_scaling {rs!r} is not supported (only default RoPE)")
+        theta = rope_settings(config)
+        if theta is not None:
+            kw["rope_theta"] = theta
         return cls(**kw)
 
     def to_hf(self) -> dict:
@@ -85,6 +87,36 @@ class LlamaConfig:
         layer = attn + 3 * h * f + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + emb + h
+
+
+def rope_settings(config: Mapping) -> float | None:
+    """RoPE theta of an HF config, from transformers 5's ``rope_parameters`` (``{"rope_theta",
+    "rope_type", …}``) or the older top-level ``rope_theta`` + ``rope_scaling``; None when
+    neither gives one.  Only plain RoPE is implemented: every other ``rope_type`` (linear,
+    dynamic, yarn, llama3, …) changes the frequencies, so it is refused rather than run with
+    the wrong positions; two contradicting thetas are refused too."""
+    params = config.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        params, key = config.get("rope_scaling"), "rope_scaling"
+    if params is not None and not isinstance(params, Mapping):
+        raise GraphBuildError(f"{key} must be an object, got {params!r}")
+    params = params or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", None):
+        raise GraphBuildError(f"{key}.rope_type {kind!r} is not supported (only default RoPE "
+                              f"is implemented): {dict(params)!r}")
+    if key == "rope_parameters" and not ({"rope_theta", "rope_type", "type"} & set(params)):
+        raise GraphBuildError(f"rope_parameters {dict(params)!r} has neither rope_theta nor "
+                              "rope_type (per-layer-type RoPE is not supported)")
+    top, nested = config.get("rope_theta"), params.get("rope_theta")
+    if top is not None and nested is not None and float(top) != float(nested):
+        raise GraphBuildError(f"rope_theta {top!r} contradicts {key}.rope_theta {nested!r}")
+    theta = nested if nested is not None else top
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                              or not theta > 0):
+        raise GraphBuildError(f"rope_theta must be a positive number, got {theta!r}")
+    return None if theta is None else float(theta)
 
 
 SMOLLM2_135M = LlamaConfig()
