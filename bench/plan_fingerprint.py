@@ -15,7 +15,7 @@ from workloads import WORKLOADS  # noqa: E402
 
 from meganeura import optim  # noqa: E402
 from meganeura.compile.emit import emit_kernel  # noqa: E402
-from meganeura.compile.memory import NO_GROUPS, CopyOp, find_leaf_groups, make_plan  # noqa: E402
+from meganeura.compile.memory import CopyOp, find_leaf_groups, make_plan  # noqa: E402
 from meganeura.compile.passes import run_pipeline  # noqa: E402
 from meganeura.kernels.common import make_target  # noqa: E402
 from meganeura.program import build_program  # noqa: E402
@@ -35,7 +35,7 @@ for name in ["smollm2", "smolvla", "whisper", "resnet50", "unet"]:
         prog = build_program(w.graph, w.loss, w.outputs if opt is None else {}, opt)
         low = run_pipeline(prog)
         inference = opt is None
-        groups = NO_GROUPS if inference else find_leaf_groups(low.graph)
+        groups = find_leaf_groups(low.graph, any_rank=inference)
         plan = make_plan(low, inference, groups=groups, align=32)
         lines = []
         for k in plan.kernels:

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meganeura import optim  # noqa: E402
-from meganeura.compile.memory import NO_GROUPS, find_leaf_groups, make_plan  # noqa: E402
+from meganeura.compile.memory import find_leaf_groups, make_plan  # noqa: E402
 from meganeura.compile.passes import run_pipeline  # noqa: E402
 from meganeura.program import build_program  # noqa: E402
 
@@ -42,7 +42,7 @@ def peak_bytes(w, opt, align: int = 256, pipelines: bool = False):
     prog = build_program(w.graph, w.loss, w.outputs if opt is None else {}, opt)
     low = run_pipeline(prog)
     inference = opt is None
-    groups = NO_GROUPS if inference else find_leaf_groups(low.graph)
+    groups = find_leaf_groups(low.graph, any_rank=inference)
     plan = make_plan(low, inference, groups=groups, align=align)
     leaves = low.graph.leaves.values()
     persistent = sum(lf.value.size * 4 for lf in leaves if lf.kind in ("param", "state"))

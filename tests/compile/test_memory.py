@@ -237,3 +237,26 @@ def test_overlap_predicate_sees_a_parameter_range_inside_its_group():
     assert not overlapping_ranges([param, Loc("group", "g1", 0, 512)])  # another group
     assert not overlapping_ranges([Loc("temp", "", 0, 512), Loc("temp", "", 256, 128)])
     assert not overlapping_ranges([])
+
+
+def test_inference_stores_fused_weights_back_to_back(gpu):
+    """An inference program that concatenates parameters along axis 0 (fused q/k/v, gate/up
+    weights) stores them back to back: the concat is their buffer, no kernel per run; outputs
+    and get/set_params equal the ungrouped session."""
+    g = mn.Graph("fused")
+    x = g.input("x", (4, 8))
+    wq, wk = g.param("wq", (6, 8)), g.param("wk", (3, 8))
+    y = mn.ops.matmul(x, mn.ops.concat([wq, wk], 0), transpose_b=True).tanh()
+    r = np.random.default_rng(0)
+    params = {"wq": r.normal(size=(6, 8)).astype(np.float32),
+              "wk": r.normal(size=(3, 8)).astype(np.float32)}
+    xb = r.normal(size=(4, 8)).astype(np.float32)
+    grouped, plain = (mn.compile(g, outputs={"y": y}, group_params=gp) for gp in (True, False))
+    for s in (grouped, plain):
+        s.set_params(params)
+    assert set(grouped.executable.group_home) == {"wq", "wk"}
+    assert not [lbl for lbl in grouped.kernel_labels(True) if lbl.startswith("concat")]
+    assert [lbl for lbl in plain.kernel_labels(True) if lbl.startswith("concat")]
+    np.testing.assert_array_equal(grouped.run(x=xb)["y"], plain.run(x=xb)["y"])
+    for k, v in params.items():
+        np.testing.assert_array_equal(grouped.get_params()[k], v)

@@ -129,10 +129,15 @@ class LeafGroups:
 NO_GROUPS = LeafGroups({}, {})
 
 
-def find_leaf_groups(graph: Graph) -> LeafGroups:
+def find_leaf_groups(graph: Graph, any_rank: bool = False) -> LeafGroups:
+    """Groups of persistent tensors stored back to back because the program concatenates them
+    along axis 0: the optimizer's flat vectors (1-D concats) in training programs; with
+    ``any_rank`` (inference programs, which have no flat vectors) also concats of parameters
+    of any rank, e.g. fused q/k/v or gate/up weights, which then cost no kernel per run."""
     home, groups = {}, {}
     for node in graph.nodes:
-        if node.op != "concat" or node.attrs["axis"] != 0 or node.out.ndim != 1:
+        if node.op != "concat" or node.attrs["axis"] != 0 or \
+                (node.out.ndim != 1 and not any_rank):
             continue
         members = _group_members(graph, node, home)
         if not members:

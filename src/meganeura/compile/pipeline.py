@@ -55,8 +55,9 @@ def compile_program(program: Program, target: Target, options: CompileOptions,
     t0 = time.perf_counter()
     lowered = run_pipeline(program, debug="graph" in _DEBUG)
     _check_leaf_sizes(lowered, target)
-    use_groups = options.group_params and not shares_tensors and program.training
-    groups = find_leaf_groups(lowered.graph) if use_groups else NO_GROUPS
+    use_groups = options.group_params and not shares_tensors
+    groups = find_leaf_groups(lowered.graph, any_rank=not program.training) if use_groups \
+        else NO_GROUPS
     align = binding_alignment(target)
 
     def stream(inference: bool, tag: str):
