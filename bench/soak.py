@@ -85,28 +85,50 @@ def _batches(batch: int, n: int = 16):
     return out
 
 
-def soak(steps: int, backend: str, every: int, warmup: int, batch: int = 32) -> dict:
+def workload_session(name: str, backend: str):
+    """A benchmark workload (bench/workloads.py, main size) with AdamW: the real model's step
+    (SmolLM2-135M on the H200), its fixed feeds as the only batch."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from workloads import WORKLOADS
+
+    w = WORKLOADS[name](quick=False, variant="main")
+    sess = mn.compile(w.graph, loss=w.loss, outputs=w.outputs, backend=backend,
+                      optimizer=mn.optim.AdamW(lr=1e-5, weight_decay=0.01))
+    sess.set_params(w.params)
+    feeds = {k: v for k, v in w.feeds.items() if k in sess.program.feeds}
+    return sess, [feeds]
+
+
+def soak(steps: int, backend: str, every: int, warmup: int, batch: int = 32,
+         workload: str | None = None, save_every: int | None = None) -> dict:
     """Run the loop; return the samples and the verdict inputs."""
-    sess = tiny_session(backend, batch)
-    data = _batches(batch)
+    if workload:
+        sess, data = workload_session(workload, backend)
+    else:
+        sess = tiny_session(backend, batch)
+        data = [{"x": x, "y": y} for x, y in _batches(batch)]
+    infer_names = set(sess.program.inference_feeds())
+    save_every = save_every or every
     ckpt = os.path.join(tempfile.mkdtemp(prefix="mn-soak-"), "soak.safetensors")
     samples, loss, t0 = [], float("nan"), time.perf_counter()
     for i in range(1, steps + 1):
-        x, y = data[i % len(data)]
-        res = sess.step(x=x, y=y)
+        feeds = data[i % len(data)]
+        res = sess.step(**feeds)
         if i % 7:
             loss = res.loss
         if i % 50 == 0:
-            sess.run(x=x)
-        if i % every == 0 or i == steps:
+            sess.run(**{k: v for k, v in feeds.items() if k in infer_names})
+        if i % save_every == 0 or i == steps:
             sess.save(ckpt)
             sess.load(ckpt)
+        if i % every == 0 or i == steps:
             gc.collect()
             samples.append({"step": i, "rss_mb": round(rss_mb(), 2), "gpu": gpu_objects(),
                             "loss": round(float(loss), 5),
                             "seconds": round(time.perf_counter() - t0, 1)})
+            print(f"soak: step {i}: {samples[-1]}", flush=True)  # progress of long runs
     return {"steps": steps, "backend": backend, "warmup": warmup, "samples": samples,
-            "device": _device_name(sess)}
+            "device": _device_name(sess), "model": workload or "tiny classifier"}
 
 
 def _device_name(sess) -> str:
@@ -161,14 +183,20 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1000, help="steps before the baseline")
     ap.add_argument("--max-growth-mb", type=float, default=8.0)
     ap.add_argument("--json", help="write the samples and verdict here")
+    ap.add_argument("--workload", default=None,
+                    help="a bench/workloads.py model instead of the tiny classifier (smollm2…)")
+    ap.add_argument("--save-every", type=int, default=None,
+                    help="checkpoint save+load every N steps (default: --every)")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.every < 1:
         ap.error("--steps and --every must be at least 1")
-    result = soak(args.steps, args.backend, args.every, args.warmup)
+    result = soak(args.steps, args.backend, args.every, args.warmup, workload=args.workload,
+                  save_every=args.save_every)
     problems = verdict(result, args.max_growth_mb)
     result.update(problems=problems, date=datetime.date.today().isoformat(),
                   max_growth_mb=args.max_growth_mb)
-    print(f"soak: {args.steps} steps on {result['device']}, {result['date']}")
+    print(f"soak: {args.steps} steps of {result['model']} on {result['device']}, "
+          f"{result['date']}")
     print(table(result))
     print(f"RSS growth after warm-up: {result.get('rss_growth_mb', '?')} MiB "
           f"(bound {args.max_growth_mb} MiB)")
