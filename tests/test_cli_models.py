@@ -10,6 +10,7 @@ from meganeura.generate import LlamaGenerator
 from meganeura.io.gguf import load_gguf
 from meganeura.models.llama import tiny_llama
 from tests.io.gguf_util import VOCAB, package_file, write_tiny_llama
+from tests.test_cli import _fails as _cli_fails
 
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
@@ -81,16 +82,8 @@ def test_embed_prints_vectors_table_and_saves_npy(tmp_path, capsys):
 
 
 def _fails(argv, capsys):
-    try:
-        rc = main(argv)
-    except SystemExit as e:
-        rc = e.code
-    err = capsys.readouterr().err
-    assert rc not in (0, None), err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("meganeura"), err
-    return lines[0]
+    """The one-line error of a failing CLI call (tests/test_cli.py's check)."""
+    return _cli_fails(argv, capsys)[1]
 
 
 def test_generate_and_embed_errors_are_one_line(tiny_gguf, tmp_path, capsys):

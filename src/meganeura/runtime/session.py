@@ -86,14 +86,7 @@ def _nonfinite(flags, names: tuple[str, ...], step: int) -> tuple | None:
 def _checked_value(what: str, arr: np.ndarray, t: TensorType, check_finite: bool) -> np.ndarray:
     """``arr`` converted to ``t``'s dtype, refusing a wrong kind of dtype, integers out of
     range and (``check_finite``) values that are NaN/inf as stored."""
-    if t.dtype.is_float and not np.issubdtype(arr.dtype, np.floating):
-        raise FeedError(f"{what} has dtype {arr.dtype}, expected {t}")
-    if t.dtype.is_int:
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise FeedError(f"{what} has dtype {arr.dtype}, expected {t}")
-        info = np.iinfo(t.dtype.np)
-        if arr.size and (arr.min() < info.min or arr.max() > info.max):
-            raise FeedError(f"{what} has values outside the {t.dtype.name} range")
+    _check_dtype(what, arr, t)
     with np.errstate(over="ignore", invalid="ignore"):
         conv = np.ascontiguousarray(arr, dtype=t.dtype.np).reshape(t.shape)
     if t.dtype.is_float and check_finite and not np.isfinite(conv).all():
@@ -116,7 +109,7 @@ def check_feeds(expected: Mapping[str, TensorType], feeds: Mapping[str, object],
         arr = np.asarray(feeds[name])
         if arr.shape != t.shape:
             raise FeedError(f"feed {name!r} has shape {arr.shape}, expected {t.shape} ({t})")
-        _check_dtype(name, arr, t)
+        _check_dtype(f"feed {name!r}", arr, t)
         with np.errstate(over="ignore", invalid="ignore"):
             conv = np.ascontiguousarray(arr, dtype=t.dtype.np).reshape(t.shape)
         if t.dtype.is_float and check_finite:
@@ -143,18 +136,20 @@ def _check_names(expected, feeds) -> None:
         raise FeedError("; ".join(parts) + f" — expected feeds: {sorted(expected)}")
 
 
-def _check_dtype(name: str, arr: np.ndarray, t: TensorType) -> None:
+def _check_dtype(what: str, arr: np.ndarray, t: TensorType) -> None:
+    """The kind of ``arr``'s dtype fits ``t`` (float, integer in range, bool); ``what`` names
+    the array in the error ("feed 'x'", "set_params: 'w'")."""
     if t.dtype.is_float:
         if not np.issubdtype(arr.dtype, np.floating):
-            raise FeedError(f"feed {name!r} has dtype {arr.dtype}, expected floating ({t})")
+            raise FeedError(f"{what} has dtype {arr.dtype}, expected floating ({t})")
     elif t.dtype.is_int:
         if not np.issubdtype(arr.dtype, np.integer):
-            raise FeedError(f"feed {name!r} has dtype {arr.dtype}, expected integers ({t})")
+            raise FeedError(f"{what} has dtype {arr.dtype}, expected integers ({t})")
         info = np.iinfo(t.dtype.np)
         if arr.size and (arr.min() < info.min or arr.max() > info.max):
-            raise FeedError(f"feed {name!r} has values outside the {t.dtype.name} range")
+            raise FeedError(f"{what} has values outside the {t.dtype.name} range")
     elif arr.dtype != np.bool_:
-        raise FeedError(f"feed {name!r} has dtype {arr.dtype}, expected bool ({t})")
+        raise FeedError(f"{what} has dtype {arr.dtype}, expected bool ({t})")
 
 
 def _check_finite(name: str, arr: np.ndarray, conv: np.ndarray, t: TensorType) -> None:
