@@ -268,3 +268,32 @@ def test_emit_with_device_and_dispatch(dev):
     bufs = [dev.upload(x), dev.create_buffer(12)]
     dev.dispatch(spec, bufs)
     np.testing.assert_allclose(dev.read_array(bufs[1], (3,), f32), np.tanh(x), rtol=1e-6)
+
+
+def test_auto_through_the_real_code_path():
+    """``auto`` in a fresh process, no monkeypatching: Dawn when it imports and finds an adapter,
+    else wgpu-native — and a session compiled there trains.  (On lavapipe CI wgpudawn is not
+    installed, so this takes the real fallback path; on the H200 with the extra it gets Dawn.)"""
+    import subprocess
+    import sys
+
+    code = """
+import importlib.util, numpy as np, meganeura as mn
+from meganeura.runtime.device import get_device
+dev = get_device("auto")
+has_dawn = importlib.util.find_spec("wgpudawn") is not None
+g = mn.Graph("t"); x = g.input("x", (4, 3)); w = g.param("w", (3, 2))
+loss = ((x @ w) ** 2.0).mean()
+s = mn.compile(g, loss=loss, optimizer=mn.optim.SGD(lr=0.1), backend="auto")
+s.set_params({"w": np.ones((3, 2), np.float32)})
+l0 = s.step(x=np.ones((4, 3), np.float32)).loss
+l1 = s.step(x=np.ones((4, 3), np.float32)).loss
+print(dev.implementation, has_dawn, s.dev is dev, l1 < l0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    impl, has_dawn, same, trained = out.stdout.split()[-4:]
+    assert impl in ("dawn", "wgpu") and same == "True" and trained == "True"
+    if has_dawn == "False":
+        assert impl == "wgpu"
