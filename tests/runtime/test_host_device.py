@@ -69,6 +69,7 @@ def test_host_submissions_are_ordered_with_the_steps(host_device):
     ref.set_params({name: new})
     want_loss = ref.step(x=x, y=y).loss
     want_after = ref.get_params()[name]
+    assert not np.isclose(_session(host_device).step(x=x, y=y).loss, want_loss)  # it matters
 
     buf, off, size = sess.gpu_buffer(name)
     assert size == new.nbytes
@@ -108,3 +109,23 @@ def test_device_that_is_not_a_wgpu_native_gpudevice_is_refused(bad, match):
     m = mlp_classifier(4)
     with pytest.raises(mn.DeviceError, match=match):
         mn.compile(m.graph, outputs={"logits": m.logits}, device=bad)
+
+
+def test_load_program_runs_on_the_host_device(host_device, tmp_path):
+    x, _ = _batch(2)
+    sess = _session()
+    sess.export(tmp_path / "mlp")
+    prog = mn.load_program(tmp_path / "mlp", device=host_device)
+    assert prog.dev is as_device(host_device)
+    np.testing.assert_allclose(prog.run(x=x)["logits"], sess.run(x=x)["logits"], rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_host_device_on_an_adapter_meganeura_refuses(host_device, monkeypatch):
+    """E.g. wgpu-native's OpenGL fallback: kernels would lack f16/subgroups and differ."""
+    from meganeura.runtime import device as device_module
+
+    monkeypatch.setattr(device_module, "_HOSTED", type(device_module._HOSTED)())
+    monkeypatch.setattr(device_module, "_good", lambda adapter: False)
+    with pytest.raises(mn.DeviceError, match=r"host's GPUDevice runs on .*Vulkan, Metal or D3D12"):
+        as_device(host_device)
