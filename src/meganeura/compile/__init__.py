@@ -57,6 +57,10 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
     ``optim.step`` keep their values) and reading its result raises ``NonFiniteError``
     naming the loss or the first parameter whose gradient was bad.
 
+    device: the device to run on: a ``runtime.device.Device`` or a raw wgpu-py ``GPUDevice`` the
+    host application opened (a render loop's): the session then submits on the host's queue, in
+    order with the host's own work (docs/deploy.md, "Sharing the host's device").
+
     share: another session of the same backend; persistent tensors (parameters, states) with
     the same name in both live in one buffer, so each session sees the other's updates (e.g. a
     prefill and a decode graph over one KV cache).  Shared tensors keep their current values;
@@ -94,10 +98,12 @@ def _check_options(precision: str, backend, options: dict) -> None:
 
 
 def _gpu_session(program, precision: str, backend, check_finite: bool, options: dict):
-    from ..runtime.device import get_device
+    from ..runtime.device import as_device
     from ..runtime.session import GPUSession
 
     share, device = options.get("share"), options.get("device")
+    if device is not None:  # a host application's raw GPUDevice becomes a Device here
+        device = as_device(device)
     if share is not None:
         if not isinstance(share, GPUSession):
             raise GraphBuildError(f"share: cannot share tensors between a GPUSession and a "
@@ -110,7 +116,7 @@ def _gpu_session(program, precision: str, backend, check_finite: bool, options: 
             raise GraphBuildError(
                 f"share: {grouped[:3]} live in a parameter group of the other session; "
                 "compile that session with group_params=False to share them")
-    device = device or get_device(backend)
+    device = device or as_device(None, backend)
     opts = CompileOptions(precision, options.get("fuse", True), options.get("plan_memory", True),
                           options.get("group_params", True))
     portable = bool(options.get("portable", False))

@@ -109,7 +109,7 @@ class LoadedProgram:
     """A program loaded from an artifact: the runtime alone executes it."""
 
     def __init__(self, path, backend: str | None = None, device=None):
-        from .device import get_device
+        from .device import as_device
 
         self.path = Path(path)
         manifest, modules, weights = _read_artifact(self.path)
@@ -118,7 +118,7 @@ class LoadedProgram:
         constants = {n: weights[n] for n, d in manifest["leaves"].items()
                      if d["kind"] == "constant"}
         self.executable = from_manifest(manifest, modules, constants)
-        self.dev = device or get_device(backend)
+        self.dev = as_device(device, backend)
         self.buffers = PinnedBuffers(self.dev, self.executable, {})
         self.streams = {tag: GPUStream(self.dev, s, self.buffers)
                         for tag, s in (("train", self.executable.train),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -546,7 +547,6 @@ def _open_dawn() -> Device:
 
 
 def _make_device(module, adapter, implementation: str) -> Device:
-    info = _info(adapter)
     adapter_limits = {_norm_key(k): v for k, v in dict(adapter.limits).items()}
     avail = set(adapter.features)
     features = [f for f in _WANTED_FEATURES if f in avail]
@@ -575,16 +575,24 @@ def _make_device(module, adapter, implementation: str) -> Device:
             raise DeviceError(
                 f"{implementation} could not open a device on {_describe_adapter(adapter)}: {e}"
             ) from e
+    return _describe_device(module, adapter, device, implementation, adapter_limits)
+
+
+def _describe_device(module, adapter, device, implementation: str,
+                     fallback_limits: dict | None = None) -> Device:
+    """The ``Device`` of an opened ``device``: features and limits as the device reports them
+    (what kernels may use), adapter name and type from the adapter."""
+    info = _info(adapter)
     try:
         dev_features = frozenset(device.features)
     except Exception:  # pragma: no cover
-        dev_features = frozenset(features)
+        dev_features = frozenset()
     if _has_f16_subgroup_matrix(module, adapter, dev_features):
         dev_features = dev_features | {SUBGROUP_MATRIX_F16}
     try:
         limits = {_norm_key(k): v for k, v in dict(device.limits).items()}
     except Exception:  # pragma: no cover
-        limits = adapter_limits
+        limits = dict(fallback_limits or {})
     name = str(info.get("device") or info.get("description") or "unknown adapter")
     adapter_type = str(info.get("adapter_type", ""))
     is_cpu = adapter_type == "CPU" or "llvmpipe" in name.lower() or "swiftshader" in name.lower()
@@ -621,6 +629,56 @@ def _has_f16_subgroup_matrix(module, adapter, features) -> bool:
         and c.get("min_subgroup_size") == 32 == c.get("max_subgroup_size")
         for c in configs
     )
+
+
+# Wrappers of devices the host application created, by id() of the raw device (the entry goes
+# when no session holds the wrapper any more; a hit is checked for identity, ids are reused).
+_HOSTED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def as_device(device=None, backend: str | None = None) -> Device:
+    """The ``Device`` for ``compile(device=...)`` / ``load_program(device=...)``: a ``Device`` as
+    is, None → ``get_device(backend)``, or a raw wgpu-py ``GPUDevice`` the host application opened
+    (e.g. a render loop's) wrapped so meganeura submits on the host's queue.  The same raw device
+    always gives the same wrapper, so sessions on it share one pipeline cache."""
+    if device is None:
+        return get_device(backend)
+    if isinstance(device, Device):
+        return device
+    with _CACHE_LOCK:
+        hit = _HOSTED.get(id(device))
+        if hit is not None and hit.device is device:
+            return hit
+        dev = _wrap_host_device(device)
+        _HOSTED[id(device)] = dev
+        return dev
+
+
+def _wrap_host_device(raw) -> Device:
+    """Describe a host-created wgpu-native ``GPUDevice``: its adapter, the features and limits
+    it was opened with (not the adapter's: the host chose them), refusing what meganeura cannot
+    run on (another implementation, an OpenGL/D3D11 adapter) with a ``DeviceError``."""
+    import wgpu
+
+    if not isinstance(raw, wgpu.GPUDevice):
+        raise DeviceError(
+            f"device= takes a wgpu GPUDevice (from adapter.request_device_sync()) or a "
+            f"meganeura Device (meganeura.runtime.device.get_device()), got {type(raw).__name__}"
+        )
+    mod = type(raw).__module__
+    if not mod.startswith("wgpu.backends.wgpu_native"):
+        raise DeviceError(
+            f"device=: a GPUDevice of implementation {mod!r} is not supported; meganeura runs "
+            f"host devices of wgpu-native (wgpu.gpu.request_adapter_sync().request_device_sync())"
+        )
+    adapter = getattr(raw, "adapter", None)
+    if adapter is None or not _good(adapter):
+        where = _describe_adapter(adapter) if adapter is not None else "an unknown adapter"
+        raise DeviceError(
+            f"device=: the host's GPUDevice runs on {where}; meganeura needs a Vulkan, Metal or "
+            f"D3D12 adapter; {_INSTALL_HINT}"
+        )
+    return _describe_device(wgpu, adapter, raw, "wgpu")
 
 
 def clear_cache() -> None:

@@ -345,6 +345,19 @@ class GPUSession(Session):
         buf, off = self.executable.home(name)
         return self.buffers.buffers[buf], off
 
+    def gpu_buffer(self, name: str) -> tuple:
+        """``(GPUBuffer, byte offset, byte size)`` where persistent tensor ``name`` (a parameter
+        or optimizer state) lives, for a host sharing the device to copy or bind it in its own
+        passes (e.g. draw with the weights) without a round trip through the CPU.  The buffer has
+        STORAGE | COPY_SRC | COPY_DST usage; work the host submits on the queue is ordered
+        with the session's steps."""
+        if name not in self.program.persistent:
+            raise KeyError(f"{name!r} is not a parameter or state of this session; it has "
+                           f"{sorted(self.program.persistent)[:8]}")
+        t = self.executable.leaves[name].type
+        buf, off = self._home(name)
+        return buf, off, max(t.size, 1) * t.dtype.gpu_itemsize
+
     def _read(self, names):
         out = {}
         for n in names:
