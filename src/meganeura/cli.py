@@ -3,8 +3,9 @@
 ``profile`` (per-kernel GPU times and roofline of a training step), ``tune`` (time the
 candidate kernel configurations on this device and cache the fastest), ``export`` (a
 trained checkpoint as an artifact folder that ``mn.load_program`` and browsers run;
-docs/deploy.md), ``generate`` (stream text from a GGUF file or HF llama folder) and
-``embed`` (sentence embeddings).
+docs/deploy.md), ``generate`` (stream text from a GGUF file or HF llama folder, optionally with
+fine-tuned weights), ``finetune`` (train such a model on prompt/response pairs) and ``embed``
+(sentence embeddings).
 
 Errors are one line on stderr (``meganeura: error: …``) and a non-zero exit status, never a
 traceback: 2 for bad arguments or settings, 1 for failures while running, 3 when ``train`` ends
@@ -512,6 +513,10 @@ def cmd_generate(args) -> int:
     _open_backend(args.backend)
     t0 = time.perf_counter()
     cfg, params, tok = _load_lm(args.model)
+    if args.checkpoint:
+        from .finetune import load_finetuned
+
+        params = load_finetuned(args.checkpoint, params)
     ids = _prompt_ids(tok, args)
     max_len = len(ids) + args.max_new_tokens
     if max_len > cfg.max_position_embeddings:
@@ -539,6 +544,81 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     print(f"[{len(ids)} prompt tokens, {len(out)} generated; load+compile {t_load:.1f} s; "
           f"time to first token {t_first * 1e3:.0f} ms; decode {rate}]", file=sys.stderr)
+    return 0
+
+
+def _finetune_data(args, tok, cfg):
+    """(ids, labels) of the data file, checked before any compile time is spent."""
+    from .finetune import encode_pairs, read_pairs
+
+    if args.seq_len > cfg.max_position_embeddings:
+        raise CLIError(f"--seq-len {args.seq_len} exceeds the model's context of "
+                       f"{cfg.max_position_embeddings}")
+    pairs = read_pairs(args.data)
+    if args.batch_size > len(pairs):
+        raise CLIError(f"--batch-size {args.batch_size} is larger than the {len(pairs)} "
+                       f"examples in {args.data}")
+    pad = tok.pad_id if tok.pad_id is not None else (tok.eos_id or 0)
+    ids, labels, cut = encode_pairs(tok, pairs, args.seq_len, args.data, pad)
+    n_resp = int((labels != -100).sum())
+    print(f"{args.data}: {len(pairs)} examples, {n_resp} response tokens"
+          + (f"; {cut} responses cut at --seq-len {args.seq_len}" if cut else ""))
+    return ids, labels
+
+
+def _finetune_epochs(sess, ids, labels, args, ckpt: str) -> list[float]:
+    """AdamW over shuffled batches; the bar shows the loss and tokens/s (all batch x seq-len
+    positions, padding included: what the device computes);
+    the parameters are saved atomically after every epoch, so a crash loses one epoch."""
+    from tqdm import tqdm
+
+    from .checkpoint import save_checkpoint
+
+    per_epoch = len(ids) // args.batch_size
+    rng = np.random.default_rng(args.seed)
+    losses: list[float] = []
+    t0, tokens = time.perf_counter(), 0
+    with tqdm(total=per_epoch * args.epochs, desc="finetune", unit="step",
+              disable=args.quiet) as bar:
+        for epoch in range(1, args.epochs + 1):
+            order = rng.permutation(len(ids))
+            for b in range(per_epoch):
+                sel = order[b * args.batch_size:(b + 1) * args.batch_size]
+                losses.append(sess.step(ids=ids[sel], labels=labels[sel]).loss)
+                tokens += sel.size * args.seq_len
+                bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}",
+                                tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+                bar.update(1)
+            save_checkpoint(ckpt, sess.get_params(), sess.program.model_fingerprint,
+                            sess.step_count, extra={"finetune.epoch": str(epoch),
+                                                    "finetune.model": os.path.abspath(args.model)})
+    return losses
+
+
+def cmd_finetune(args) -> int:
+    """Fine-tune a GGUF file or HF llama folder on prompt/response pairs (JSON lines): chat
+    template around each pair, loss on the response tokens only, AdamW, a checkpoint (HF
+    parameter names, atomic) after every epoch that ``generate --checkpoint`` loads."""
+    from .finetune import build_session
+
+    _prepare_out(args.out)
+    _open_backend(args.backend)
+    t0 = time.perf_counter()
+    cfg, params, tok = _load_lm(args.model)
+    ids, labels = _finetune_data(args, tok, cfg)
+    steps = len(ids) // args.batch_size * args.epochs
+    sess = build_session(cfg, params, args.batch_size, args.seq_len, _optimizer(args, steps),
+                         args.backend)
+    print(f"model {args.model}: {cfg.n_params} parameters; load+compile "
+          f"{time.perf_counter() - t0:.1f} s")
+    ckpt = os.path.join(args.out, "finetuned.safetensors")
+    t1 = time.perf_counter()
+    losses = _finetune_epochs(sess, ids, labels, args, ckpt)
+    per_epoch = len(ids) // args.batch_size
+    print(f"loss {np.mean(losses[:per_epoch]):.4f} (first epoch) -> "
+          f"{np.mean(losses[-per_epoch:]):.4f} (last epoch); {len(losses)} steps in "
+          f"{time.perf_counter() - t1:.1f} s; saved {ckpt}")
+    print(f"chat with it: meganeura generate {args.model} \"PROMPT\" --checkpoint {ckpt}")
     return 0
 
 
@@ -673,8 +753,11 @@ def _add_model_commands(sub) -> None:
                     help="sample among the k most likely tokens")
     pg.add_argument("--seed", type=_int_at_least(0), default=0, help="sampling seed")
     pg.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    pg.add_argument("--checkpoint", default=None,
+                    help="fine-tuned weights (.safetensors written by 'meganeura finetune')")
     pg.add_argument("--backend", type=_backend(True), default=None,
                     help="wgpu | dawn | auto | reference (default: $MEGANEURA_WEBGPU, else wgpu)")
+    _add_finetune(sub)
     pm = sub.add_parser("embed", help="sentence embeddings with a BERT-family folder",
                         formatter_class=_HelpFormatter)
     pm.add_argument("model", help="a sentence-transformers / HF bert folder")
@@ -682,6 +765,29 @@ def _add_model_commands(sub) -> None:
     pm.add_argument("--out", default=None, help="save the embeddings to this .npy file")
     pm.add_argument("--backend", type=_backend(True), default=None,
                     help="wgpu | dawn | auto | reference (default: $MEGANEURA_WEBGPU, else wgpu)")
+
+
+def _add_finetune(sub) -> None:
+    pf = sub.add_parser("finetune", help="fine-tune a GGUF file or HF llama folder on "
+                        "prompt/response pairs", description=_plain(cmd_finetune.__doc__),
+                        formatter_class=_HelpFormatter)
+    pf.add_argument("model", help="a .gguf file or an HF llama folder")
+    pf.add_argument("--data", required=True,
+                    help="JSON lines, one {\"prompt\": ..., \"response\": ...} per line")
+    pf.add_argument("--epochs", type=_positive_int, default=3, help="passes over the data")
+    pf.add_argument("--lr", type=_float_at_least(0.0, False), default=1e-4,
+                    help="peak learning rate (warm-up, then cosine decay)")
+    pf.add_argument("--weight-decay", type=_float_at_least(0.0, True), default=0.0,
+                    help="AdamW weight decay")
+    pf.add_argument("--batch-size", type=_positive_int, default=8, help="examples per step")
+    pf.add_argument("--seq-len", type=_int_at_least(2), default=128,
+                    help="tokens per example (padded or truncated to this)")
+    pf.add_argument("--seed", type=_int_at_least(0), default=0, help="shuffling seed")
+    pf.add_argument("--out", default="runs/finetune",
+                    help="directory for finetuned.safetensors (saved every epoch)")
+    pf.add_argument("--backend", type=_backend(True), default=None,
+                    help="wgpu | dawn | auto | reference (default: $MEGANEURA_WEBGPU, else wgpu)")
+    pf.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def main(argv=None) -> int:
@@ -695,7 +801,7 @@ def main(argv=None) -> int:
     try:
         commands = {"info": cmd_info, "train": cmd_train, "profile": cmd_profile,
                     "tune": cmd_tune, "export": cmd_export, "generate": cmd_generate,
-                    "embed": cmd_embed}
+                    "embed": cmd_embed, "finetune": cmd_finetune}
         return commands[args.cmd](args)
     except CLIError as e:
         print(f"meganeura: error: {e}", file=sys.stderr)

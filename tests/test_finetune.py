@@ -1,0 +1,160 @@
+"""``meganeura finetune`` then ``generate --checkpoint``: a tiny Llama GGUF written here learns
+a fixed answer style on the numpy reference and on the GPU (lavapipe); the loss is the
+response tokens' only; the checkpoint is what generation then runs; bad data files are one
+line."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from meganeura.checkpoint import read_checkpoint
+from meganeura.cli import main
+from meganeura.compile import compile
+from meganeura.finetune import IGNORE, build_session, encode_pair, encode_pairs, load_finetuned
+from meganeura.generate import LlamaGenerator
+from meganeura.io.gguf import load_gguf
+from meganeura.models.llama import llama_lm, tiny_llama
+from meganeura.optim import AdamW
+from tests.io.gguf_util import VOCAB, write_tiny_llama
+from tests.test_cli import _fails
+
+pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+
+# a recognisable style: whatever the question, the answer ends in "zz yy"
+PAIRS = [(q, f"{a} zz yy") for q, a in [("abc", "ab"), ("ab ab", "c"), ("a b c", "abc"),
+                                         ("cab", "b a"), ("bac", "c c"), ("c", "ab ab"),
+                                         ("abc abc", "a"), ("b", "abc b")]]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from meganeura.init import init_leaves
+
+    cfg = tiny_llama(vocab_size=len(VOCAB), max_position_embeddings=64)
+    sd = init_leaves(llama_lm(cfg, 1, 2, loss=False).graph, 0)
+    sd["model.embed_tokens.weight"] = np.random.default_rng(0).normal(
+        0, 1.0, sd["model.embed_tokens.weight"].shape)
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_llama(path, sd, cfg)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "style.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in PAIRS))
+    return str(path)
+
+
+def _finetune(model, data, out, backend, capsys, epochs="4"):
+    rc = main(["finetune", model, "--data", data, "--epochs", epochs, "--lr", "1e-2",
+               "--batch-size", "4", "--seq-len", "16", "--out", str(out), "--backend", backend,
+               "--quiet"])
+    out_text, err = capsys.readouterr()
+    assert rc == 0, err
+    first, last = map(float, re.search(r"loss ([\d.]+) \(first epoch\) -> ([\d.]+)",
+                                       out_text).groups())
+    return first, last
+
+
+@pytest.mark.parametrize("backend", ["reference", "wgpu"])
+def test_finetune_lowers_the_loss(tiny_gguf, data, tmp_path, backend, capsys, request):
+    if backend == "wgpu":
+        request.getfixturevalue("gpu")
+    first, last = _finetune(tiny_gguf, data, tmp_path, backend, capsys)
+    assert last < 0.7 * first, (first, last)
+    tensors, meta = read_checkpoint(tmp_path / "finetuned.safetensors")
+    assert meta["finetune.epoch"] == "4"
+    base = load_gguf(tiny_gguf).params
+    assert set(tensors) == set(base)  # HF names, parameters only
+    assert not np.allclose(tensors["model.norm.weight"], base["model.norm.weight"])
+
+
+def test_labels_cover_only_the_response(tiny_gguf):
+    tok = load_gguf(tiny_gguf).tokenizer
+    ex = encode_pair(tok, "abc ab", "c zz")
+    assert ex.ids[:ex.n_prompt] == tok.encode("abc ab")  # the prompt generate will feed
+    assert ex.ids[-1] == tok.eos_id
+    ids, labels, cut = encode_pairs(tok, [("abc ab", "c zz")], 12)
+    n = len(ex.ids)
+    assert cut == 0 and list(ids[0, :n]) == ex.ids
+    assert (labels[0, :ex.n_prompt] == IGNORE).all() and (labels[0, n:] == IGNORE).all()
+    assert list(labels[0, ex.n_prompt:n]) == ex.ids[ex.n_prompt:]
+    _, _, cut = encode_pairs(tok, [("abc ab", "c zz")], ex.n_prompt + 1)
+    assert cut == 1
+
+
+def test_loss_ignores_prompt_tokens(tiny_gguf):
+    """The first step's loss equals the mean next-token CE over response positions computed
+    from the same model's logits in numpy; changing a prompt token's label changes nothing."""
+    m = load_gguf(tiny_gguf)
+    ids, labels, _ = encode_pairs(m.tokenizer, PAIRS[:2], 16)
+    sess = build_session(m.config, m.params, 2, 16, AdamW(1e-3), backend="reference")
+    loss = sess.step(ids=ids, labels=labels).loss
+    g = llama_lm(m.config, 2, 16, loss=False)
+    inf = compile(g.graph, outputs={"logits": g.logits}, backend="reference")
+    inf.set_params(m.params, strict=True)
+    z = inf.run(ids=ids)["logits"][:, :-1].astype(np.float64)
+    tgt = labels[:, 1:]
+    logp = z - z.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    keep = tgt != IGNORE
+    want = -np.take_along_axis(logp, np.where(keep, tgt, 0)[..., None], -1)[..., 0][keep].mean()
+    assert loss == pytest.approx(want, rel=1e-5)
+    full = ids.copy()  # every position labelled: a different (larger-support) loss
+    sess2 = build_session(m.config, m.params, 2, 16, AdamW(1e-3), backend="reference")
+    assert abs(sess2.step(ids=ids, labels=full).loss - want) > 1e-3
+
+
+def test_generate_with_checkpoint_runs_the_finetuned_weights(tiny_gguf, data, tmp_path,
+                                                              capsys):
+    _finetune(tiny_gguf, data, tmp_path, "reference", capsys, epochs="30")
+    ckpt = str(tmp_path / "finetuned.safetensors")
+    rc = main(["generate", tiny_gguf, "abc", "--checkpoint", ckpt, "--max-new-tokens", "12",
+               "--backend", "reference"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    m = load_gguf(tiny_gguf)
+    ids = m.tokenizer.encode("abc")
+    gen = LlamaGenerator(m.config, load_finetuned(ckpt, m.params), max_len=len(ids) + 12,
+                         backend="reference")
+    want = gen.generate(np.array([ids]), 12, eos_token_id=m.tokenizer.eos_id)[0, len(ids):]
+    want = [t for t in want if t != m.tokenizer.eos_id]
+    assert out == m.tokenizer.decode(want) + "\n"
+    assert out.endswith(" zz yy\n")  # the style was learnt, and the end of the turn
+
+
+def test_bad_data_files_give_one_line_errors(tiny_gguf, data, tmp_path, capsys):
+    files = {"empty.jsonl": "\n\n", "notjson.jsonl": '{"prompt": "a", "response": "b"}\nhello\n',
+             "nokey.jsonl": '{"prompt": "a"}\n', "list.jsonl": "[1, 2]\n",
+             "blank.jsonl": '{"prompt": "a", "response": ""}\n',
+             "long.jsonl": json.dumps({"prompt": "abc " * 20, "response": "b"}) + "\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00")
+    base = ["finetune", tiny_gguf, "--backend", "reference", "--out", str(tmp_path / "o"),
+            "--batch-size", "1"]
+    cases = [("empty.jsonl", "empty.jsonl: no examples"),
+             ("notjson.jsonl", "notjson.jsonl:2: not JSON"),
+             ("nokey.jsonl", "nokey.jsonl:1: missing key 'response'"),
+             ("list.jsonl", "list.jsonl:1: expected a JSON object, got list"),
+             ("blank.jsonl", "'response' must be a non-empty string"),
+             ("long.jsonl", "example 1: the prompt is"),
+             ("bin.jsonl", "bin.jsonl: not UTF-8 text"),
+             ("missing.jsonl", "No such file or directory")]
+    for name, msg in cases:
+        _, line = _fails(base + ["--data", str(tmp_path / name), "--seq-len", "16"], capsys)
+        assert msg in line, (name, line)
+    _, line = _fails(["finetune", tiny_gguf, "--data", data, "--batch-size", "99",
+                      "--seq-len", "16", "--backend", "reference",
+                      "--out", str(tmp_path / "o")], capsys)
+    assert "--batch-size 99 is larger than the 8 examples" in line
+    _, line = _fails(["finetune", tiny_gguf, "--data", data, "--seq-len", "100",
+                      "--backend", "reference", "--out", str(tmp_path / "o")], capsys)
+    assert "exceeds the model's context of 64" in line
+    _, line = _fails(["generate", tiny_gguf, "a", "--checkpoint", str(tmp_path / "no.st"),
+                      "--backend", "reference"], capsys)
+    assert "does not exist" in line
