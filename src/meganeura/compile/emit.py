@@ -11,15 +11,10 @@ import os
 
 from .. import kernels
 from ..kernels.common import Target
-from .executable import Copy, Dispatch, Fetch, Stream
+from .executable import Copy, Dispatch, Fetch, Stream, round4
 from .memory import CopyOp, Plan
 
 _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
-
-
-def round4(n: int) -> int:
-    """Buffer sizes and copy lengths are multiples of 4 bytes in WebGPU."""
-    return (n + 3) // 4 * 4
 
 
 def emit_kernel(desc, binds, target: Target, precision: str = "strict",

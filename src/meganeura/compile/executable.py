@@ -15,6 +15,11 @@ from ..graph import TensorType
 from ..kernels.ir import KernelSpec
 
 
+def round4(n: int) -> int:
+    """Buffer sizes and copy lengths are multiples of 4 bytes in WebGPU."""
+    return (n + 3) // 4 * 4
+
+
 @dataclass(frozen=True)
 class Loc:
     """A tensor's home: pool ("temp" arena, "group" parameter group, or
@@ -189,7 +194,8 @@ def to_manifest(exe: Executable) -> tuple[dict, list[str]]:
     return manifest, sorted(modules, key=modules.__getitem__)
 
 
-def _tensor_type(d: dict) -> TensorType:
+def tensor_type(d: dict) -> TensorType:
+    """A TensorType from its manifest form ``{\"shape\": [...], \"dtype\": name}``."""
     from ..dtypes import as_dtype
 
     return TensorType(tuple(int(n) for n in d["shape"]), as_dtype(d["dtype"]))
@@ -207,7 +213,7 @@ def _stream_from(d: dict, modules: list[str]) -> Stream:
                           tuple(op["workgroups"]), op.get("entry", "main"),
                           dict(op.get("meta", {})))
         ops.append(Dispatch(op["label"], spec, binds))
-    fetch = tuple(Fetch(f["name"], Loc(*f["loc"]), _tensor_type(f), f["offset"], f["nbytes"])
+    fetch = tuple(Fetch(f["name"], Loc(*f["loc"]), tensor_type(f), f["offset"], f["nbytes"])
                   for f in d["fetch"])
     return Stream(d["tag"], tuple(ops), d["arena_bytes"], dict(d["out_buffers"]), fetch,
                   d.get("naive_bytes", 0), d.get("dispatches_unfused", 0))
@@ -223,7 +229,7 @@ def from_manifest(manifest: dict, modules: list[str],
     if manifest.get("version") != FORMAT_VERSION:
         raise ValueError(f"executable format version {manifest.get('version')} is not "
                          f"supported (this meganeura reads version {FORMAT_VERSION})")
-    leaves = {n: PinnedTensor(n, d["kind"], _tensor_type(d),
+    leaves = {n: PinnedTensor(n, d["kind"], tensor_type(d),
                               constants.get(n) if d["kind"] == "constant" else None)
               for n, d in manifest["leaves"].items()}
     groups = tuple(GroupBuffer(g["name"], as_dtype(g["dtype"]), int(g["elements"]))

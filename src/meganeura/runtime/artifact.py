@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compile.executable import FORMAT_VERSION, from_manifest, to_manifest
+from ..compile.executable import FORMAT_VERSION, from_manifest, tensor_type, to_manifest
 from ..errors import CheckpointError, FeedError
 from ..graph import TensorType, ValueRange
-from .executable import GPUStream, PinnedBuffers, from_gpu, round4, to_gpu, upload_feeds
+from .executable import GPUStream, PinnedBuffers
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
@@ -123,12 +123,12 @@ class LoadedProgram:
         self.streams = {tag: GPUStream(self.dev, s, self.buffers)
                         for tag, s in (("train", self.executable.train),
                                        ("infer", self.executable.infer)) if s is not None}
-        self.feeds = {tag: {n: _tensor_type(d) for n, d in f.items()}
+        self.feeds = {tag: {n: tensor_type(d) for n, d in f.items()}
                       for tag, f in info["feeds"].items()}
         self.ranges = {n: [ValueRange(lo, hi, tuple(also), what) for lo, hi, also, what in rs]
                        for n, rs in info["feed_ranges"].items()}
         self.outputs = list(info["outputs"])
-        self._write({n: weights[n] for n in info["persistent"]})
+        self.buffers.write({n: weights[n] for n in info["persistent"]})
 
     def run(self, **feeds) -> dict[str, np.ndarray]:
         """Inference: the named outputs for these feeds."""
@@ -139,14 +139,7 @@ class LoadedProgram:
         return self._submit("train", feeds)()
 
     def get_state(self) -> dict[str, np.ndarray]:
-        out = {}
-        for n in self.manifest["program"]["persistent"]:
-            t = self.executable.leaves[n].type
-            buf, off = self._home(n)
-            raw = self.dev.queue.read_buffer(buf, off, round4(max(t.size, 1)
-                                                              * t.dtype.gpu_itemsize))
-            out[n] = from_gpu(bytes(raw)[: t.size * t.dtype.gpu_itemsize], t)
-        return out
+        return self.buffers.read(self.manifest["program"]["persistent"])
 
     def _submit(self, tag: str, feeds):
         from .session import check_feeds
@@ -155,23 +148,9 @@ class LoadedProgram:
             what = "inference (no outputs)" if tag == "infer" else "training"
             raise FeedError(f"this artifact has no {what} stream")
         arrays = check_feeds(self.feeds[tag], feeds, True, self.ranges)
-        upload_feeds(self.dev, self.executable, self.buffers, arrays)
+        self.buffers.write(arrays)
         return self.streams[tag].submit()
 
-    def _home(self, name: str):
-        buf, off = self.executable.home(name)
-        return self.buffers.buffers[buf], off
-
-    def _write(self, values: Mapping[str, np.ndarray]) -> None:
-        for n, v in values.items():
-            buf, off = self._home(n)
-            self.dev.queue.write_buffer(buf, off, to_gpu(v, self.executable.leaves[n].type.dtype))
-
-
-def _tensor_type(d: dict) -> TensorType:
-    from ..dtypes import as_dtype
-
-    return TensorType(tuple(d["shape"]), as_dtype(d["dtype"]))
 
 
 def _read_artifact(path: Path):

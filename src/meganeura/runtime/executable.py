@@ -5,12 +5,8 @@ Knows nothing of graphs, ops or passes: it executes the finished plan it is give
 
 from __future__ import annotations
 
-from ..compile.executable import Copy, Dispatch, Executable, Loc, Stream
+from ..compile.executable import Copy, Dispatch, Executable, Loc, Stream, round4
 from ..errors import LimitError
-
-
-def round4(n: int) -> int:
-    return (n + 3) // 4 * 4
 
 
 def check_buffer(dev, nbytes: int, what: str, binding: bool = False) -> None:
@@ -34,6 +30,7 @@ class PinnedBuffers:
         import wgpu
 
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self.dev, self.exe = dev, exe
         self.buffers: dict[str, object] = dict(shared)
         for g in exe.groups:
             nbytes = round4(g.elements * g.dtype.gpu_itemsize)
@@ -49,6 +46,28 @@ class PinnedBuffers:
             self.buffers[name] = buf
             if leaf.kind == "constant":
                 dev.queue.write_buffer(buf, 0, to_gpu(leaf.data, leaf.type.dtype))
+
+    def home(self, name: str):
+        """(buffer, byte offset) where a leaf lives (its own buffer or its group's)."""
+        buf, off = self.exe.home(name)
+        return self.buffers[buf], off
+
+    def read(self, names) -> dict:
+        """Persistent tensors back to the host (waits for the GPU)."""
+        out = {}
+        for n in names:
+            t = self.exe.leaves[n].type
+            buf, off = self.home(n)
+            nbytes = t.size * t.dtype.gpu_itemsize
+            raw = self.dev.queue.read_buffer(buf, off, round4(max(nbytes, 1)))
+            out[n] = from_gpu(bytes(raw)[:nbytes], t)
+        return out
+
+    def write(self, values) -> None:
+        """Host arrays (already checked) into their tensors' buffers."""
+        for n, v in values.items():
+            buf, off = self.home(n)
+            self.dev.queue.write_buffer(buf, off, to_gpu(v, self.exe.leaves[n].type.dtype))
 
 
 class GPUStream:
@@ -226,12 +245,6 @@ def _raw_calls(dev):
     except ImportError:  # pragma: no cover - another wgpu layout
         return None
     return lib, ffi.NULL
-
-
-def upload_feeds(dev, exe: Executable, pinned: PinnedBuffers, feeds) -> None:
-    """Write checked feed arrays into their input buffers."""
-    for name, arr in feeds.items():
-        dev.queue.write_buffer(pinned.buffers[name], 0, to_gpu(arr, exe.leaves[name].type.dtype))
 
 
 def to_gpu(arr, dtype):

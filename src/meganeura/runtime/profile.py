@@ -107,7 +107,7 @@ def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> P
     if steps < 1:
         raise ValueError(f"profile: steps must be >= 1, got {steps}")
     ex = sess.infer if inference else sess.train
-    expected = sess.program.inference_feeds() if inference else sess.program.feeds
+    expected = sess.infer_feeds if inference else sess.train_feeds
     sess._upload_feeds(check_feeds(expected, feeds, sess.check_finite, sess.feed_ranges))
     wall_ms, encode_us = _warm_and_time_steps(dev, ex, steps)
     dispatches = ex.stream.dispatches

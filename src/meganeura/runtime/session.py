@@ -19,7 +19,7 @@ from ..errors import FeedError, GraphBuildError, NonFiniteError
 from ..graph import TensorType
 from ..init import init_leaves
 from ..program import NONFINITE, Program
-from .executable import GPUStream, PinnedBuffers, from_gpu, round4, to_gpu, upload_feeds
+from .executable import GPUStream, PinnedBuffers
 
 
 class StepResult:
@@ -170,7 +170,10 @@ class Session(ABC):
     def __init__(self, program: Program, check_finite: bool = True):
         self.program = program
         self.check_finite = check_finite
-        self.feed_ranges = program.feed_ranges  # (a walk over the graph: once)
+        # each is a walk over the graph: done once, not at every step/run
+        self.feed_ranges = program.feed_ranges
+        self.train_feeds = program.feeds if program.training else {}
+        self.infer_feeds = program.inference_feeds() if program.outputs else {}
         self.step_count = 0
 
     # backend primitives --------------------------------------------------------------------
@@ -207,8 +210,7 @@ class Session(ABC):
         if not self.program.training:
             raise FeedError("step(): this session has no optimizer (compiled for inference); "
                             "use run()")
-        arrays = check_feeds(self.program.feeds, feeds, self.check_finite,
-                             self.feed_ranges)
+        arrays = check_feeds(self.train_feeds, feeds, self.check_finite, self.feed_ranges)
         fetch = self._step(arrays)
         self.step_count += 1
         return StepResult(fetch, self.step_count, self.program.nonfinite_names,
@@ -223,8 +225,7 @@ class Session(ABC):
         """Inference: the named outputs for these feeds (parameters unchanged)."""
         if not self.program.outputs:
             raise FeedError("run(): the session was compiled without outputs=")
-        arrays = check_feeds(self.program.inference_feeds(), feeds, self.check_finite,
-                             self.feed_ranges)
+        arrays = check_feeds(self.infer_feeds, feeds, self.check_finite, self.feed_ranges)
         return self._run(arrays)
 
     def init_params(self, seed: int = 0) -> None:
@@ -328,7 +329,7 @@ class GPUSession(Session):
 
     # Session primitives ----------------------------------------------------------------------
     def _upload_feeds(self, feeds):
-        upload_feeds(self.dev, self.executable, self.buffers, feeds)
+        self.buffers.write(feeds)
 
     def _submit(self, stream: GPUStream, feeds):
         self._upload_feeds(feeds)
@@ -340,11 +341,6 @@ class GPUSession(Session):
     def _run(self, feeds):
         return self._submit(self.infer, feeds)()
 
-    def _home(self, name: str):
-        """(buffer, byte offset) where a persistent tensor lives."""
-        buf, off = self.executable.home(name)
-        return self.buffers.buffers[buf], off
-
     def gpu_buffer(self, name: str) -> tuple:
         """``(GPUBuffer, byte offset, byte size)`` where persistent tensor ``name`` (a parameter
         or optimizer state) lives, for a host sharing the device to copy or bind it in its own
@@ -355,23 +351,14 @@ class GPUSession(Session):
             raise KeyError(f"{name!r} is not a parameter or state of this session; it has "
                            f"{sorted(self.program.persistent)[:8]}")
         t = self.executable.leaves[name].type
-        buf, off = self._home(name)
+        buf, off = self.buffers.home(name)
         return buf, off, max(t.size, 1) * t.dtype.gpu_itemsize
 
     def _read(self, names):
-        out = {}
-        for n in names:
-            t = self.executable.leaves[n].type
-            buf, off = self._home(n)
-            raw = self.dev.queue.read_buffer(buf, off,
-                                             round4(max(t.size, 1) * t.dtype.gpu_itemsize))
-            out[n] = from_gpu(bytes(raw)[: t.size * t.dtype.gpu_itemsize], t)
-        return out
+        return self.buffers.read(names)
 
     def _write(self, values):
-        for n, v in values.items():
-            buf, off = self._home(n)
-            self.dev.queue.write_buffer(buf, off, to_gpu(v, self.executable.leaves[n].type.dtype))
+        self.buffers.write(values)
 
     # reports -----------------------------------------------------------------------------------
     def _streams(self):
