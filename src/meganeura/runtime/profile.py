@@ -36,9 +36,8 @@ class KernelTime:
         return {"label": self.label, "calls": self.calls, "mean_us": self.mean_s * 1e6,
                 "flops": self.flops, "bytes": self.bytes, "tflops": self.flops / t / 1e12,
                 "gbps": self.bytes / t / 1e9,
-                "bound": (None if not peak else "compute" if self.flops / max(
-                    peak.f16_tensor_flops if self.tensor_cores else peak.f32_flops, 1)
-                    >= self.bytes / max(peak.bandwidth, 1) else "memory"),
+                "bound": peak.binding_limit(self.flops, self.bytes, self.tensor_cores)
+                if peak else None,
                 "pct_of_bound": None if bound is None else 100 * bound / t}
 
 

@@ -18,10 +18,19 @@ class DevicePeak:
     f16_tensor_flops: float  # dense f16/bf16 with f32 accumulation (tensor cores)
     bandwidth: float  # bytes/s, DRAM
 
-    def bound_seconds(self, flops: float, nbytes: float, tensor_cores: bool = False) -> float:
+    def limits_seconds(self, flops: float, nbytes: float,
+                       tensor_cores: bool = False) -> tuple[float, float]:
+        """(compute floor, memory floor) in seconds; 0 where the peak is unknown."""
         peak = self.f16_tensor_flops if tensor_cores else self.f32_flops
-        return max(flops / peak if peak else 0.0, nbytes / self.bandwidth if self.bandwidth
-                   else 0.0)
+        return (flops / peak if peak else 0.0,
+                nbytes / self.bandwidth if self.bandwidth else 0.0)
+
+    def bound_seconds(self, flops: float, nbytes: float, tensor_cores: bool = False) -> float:
+        return max(self.limits_seconds(flops, nbytes, tensor_cores))
+
+    def binding_limit(self, flops: float, nbytes: float, tensor_cores: bool = False) -> str:
+        compute, memory = self.limits_seconds(flops, nbytes, tensor_cores)
+        return "compute" if compute >= memory else "memory"
 
 
 # adapter-name substring -> peaks (datasheets; the H200 SXM: 67 TFLOP/s f32, 989 TFLOP/s
