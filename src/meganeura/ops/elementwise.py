@@ -228,10 +228,6 @@ def _bvjp(fa, fb):
     return vjp
 
 
-def _int_div(a, b):
-    return np.trunc(a / b) if np.issubdtype(a.dtype, np.integer) else a / b
-
-
 add = _binary("add", "arith", np.add, _bvjp(lambda n, c: c, lambda n, c: c), "({0} + {1})")
 sub = _binary("sub", "arith", np.subtract, _bvjp(lambda n, c: c, lambda n, c: -c), "({0} - {1})")
 mul = _binary(
