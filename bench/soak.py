@@ -118,17 +118,33 @@ def soak(steps: int, backend: str, every: int, warmup: int, batch: int = 32,
             loss = res.loss
         if i % 50 == 0:
             sess.run(**{k: v for k, v in feeds.items() if k in infer_names})
+        if i % every == 0 or i == steps:  # sampled before the save: outside its transient
+            samples.append(_sample(i, loss, t0))
+            print(f"soak: step {i}: {samples[-1]}", flush=True)  # progress of long runs
         if i % save_every == 0 or i == steps:
             sess.save(ckpt)
             sess.load(ckpt)
-        if i % every == 0 or i == steps:
-            gc.collect()
-            samples.append({"step": i, "rss_mb": round(rss_mb(), 2), "gpu": gpu_objects(),
-                            "loss": round(float(loss), 5),
-                            "seconds": round(time.perf_counter() - t0, 1)})
-            print(f"soak: step {i}: {samples[-1]}", flush=True)  # progress of long runs
     return {"steps": steps, "backend": backend, "warmup": warmup, "samples": samples,
             "device": _device_name(sess), "model": workload or "tiny classifier"}
+
+
+def _release_free_heap() -> None:
+    """Collect garbage and hand glibc's free heap pages back to the OS.  A checkpoint save of a
+    large model (1.6 GB for SmolLM2 with AdamW) leaves freed arenas mapped, which reads as
+    tens of MiB of RSS growth although nothing is referenced; a real leak stays after this."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: RSS then includes retained free pages (conservative)
+
+
+def _sample(step: int, loss: float, t0: float) -> dict:
+    _release_free_heap()
+    return {"step": step, "rss_mb": round(rss_mb(), 2), "gpu": gpu_objects(),
+            "loss": round(float(loss), 5), "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def _device_name(sess) -> str:
@@ -144,17 +160,25 @@ def _device_name(sess) -> str:
 
 
 def verdict(result: dict, max_growth_mb: float) -> list[str]:
-    """Problems found: resident set growth beyond the bound after warm-up, any growth of the
-    GPU object counts after warm-up, a non-finite loss."""
+    """Problems found: a resident-set trend beyond the bound after warm-up, any growth of the
+    GPU object counts after warm-up, a non-finite loss.
+
+    The RSS trend is the median of the last third of the post-warm-up samples minus the median
+    of the first third: a leak grows with the step count and moves the median, while a
+    bounded excursion (a 24 MiB logits readback staging buffer that happens to be resident at
+    one sample) does not.  The largest excursion is reported too."""
     after = [s for s in result["samples"] if s["step"] >= result["warmup"]]
-    if len(after) < 2:
+    if len(after) < 3:
         return [f"too few samples after the {result['warmup']}-step warm-up to judge"]
-    problems = []
-    growth = max(s["rss_mb"] for s in after) - after[0]["rss_mb"]
+    rss = [s["rss_mb"] for s in after]
+    third = max(1, len(rss) // 3)
+    growth = float(np.median(rss[-third:]) - np.median(rss[:third]))
     result["rss_growth_mb"] = round(growth, 2)
+    result["rss_excursion_mb"] = round(max(rss) - min(rss), 2)
+    problems = []
     if growth > max_growth_mb:
         problems.append(f"resident set grew {growth:.1f} MiB after warm-up "
-                        f"(bound {max_growth_mb} MiB)")
+                        f"(median of the last third vs the first; bound {max_growth_mb} MiB)")
     if after[0]["gpu"] is not None:
         for kind, n0 in after[0]["gpu"].items():
             peak = max(s["gpu"][kind] for s in after)
@@ -187,19 +211,28 @@ def main(argv=None) -> int:
                     help="a bench/workloads.py model instead of the tiny classifier (smollm2…)")
     ap.add_argument("--save-every", type=int, default=None,
                     help="checkpoint save+load every N steps (default: --every)")
+    ap.add_argument("--rejudge", metavar="JSON",
+                    help="judge the samples of an earlier run's --json again (with --warmup and "
+                         "--max-growth-mb) instead of running")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.every < 1:
         ap.error("--steps and --every must be at least 1")
-    result = soak(args.steps, args.backend, args.every, args.warmup, workload=args.workload,
-                  save_every=args.save_every)
+    if args.rejudge:
+        with open(args.rejudge) as f:
+            result = json.load(f)
+        result["warmup"] = args.warmup
+    else:
+        result = soak(args.steps, args.backend, args.every, args.warmup, workload=args.workload,
+                      save_every=args.save_every)
+        result["date"] = datetime.date.today().isoformat()
     problems = verdict(result, args.max_growth_mb)
-    result.update(problems=problems, date=datetime.date.today().isoformat(),
-                  max_growth_mb=args.max_growth_mb)
-    print(f"soak: {args.steps} steps of {result['model']} on {result['device']}, "
+    result.update(problems=problems, max_growth_mb=args.max_growth_mb)
+    print(f"soak: {result['steps']} steps of {result['model']} on {result['device']}, "
           f"{result['date']}")
     print(table(result))
-    print(f"RSS growth after warm-up: {result.get('rss_growth_mb', '?')} MiB "
-          f"(bound {args.max_growth_mb} MiB)")
+    print(f"RSS trend after warm-up: {result.get('rss_growth_mb', '?')} MiB "
+          f"(bound {args.max_growth_mb} MiB); largest excursion "
+          f"{result.get('rss_excursion_mb', '?')} MiB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
