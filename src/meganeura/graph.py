@@ -9,6 +9,7 @@ of the original onto the copy).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -124,10 +125,17 @@ def builder(name: str) -> Callable[..., Any]:
     return _BUILDERS[name]
 
 
+@functools.lru_cache(maxsize=4096)
+def _inside_package(filename: str) -> bool:
+    """Is this source file part of meganeura?  Cached: graph building asks it for every frame
+    of every op, and ``abspath`` dominated the time of rebuilding large graphs."""
+    return os.path.abspath(filename).startswith(_PKG_DIR)
+
+
 def _user_location() -> str:
     """file:line of the first stack frame outside this package: where the user built the op."""
     f = sys._getframe(2)
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PKG_DIR):
+    while f is not None and _inside_package(f.f_code.co_filename):
         f = f.f_back
     if f is None:
         return "?"

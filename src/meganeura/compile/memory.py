@@ -303,25 +303,26 @@ def _place(todo, fit, align: int = ALIGN) -> tuple[dict[int, int], int]:
 
 
 def _first_fit(live: list[tuple[int, int]], size: int) -> int:
-    """The lowest offset where ``size`` bytes fit between the live blocks (sorted)."""
+    """The lowest offset where ``size`` bytes fit between the live blocks (sorted by offset;
+    they never overlap, so each block's end is the running end)."""
     off = 0
     for o, s in live:
         if off + size <= o:
             break
-        off = max(off, o + s)
+        off = o + s
     return off
 
 
 def _best_fit(live: list[tuple[int, int]], size: int) -> int:
-    """Offset for a block of ``size`` bytes among the live blocks ``(offset, size)`` (sorted):
-    the smallest gap it fits in, else the end.  Less sensitive to placement order than first
-    fit (fewer small holes left in front of big blocks)."""
+    """Offset for a block of ``size`` bytes among the live blocks ``(offset, size)`` (sorted,
+    never overlapping): the smallest gap it fits in, else the end.  Less sensitive to placement
+    order than first fit (fewer small holes left in front of big blocks)."""
     best, best_gap, end = None, None, 0
     for o, s in live:
         gap = o - end
         if gap >= size and (best_gap is None or gap < best_gap):
             best, best_gap = end, gap
-        end = max(end, o + s)
+        end = o + s
     return end if best is None else best
 
 
