@@ -169,6 +169,29 @@ def test_placement_policies():
     assert size == max(e for _, e in spans.values())
 
 
+def test_placement_never_overlaps_live_blocks_on_random_lifetimes():
+    """Both fits on many random lifetimes: blocks alive at once never overlap, and the arena
+    is the largest end (the fits assume sorted, disjoint live blocks; this checks it holds)."""
+    from meganeura.compile.memory import _best_fit, _first_fit, _place
+
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        n = int(rng.integers(2, 40))
+        starts = np.sort(rng.integers(0, 50, n))
+        todo = [(i, int(rng.integers(1, 5000)), int(s), int(s + rng.integers(0, 20)))
+                for i, s in enumerate(starts)]
+        for fit in (_first_fit, _best_fit):
+            offsets, size = _place(todo, fit, align=32)
+            spans = {v: (offsets[v], offsets[v] + -(-nb // 32) * 32) for v, nb, _, _ in todo}
+            for v, _n, a, b in todo:
+                assert offsets[v] % 32 == 0
+                for w, _m, c, d in todo:
+                    if v < w and not (b < c or d < a):
+                        assert spans[v][1] <= spans[w][0] or spans[w][1] <= spans[v][0], \
+                            (trial, fit.__name__, v, w)
+            assert size == max(e for _, e in spans.values())
+
+
 def test_fused_projection_weights_are_a_range_of_the_group(gpu):
     """Weights concatenated for a fused projection that lie back to back in the optimizer's
     group (q, k, v of a layer) are that range of the group buffer: no concat kernel."""
