@@ -120,6 +120,15 @@ class AttentionKernel:
     # fwd only: store the output as (B, Sq, Hq, Dv) instead of (B, Hq, Sq, Dv), the layout the
     # output projection reads (the planner then needs no transposing copy)
     out_bshd: bool = False
+    # split-K: fwd splits the keys into ``splits`` chunks of ceil(Skv / splits) and writes each
+    # chunk's normalized output and lse ((splits·B, Hq, Sq, ·), combined by the
+    # ``attention_combine`` family); dkdv splits the query positions the same way and writes
+    # (splits·B, ·, Skv, ·) partial sums (summed by the caller).  More workgroups for problems
+    # with few (batch, head, block) items: decoding, batch-1 encoders.
+    splits: int = 1
+    # "fast": QKᵀ and PV on f16 subgroup matrices (f32 accumulation and softmax) where the
+    # device has them (``attention_fast``); elsewhere exactly the strict kernel
+    precision: str = "strict"
 
 
 # One description type per family (the registry maps types to families); ``kind`` still says
@@ -227,9 +236,10 @@ def _problem(k: AttentionKernel) -> tuple[int, int]:
     """(own-dimension extent, work items per block index) of a description."""
     B, Hq, Sq, _ = k.q.shape
     Hkv, Skv = k.k.shape[1], k.k.shape[2]
+    ns = max(1, int(k.splits))
     if k.kind == "dkdv":
-        return Skv, B * (Hq if k.split_heads else Hkv)
-    return Sq * (Hq // Hkv), B * Hkv
+        return Skv, ns * B * (Hq if k.split_heads else Hkv)
+    return Sq * (Hq // Hkv), ns * B * Hkv
 
 
 def resolve_config(k: AttentionKernel, t) -> tuple:
@@ -300,6 +310,14 @@ class _Gen:
         self.dp, self.vp = _pad(self.du, self.TC), _pad(self.vu, self.TC)
         self.shared: list[str] = []
         self.words = 0
+        self.ns = int(k.splits)
+        if self.ns < 1 or (self.ns > 1 and (k.kind == "dq" or k.out_bshd)):
+            raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (fwd and dkdv only, >= 1, "
+                               "not with out_bshd)")
+
+    def bsplit(self) -> str:
+        """Batch index of an output row: (chunk, batch) when split."""
+        return "b" if self.ns == 1 else f"(sc * {u(self.B)} + b)"
 
     # -- element access --------------------------------------------------------------------
     def ld(self, name: str, idx: str, dt: DType) -> str:
@@ -471,13 +489,17 @@ class _Gen:
             L.append(f"{ind}}}")
 
 
-def _grid_head(L, ind, grid, total, blk, nblk, head, nh) -> None:
-    """Workgroup -> (batch ``b``, head ``head``, block ``blk``); invocation -> (tr, tc)."""
+def _grid_head(L, ind, grid, total, blk, nblk, head, nh, g=None) -> None:
+    """Workgroup -> (split chunk ``sc``, batch ``b``, head ``head``, block ``blk``)."""
     L.append(f"{ind}let wg = {grid.wg_expr};")
     if not grid.exact:
         L.append(f"{ind}if (wg >= {u(total)}) {{ return; }}")
     L += [f"{ind}let {blk} = wg % {u(nblk)};", f"{ind}let bh = wg / {u(nblk)};",
-          f"{ind}let {head} = bh % {u(nh)};", f"{ind}let b = bh / {u(nh)};"]
+          f"{ind}let {head} = bh % {u(nh)};"]
+    if g is not None and g.ns > 1:
+        L += [f"{ind}let b = bh / {u(nh)} % {u(g.B)};", f"{ind}let sc = bh / {u(nh * g.B)};"]
+    else:
+        L.append(f"{ind}let b = bh / {u(nh)};")
 
 
 def _lanes(g: _Gen, L, ind) -> None:
@@ -495,7 +517,7 @@ def _rows_head(g: _Gen, L, ind, grid, total) -> None:
     """Block of packed rows, the key range it can see, this invocation's rows (packed row,
     query position, head, absolute position, in range)."""
     k, BQ = g.k, g.own
-    _grid_head(L, ind, grid, total, "blk", -(-g.rows // BQ), "hkv", g.Hkv)
+    _grid_head(L, ind, grid, total, "blk", -(-g.rows // BQ), "hkv", g.Hkv, g)
     _lanes(g, L, ind)
     L.append(f"{ind}let R0 = blk * {u(BQ)};")
     L.append(f"{ind}let Rn = min(R0 + {u(BQ)}, {u(g.rows)});")
@@ -507,6 +529,10 @@ def _rows_head(g: _Gen, L, ind, grid, total) -> None:
         L.append(f"{ind}kv_hi = min(kv_hi, {_i(k.q_offset)} + i_last + 1i);")
     if k.window:
         L.append(f"{ind}kv_lo = max(0i, {_i(k.q_offset)} + i_first - {_i(k.window)} + 1i);")
+    if g.ns > 1:  # this workgroup's chunk of the keys
+        ch = -(-g.Skv // g.ns)
+        L.append(f"{ind}kv_lo = max(kv_lo, i32(sc) * {_i(ch)});")
+        L.append(f"{ind}kv_hi = min(kv_hi, i32(sc) * {_i(ch)} + {_i(ch)});")
     for i in range(g.RM):
         L.append(f"{ind}let rw{i} = R0 + tr + {u(i * g.TR)};")
         L.append(f"{ind}let rok{i} = rw{i} < {u(g.rows)};")
@@ -603,7 +629,7 @@ def _fwd_kernel(g: _Gen, t):
     g.array("Vs", g.wv, g.loop * g.vp)
     g.array("Ps", RM, g.loop * TR)
     g.array("Red", RM, TC * TR)
-    total = -(-g.rows // g.own) * g.B * g.Hkv
+    total = -(-g.rows // g.own) * g.B * g.Hkv * g.ns
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
@@ -634,14 +660,14 @@ def _fwd_store(g: _Gen, L, ind) -> None:
         li, mi = _comp("lt", i, RM), _comp("m", i, RM)
         L.append(f"{ind}let inv{i} = select(1.0 / {li}, 0.0, {li} == 0.0);")
         L.append(f"{ind}if (rok{i} && tc == 0u) {{")
-        obase = f"((b * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"
+        obase = f"(({g.bsplit()} * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"
         L.append(f"{ind}    {g.bind['lse_out']}[{obase}] = "
                  f"{_store(f'select({mi} + log({li}), -mn_inf(), {li} == 0.0)', g.dt)};")
         L.append(f"{ind}}}")
     if k.out_bshd:
         rbase = lambda i: f"((b * {u(g.Sq)} + q{i}i) * {u(g.Hq)} + q{i}h)"  # noqa: E731
     else:
-        rbase = lambda i: f"((b * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"  # noqa: E731
+        rbase = lambda i: f"(({g.bsplit()} * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"  # noqa: E731
     g.store_rows(L, ind, "out", "o", g.nc, g.wv, g.vu, g.Dv, rbase, lambda i: f"rok{i}",
                  lambda i: f"inv{i}")
 
@@ -712,7 +738,7 @@ def _keys_head(g: _Gen, L, ind, grid, total) -> None:
     """Block of keys, this invocation's keys, the packed query rows that can see the block;
     stage K (pre-scaled) and V."""
     k, BKV = g.k, g.own
-    _grid_head(L, ind, grid, total, "kb", -(-g.Skv // BKV), "hw", g.NH)
+    _grid_head(L, ind, grid, total, "kb", -(-g.Skv // BKV), "hw", g.NH, g)
     if k.split_heads:
         L.append(f"{ind}let hq_w = hw;")
         L.append(f"{ind}let hkv = hw / {u(g.G)};")
@@ -731,6 +757,10 @@ def _keys_head(g: _Gen, L, ind, grid, total) -> None:
     if k.window:
         L.append(f"{ind}i_hi = clamp(i32(j1) - 1i + {_i(k.window)} - {_i(k.q_offset)}, 0i, "
                  f"{_i(g.Sq)});")
+    if g.ns > 1:  # this workgroup's chunk of the query positions
+        ch = -(-g.Sq // g.ns)
+        L.append(f"{ind}i_lo = max(i_lo, i32(sc) * {_i(ch)});")
+        L.append(f"{ind}i_hi = min(i_hi, i32(sc) * {_i(ch)} + {_i(ch)});")
     L.append(f"{ind}let R_lo = u32(i_lo) * {u(g.P)};")
     L.append(f"{ind}let R_hi = u32(max(i_hi, i_lo)) * {u(g.P)};")
     pre = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
@@ -825,7 +855,7 @@ def _dkdv_kernel(g: _Gen, t):
                        ("Ps", g.RM, g.loop * g.TR), ("Ds", g.RM, g.loop * g.TR),
                        ("Ls", 1, g.loop), ("Dl", 1, g.loop)):
         g.array(name, w, n)
-    total = -(-g.Skv // g.own) * g.B * g.NH
+    total = -(-g.Skv // g.own) * g.B * g.NH * g.ns
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _keys_head(g, L, ind, grid, total)
@@ -838,7 +868,7 @@ def _dkdv_kernel(g: _Gen, t):
     g.outer(L, i2, g.loop, [("av", "Ps", "Os", g.vp, nv), ("ak", "Ds", "Qs", g.dp, nk)])
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
-    obase = lambda i: f"((b * {u(g.NH)} + hw) * {u(g.Skv)} + jk{i})"  # noqa: E731
+    obase = lambda i: f"(({g.bsplit()} * {u(g.NH)} + hw) * {u(g.Skv)} + jk{i})"  # noqa: E731
     ok = lambda i: f"kok{i}"  # noqa: E731
     g.store_rows(L, ind, "dk", "ak", nk, g.wd, g.du, g.D, obase, ok, lambda i: _f(k.scale))
     g.store_rows(L, ind, "dv", "av", nv, g.wv, g.vu, g.Dv, obase, ok, lambda i: "1.0")
@@ -881,7 +911,8 @@ def _make(kind):
         return KIND_TYPES[kind](kind, q, kk, v, mask, dout, lse, delta, attrs["causal"],
                                 attrs["scale"], attrs["window"], attrs["q_offset"],
                                 name=f"attention_{kind}",
-                                split_heads=bool(attrs.get("split_heads", False)))
+                                split_heads=bool(attrs.get("split_heads", False)),
+                                splits=int(attrs.get("splits", 1)))
 
     return make
 
