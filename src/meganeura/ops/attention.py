@@ -54,12 +54,16 @@ SPLIT_HEADS_BELOW = 128
 # Split-K (see kernels/attention_combine.py): with fewer (batch, kv head, 32-row block) work
 # items than SPLIT_ITEMS, the forward splits the keys (the dK/dV kernel the query positions)
 # into chunks of at least SPLIT_MIN_CHUNK, aiming at SPLIT_TARGET work items; only for
-# sequences of at least SPLIT_MIN_LEN (short ones are launch-bound: an extra kernel costs more).
+# loops of at least SPLIT_MIN_LEN keys when decoding (at most DECODE_ROWS query rows per kv
+# head), SPLIT_MIN_LEN_FULL otherwise (short ones are launch-bound: the extra kernel and the
+# partials, n times the output, cost more than they gain).
 SPLIT_ITEMS = 512
 SPLIT_TARGET = 1024
 SPLIT_MIN_CHUNK = 64
 SPLIT_MIN_LEN = 256
+SPLIT_MIN_LEN_FULL = 1024
 SPLIT_MAX = 64
+DECODE_ROWS = 64
 
 
 def split_count(items: int, length: int, min_len: int = SPLIT_MIN_LEN) -> int:
@@ -360,21 +364,24 @@ def _expand_grad(graph, node):
     # too few (batch, kv head, key block) work items to fill a GPU: one work item per query
     # head (heads) and/or per chunk of query positions (n), then (deterministic) sums
     NH = Hq if heads else Hkv
-    n = split_count(B * NH * -(-Skv // 32), Sq, max(SPLIT_MIN_LEN, 512))
+    n = split_count(B * NH * -(-Skv // 32), Sq, SPLIT_MIN_LEN_FULL)
     extra = ({"split_heads": True} if heads else {}) | ({"splits": n} if n > 1 else {})
     dkh, dvh = graph.apply("attention_grad_dkdv", *ins, **a, **extra)
     if not heads and n == 1:
         return [dq, dkh, dvh]
-    axes = (0,) * (n > 1) + (3,) * heads
-    dk = R.sum(S.reshape(dkh, (n, B, Hkv, G if heads else 1, Skv, D)), axes)
-    dv = R.sum(S.reshape(dvh, (n, B, Hkv, G if heads else 1, Skv, Dv)), axes)
-    return [dq, S.reshape(dk, (B, Hkv, Skv, D)), S.reshape(dv, (B, Hkv, Skv, Dv))]
+    lead = ((n,) if n > 1 else ()) + (B, Hkv) + ((G,) if heads else ())
+    axes = ((0,) if n > 1 else ()) + ((len(lead) - 1,) if heads else ())
+    dk = R.sum(S.reshape(dkh, lead + (Skv, D)), axes)
+    dv = R.sum(S.reshape(dvh, lead + (Skv, Dv)), axes)
+    return [dq, dk, dv]
 
 
 def fwd_splits(B: int, Hq: int, Hkv: int, Sq: int, Skv: int) -> int:
     """Key chunks of the forward (1: no split-K); decoding (a few query rows over a long
     cache) and batch-1 encoders split."""
-    return split_count(B * Hkv * -(-(Hq // Hkv) * Sq // 32), Skv)
+    rows = Hq // Hkv * Sq
+    return split_count(B * Hkv * -(-rows // 32), Skv,
+                       SPLIT_MIN_LEN if rows <= DECODE_ROWS else SPLIT_MIN_LEN_FULL)
 
 
 def _expand_fwd(graph, node):
