@@ -1,8 +1,8 @@
 """Last compile stage: a Plan's kernel descriptions → WGSL programs (one ``Stream``).
 
 Each description is emitted for the target device (its limits and features); precision is
-applied here, once: under ``precision="fast"`` matmul descriptions ask for the tensor-core
-variant (the emitter falls back to f32 kernels where the device has none)."""
+applied here, once: under ``precision="fast"`` matmul and attention descriptions ask for the
+tensor-core variant (the emitters fall back to f32 kernels where the device has none)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
 def emit_kernel(desc, binds, target: Target, precision: str = "strict",
                 label: str = "") -> Dispatch:
     """One kernel description with its bindings → a ``Dispatch``."""
-    if precision != "strict" and isinstance(desc, kernels.MatmulKernel):
-        desc = dataclasses.replace(desc, precision=precision)
+    if precision != "strict" and "precision" in {f.name for f in dataclasses.fields(desc)}:
+        desc = dataclasses.replace(desc, precision=precision)  # matmul, attention
     # several views of one tensor (RoPE halves, q/k/v of a fused projection) bind the same
     # range: WebGPU forbids that for writable storage bindings (Dawn validates it), so the
     # kernel is emitted with one binding per distinct range

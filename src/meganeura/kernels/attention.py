@@ -50,6 +50,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..dtypes import DType, f16, f32
+from . import attention_fast as AF
 from .archetypes import register
 from .common import (
     Bindings,
@@ -877,22 +878,33 @@ def _dkdv_kernel(g: _Gen, t):
 
 def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSpec:
     t = make_target(limits, features)
-    g = _Gen(k, t, alias)
+    fast = AF.usable(k, t)
+    if not fast and len(k.config) == 2:  # a fast configuration where the strict kernel runs
+        k = dataclasses.replace(k, config=())
+    g = _Gen(dataclasses.replace(k, config=()) if fast else k, t, alias)
+    g.k = k
     if g.dt not in (f32, f16):
         raise CodegenError(f"kernel {k.name!r}: attention of {g.dt.name} tensors")
     check_bindings(k.name, len(g.dts), t)
-    uses_f16 = check_dtypes(k.name, g.dts, t)
-    body = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}.get(k.kind)
+    uses_f16 = check_dtypes(k.name, g.dts, t) or fast
+    body = {"fwd": AF.fast_body if fast else _fwd_kernel, "dq": _dq_kernel,
+            "dkdv": _dkdv_kernel}.get(k.kind)
     if body is None:
         raise CodegenError(f"unknown attention kernel kind {k.kind!r}")
     lines = body(g, t)
     check_invocations(k.name, g.wg, t)
     check_workgroup_storage(k.name, 4 * g.words, t)
-    src = module_source(module_header(uses_f16) + g.bd.decls() + g.shared, {"mn_inf"},
-                        g.wg, lines)
+    head = module_header(uses_f16)
+    if fast:  # per-subgroup fragment offsets (lid / 32) are not uniform across the workgroup
+        head[-1:-1] = ["enable subgroups;", "enable chromium_experimental_subgroup_matrix;",
+                       "diagnostic(off, chromium.subgroup_matrix_uniformity);",
+                       "diagnostic(off, subgroup_uniformity);"]
+    src = module_source(head + g.bd.decls() + g.shared, {"mn_inf"}, g.wg, lines)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)
-    meta = {"tiles": (g.own, g.loop), "config": (g.TR, g.TC, g.RM, g.RN),
+    cfg, tiles = (g.fast, (16 * g.fast[0], g.fast[1])) if fast else \
+        ((g.TR, g.TC, g.RM, g.RN), (g.own, g.loop))
+    meta = {"tiles": tiles, "config": cfg, "precision": "fast" if fast else "strict",
             "workgroup_storage": 4 * g.words, "archetype": f"attention_{k.kind}",
             "workgroup_size": g.wg, "binding_dtypes": tuple(g.dts), "flops": flops}
     return KernelSpec(k.name, src, g.bd.n, g.grid.workgroups, meta=meta)
