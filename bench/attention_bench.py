@@ -85,7 +85,9 @@ def rel_err(got, want):
 
 SMOKE = {"whisper": (1, 2, 2, 70, 64, False), "smollm2": (1, 3, 1, 33, 64, True),
          "d128": (1, 1, 1, 40, 128, False)}
-REPEATS = {"n": 2000, "warm_s": 0.1}
+# warm_s: back-to-back work before each timing (clocks ramp up; at 0.1 s the first
+# configuration timed in a process read 5x slow on the H200, 2026-12-01)
+REPEATS = {"n": 2000, "warm_s": 0.3}
 
 
 def time_dispatch(dev, spec, bufs):
@@ -213,7 +215,7 @@ def split_rows(dev, x, a, sname, shape):
         for n in counts:
             desc = dataclasses.replace(describe(kind, x, a), splits=n)
             spec, err, us = run_config(dev, desc, x, x["_ref"])
-            fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0) / n
+            fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0)
             rows.append({"shape": sname, "kind": f"{kind}_split{n}", "config":
                          list(spec.meta["config"]), "us": us, "err": err,
                          "tflops": fl / us / 1e6})
@@ -299,8 +301,8 @@ def main(argv) -> None:
 
     dev = get_device(backend)
     t = make_target(dev.limits, dev.features)
-    rows = []
     print(f"device: {dev.adapter_name} ({dev.implementation})", flush=True)
+    rows = decode_rows(dev, "--smoke" in argv)  # first: cheap, and a cut-short run keeps it
     for sname, shape in SHAPES.items():
         x, a, ref = problem(shape)
         x["_ref"] = ref
@@ -319,7 +321,6 @@ def main(argv) -> None:
                       f"{us:9.1f} µs {fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
         rows += split_rows(dev, x, a, sname, shape)
         rows += fast_rows(dev, x, a, sname, shape)
-    rows += decode_rows(dev, "--smoke" in argv)
     if "--torch" in argv:
         for sname, shape in SHAPES.items():
             tt = torch_times(shape)

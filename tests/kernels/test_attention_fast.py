@@ -38,10 +38,12 @@ def _stubbed(src: str) -> str:
     src = src.replace("subgroupMatrixMultiplyAccumulate(", "smma(")
     src = src.replace("subgroup_matrix_result<f32, 16, 16>()", "f32()")
     src = src.replace("subgroupMatrixStore(&Sf, ", "sms(")
+    src = src.replace("subgroupShuffleXor(", "sgx(")  # Dawn wants "enable subgroups;" for it
     stubs = [f"fn sml_{a}(o: u32, c: bool, s: u32) -> f32 {{ return f32({a}[o + s]); }}"
              for a in ("Kh", "Vh", "Ph")]
     stubs += ["fn smma(a: f32, b: f32, c: f32) -> f32 { return a * b + c; }",
-              "fn sms(o: u32, v: f32, c: bool, s: u32) { Sf[o + s] = v; }"]
+              "fn sms(o: u32, v: f32, c: bool, s: u32) { Sf[o + s] = v; }",
+              "fn sgx(x: f32, m: u32) -> f32 { return x + f32(m); }"]
     return src.replace("\n@compute", "\n" + "\n".join(stubs) + "\n@compute", 1)
 
 
