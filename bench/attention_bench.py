@@ -7,9 +7,14 @@ scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
 
   python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
 
-``--quick``: the heuristic configuration only; ``--all``: every configuration that fits;
-``--smoke``: tiny shapes, few timings (a check
-that the script runs, e.g. on lavapipe)."""
+``--quick``: the heuristic configuration only; ``--all``: every configuration that fits (the
+unsplit (8, 16, 4, 2) one is the configuration before split-K: the "before" row);
+``--smoke``: tiny shapes, few timings (a check that the script runs, e.g. on lavapipe).
+
+Then: split-K forward (n key chunks + the combine kernel, µs summed) and dK/dV (n query chunks;
+the partial sums' reduce is not included), the precision "fast" forward (tensor cores; only
+where the device has f16 subgroup matrices), and the decode table (SmolLM2-135M attention of
+one new token over a KV cache of 512 / 2048 rows, batch 1 and 8, unsplit vs split-K)."""
 
 from __future__ import annotations
 
@@ -24,9 +29,11 @@ import numpy as np
 from meganeura import kernels
 from meganeura.dtypes import f32
 from meganeura.kernels import attention as A
+from meganeura.kernels import attention_fast as AF
+from meganeura.kernels.attention_combine import AttentionCombineKernel
 from meganeura.kernels.common import make_target
 from meganeura.kernels.ir import Strided
-from meganeura.ops.attention import SPLIT_HEADS_BELOW, _attention_ref, _grad_parts
+from meganeura.ops.attention import SPLIT_HEADS_BELOW, _attention_ref, _grad_parts, fwd_splits
 from meganeura.runtime.device import get_device
 
 # name: (B, Hq, Hkv, S, D, causal)
@@ -60,7 +67,7 @@ def problem(shape, seed=0):
 
 
 def describe(kind, x, a):
-    v = {n: Strided.contiguous(f32, arr.shape) for n, arr in x.items()}
+    v = {n: Strided.contiguous(f32, arr.shape) for n, arr in x.items() if n[0] != "_"}
     extra = (None, None, None) if kind == "fwd" else (v["dout"], v["lse"], v["delta"])
     return A.KIND_TYPES[kind](kind, v["q"], v["k"], v["v"], None, *extra, a["causal"],
                               a["scale"], a["window"], a["q_offset"], name=f"attention_{kind}",
@@ -78,7 +85,9 @@ def rel_err(got, want):
 
 SMOKE = {"whisper": (1, 2, 2, 70, 64, False), "smollm2": (1, 3, 1, 33, 64, True),
          "d128": (1, 1, 1, 40, 128, False)}
-REPEATS = {"n": 2000, "warm_s": 0.1}
+# warm_s: back-to-back work before each timing (clocks ramp up; at 0.1 s the first
+# configuration timed in a process read 5x slow on the H200, 2026-12-01)
+REPEATS = {"n": 2000, "warm_s": 0.3}
 
 
 def time_dispatch(dev, spec, bufs):
@@ -120,19 +129,34 @@ def time_dispatch(dev, spec, bufs):
 
 
 def run_config(dev, desc, x, ref, poison=True):
-    """(spec, worst relative error over the outputs, µs)."""
-    kind = desc.kind
+    """(spec, worst relative error over the outputs, µs).  Split descriptions: the partials'
+    sum (dK/dV, on the host) or the combine kernel (fwd, timed too) before the check."""
+    kind, n = desc.kind, desc.splits
     spec = kernels.emit(desc, dev.limits, dev.features)
-    names = ["q", "k", "v"] + ([] if kind == "fwd" else ["dout", "lse", "delta"])
+    names = ["q", "k", "v"] + (["mask"] if desc.mask is not None else []) + \
+        ([] if kind == "fwd" else ["dout", "lse", "delta"])
     q, k, v = x["q"].shape, x["k"].shape, x["v"].shape
     kv = (q[:2] + k[2:], q[:2] + v[2:]) if desc.split_heads else (k, v)
     shapes = {"fwd": [q[:3] + v[3:], q[:3]], "dq": [q], "dkdv": list(kv)}[kind]
-    bufs = [dev.upload(x[n]) for n in names]
+    shapes = [(n * s[0],) + s[1:] for s in shapes]
+    bufs = [dev.upload(x[m]) for m in names]
     outs = [dev.upload(np.full(s, np.nan, np.float32)) for s in shapes]  # poisoned
     dev.dispatch(spec, bufs + outs)
-    err = max(rel_err(dev.read_array(b, s, f32), ref[n])
-              for b, s, n in zip(outs, shapes, OUTS[kind], strict=True))
-    return spec, err, time_dispatch(dev, spec, bufs + outs)
+    got = [dev.read_array(b, s, f32) for b, s in zip(outs, shapes, strict=True)]
+    us = time_dispatch(dev, spec, bufs + outs)
+    if n > 1 and kind == "fwd":
+        comb = kernels.emit(AttentionCombineKernel(Strided.contiguous(f32, shapes[0]),
+                                                   Strided.contiguous(f32, shapes[1]), n),
+                            dev.limits, dev.features)
+        fin = [dev.upload(np.full(s, np.nan, np.float32)) for s in (q[:3] + v[3:], q[:3])]
+        dev.dispatch(comb, outs + fin)
+        got = [dev.read_array(b, s, f32) for b, s in zip(fin, (q[:3] + v[3:], q[:3]),
+                                                        strict=True)]
+        us += time_dispatch(dev, comb, outs + fin)
+    elif n > 1:
+        got = [g.reshape((n, -1) + g.shape[1:]).sum(0) for g in got]
+    err = max(rel_err(g, ref[m]) for g, m in zip(got, OUTS[kind], strict=True))
+    return spec, err, us
 
 
 def configs(desc, t, everything=False):
@@ -184,6 +208,90 @@ def torch_times(shape):
     return res
 
 
+def split_rows(dev, x, a, sname, shape):
+    """Split-K forward and dK/dV of one shape (heuristic tiles for each split count)."""
+    rows = []
+    for kind, counts in (("fwd", (2, 3, 4, 6, 8)), ("dkdv", (2, 3, 4))):
+        for n in counts:
+            desc = dataclasses.replace(describe(kind, x, a), splits=n)
+            spec, err, us = run_config(dev, desc, x, x["_ref"])
+            fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0)
+            rows.append({"shape": sname, "kind": f"{kind}_split{n}", "config":
+                         list(spec.meta["config"]), "us": us, "err": err,
+                         "tflops": fl / us / 1e6})
+            print(f"{sname:8} {kind:5} splits={n} {str(spec.meta['config']):14} {us:9.1f} µs "
+                  f"{fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
+    return rows
+
+
+def fast_rows(dev, x, a, sname, shape):
+    """The tensor-core forward (every fast configuration that fits, split and not)."""
+    rows = []
+    t = make_target(dev.limits, dev.features)
+    base = dataclasses.replace(describe("fwd", x, a), precision="fast")
+    if not AF.usable(base, t):
+        print(f"{sname:8} fast: no f16 subgroup matrices on this device (strict kernel)")
+        return rows
+    for cfg in AF.FAST_CONFIGS:
+        for n in (1, fwd_splits(shape[0], shape[1], shape[2], shape[3], shape[3]), 4):
+            desc = dataclasses.replace(base, config=cfg, splits=n)
+            try:
+                spec, _, us = run_config(dev, desc, x, x["_ref"])
+            except kernels.CodegenError:
+                continue
+            err = fast_err(dev, desc, x)
+            fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0)
+            rows.append({"shape": sname, "kind": "fwd_fast", "config": list(cfg), "splits": n,
+                         "us": us, "tflops": fl / us / 1e6, "rel_l2": err})
+            print(f"{sname:8} fwd fast {cfg} splits={n} {us:9.1f} µs {fl / us / 1e6:7.2f} "
+                  f"TFLOP/s  rel L2 {err:.1e}", flush=True)
+    return rows
+
+
+def fast_err(dev, desc, x):
+    """Relative L2 error of the fast forward's output against float64 (the fast gate)."""
+    q, v = x["q"].shape, x["v"].shape
+    spec = kernels.emit(dataclasses.replace(desc, splits=1), dev.limits, dev.features)
+    bufs = [dev.upload(x[m]) for m in ("q", "k", "v")]
+    outs = [dev.upload(np.zeros(s, np.float32)) for s in (q[:3] + v[3:], q[:3])]
+    dev.dispatch(spec, bufs + outs)
+    got = dev.read_array(outs[0], q[:3] + v[3:], f32).astype(np.float64)
+    want = x["_ref"]["out"]
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+DECODE = {"L512_b1": (1, 512), "L2048_b1": (1, 2048), "L512_b8": (8, 512), "L2048_b8": (8, 2048)}
+
+
+def decode_rows(dev, smoke=False):
+    """SmolLM2-135M decode attention (9 query / 3 kv heads, D = 64, one token over a cache
+    whose rows past the position are masked as in models/llama.py's decode graph)."""
+    rows = []
+    for name, (B, L) in DECODE.items():
+        if smoke:
+            B, L = min(B, 2), L // 8
+        r = np.random.default_rng(0)
+        x = {"q": r.standard_normal((B, 9, 1, 64)), "k": r.standard_normal((B, 3, L, 64)),
+             "v": r.standard_normal((B, 3, L, 64))}
+        pos = L - L // 8  # most of the cache filled
+        mask = np.where(np.arange(L) <= pos, 0.0, -np.inf).reshape(1, 1, 1, L)
+        x = {n: a.astype(np.float32) for n, a in x.items()} | {"mask": mask.astype(np.float32)}
+        a = {"causal": False, "scale": 0.125, "window": 0, "q_offset": 0, "has_mask": True}
+        out, lse = _attention_ref([x[n].astype(np.float64) for n in ("q", "k", "v", "mask")], a)
+        ref = {"out": out, "lse": lse}
+        v = {n: Strided.contiguous(f32, arr.shape) for n, arr in x.items()}
+        base = A.AttentionFwdKernel("fwd", v["q"], v["k"], v["v"], v["mask"], None, None, None,
+                                    False, 0.125, 0, 0, name="attention_fwd")
+        auto = fwd_splits(B, 9, 3, 1, L)
+        for n in sorted({1, auto, max(1, auto // 4)}):
+            spec, err, us = run_config(dev, dataclasses.replace(base, splits=n), x, ref)
+            rows.append({"shape": f"decode_{name}", "kind": "fwd", "splits": n, "auto": n == auto,
+                         "config": list(spec.meta["config"]), "us": us, "err": err})
+            print(f"decode {name:9} B={B} L={L:5} splits={n:3}{'*' if n == auto else ' '} "
+                  f"{us:9.1f} µs  err {err:.1e}", flush=True)
+    return rows
+
+
 def main(argv) -> None:
     backend = next((a for a in argv if not a.startswith("-")), "dawn")
     quick = "--quick" in argv
@@ -193,10 +301,11 @@ def main(argv) -> None:
 
     dev = get_device(backend)
     t = make_target(dev.limits, dev.features)
-    rows = []
     print(f"device: {dev.adapter_name} ({dev.implementation})", flush=True)
+    rows = decode_rows(dev, "--smoke" in argv)  # first: cheap, and a cut-short run keeps it
     for sname, shape in SHAPES.items():
         x, a, ref = problem(shape)
+        x["_ref"] = ref
         for kind in KINDS:
             desc = describe(kind, x, a)
             cands = configs(desc, t, "--all" in argv)
@@ -210,6 +319,8 @@ def main(argv) -> None:
                              "workgroups": list(spec.workgroups)})
                 print(f"{sname:8} {kind:5} {str(c.config):16}{'*' if n == 0 else ' '} "
                       f"{us:9.1f} µs {fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
+        rows += split_rows(dev, x, a, sname, shape)
+        rows += fast_rows(dev, x, a, sname, shape)
     if "--torch" in argv:
         for sname, shape in SHAPES.items():
             tt = torch_times(shape)
@@ -223,7 +334,7 @@ def main(argv) -> None:
     print("\nbest per kernel (heuristic in brackets):")
     for sname in SHAPES:
         for kind in KINDS:
-            rs = [r for r in rows if r["shape"] == sname and r["kind"] == kind]
+            rs = [r for r in rows if r["shape"] == sname and r["kind"] == kind and "default" in r]
             if rs:
                 b = min(rs, key=lambda r: r["us"])
                 d = next(r for r in rs if r["default"])

@@ -281,6 +281,8 @@ def run_torch(w, args) -> dict:
             cells["compile_f32"] = c
         except Exception as e:  # noqa: BLE001 - record, don't hide
             cells["compile_f32"] = {"error": f"{type(e).__name__}: {e}"[:400]}
+    if cuda and not args.no_cuda_graph:
+        cells["cuda_graph_f32"] = cuda_graph_cells(w, m, feeds, args, timed)
     if cuda:  # fast comparison: TF32, bf16 autocast (eager)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -304,6 +306,53 @@ def run_torch(w, args) -> dict:
     m = None  # free the model before the next workload
     torch_release()
     return res
+
+
+def cuda_graph_cells(w, m, feeds, args, timed) -> dict:
+    """PyTorch's GPU-only floor for the same work: the inference forward and the SGD training
+    step (forward, backward, update) captured once in a CUDA graph and replayed, so no Python,
+    dispatcher or launch overhead remains (the capture recipe of PyTorch's CUDA-graph docs:
+    warm-up on a side stream, static inputs, gradients kept allocated)."""
+    import torch
+
+    out = {}
+    try:
+        def warm(fn):
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(s)
+
+        def capture(fn):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            return g
+
+        def fwd():
+            with torch.no_grad():
+                w.torch_loss(m, feeds)
+        warm(fwd)
+        g_fwd = capture(fwd)
+        out["infer"] = timed(g_fwd.replay, args.warmup, args.steps)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+
+        def step():
+            w.torch_loss(m, feeds)[0].backward()
+            opt.step()
+        warm(lambda: (opt.zero_grad(set_to_none=True), step()))
+        opt.zero_grad(set_to_none=False)  # the graph accumulates into these gradient buffers
+        g_train = capture(step)
+
+        def replay_train():
+            opt.zero_grad(set_to_none=False)
+            g_train.replay()
+        out["train_sgd"] = timed(replay_train, args.warmup, args.steps)
+    except Exception as e:  # noqa: BLE001 - record, don't hide (some models cannot be captured)
+        out["error"] = f"{type(e).__name__}: {e}"[:400]
+    return out
 
 
 def gates(ours_out: dict, ref: dict, tol=STRICT) -> dict:
@@ -346,6 +395,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--torch-device", default=None)
     p.add_argument("--torch-compile", action="store_true")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="skip PyTorch's CUDA-graph replay cells (timed by default on CUDA)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--fast", action="store_true", help="also our precision='fast' cells")
@@ -412,6 +463,12 @@ def summary_line(rec) -> str:
         return f"{rec['key']}: ERROR {rec['error'][:200]}"
     parts = [rec["key"]]
     eager = rec["torch"]["cells"]["eager_f32"]
+    graph = rec["torch"]["cells"].get("cuda_graph_f32", {})
+    if "train_sgd" in graph:
+        parts.append(f"torch CUDA graph: fwd {graph['infer']['median_ms']:.2f} train-sgd "
+                     f"{graph['train_sgd']['median_ms']:.2f}")
+    elif "error" in graph:
+        parts.append(f"torch CUDA graph: {graph['error'][:100]}")
     for impl, o in rec["ours"].items():
         if "error" in o:
             parts.append(f"{impl}: ERROR {o['error'][:150]}")

@@ -156,3 +156,71 @@ def test_bad_config_is_an_error(dev):
         kernels.emit(desc, dev.limits, dev.features)
     with pytest.raises(kernels.CodegenError):
         kernels.emit(dataclasses.replace(desc, config=(64, 64, 4, 4)), dev.limits, dev.features)
+
+
+def _combine(run, po, pl, n, out_bshd=False):
+    from meganeura.kernels.attention_combine import AttentionCombineKernel
+
+    desc = AttentionCombineKernel(C(f32, po.shape), C(f32, pl.shape), n, out_bshd=out_bshd)
+    B = po.shape[0] // n
+    return run(desc, [po, pl], [((B,) + po.shape[1:], f32), ((B,) + pl.shape[1:], f32)])
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_split_fwd_and_combine(run, rng, n):
+    """Split-K forward (keys in n chunks, some chunks fully hidden by the causal rule or the
+    mask) then the combine kernel == the unsplit reference; the partials match the op's
+    reference of the split kernel."""
+    from meganeura.ops.attention import _split_fwd_ref
+
+    dims = (2, 6, 2, 3, 45, 8, 8)
+    x, a, ref = _problem(rng, dims, {"causal": True, "q_offset": 20},
+                         mask_shape=(1, 1, 1, 45))
+    a = {**a, "splits": n}
+    desc = dataclasses.replace(_desc("fwd", x, a), splits=n)
+    po, pl = run(desc, [x[k] for k in ("q", "k", "v", "mask")],
+                 [((n * 2, 6, 3, 8), f32), ((n * 2, 6, 3), f32)])
+    want = _split_fwd_ref([x[k].astype(np.float64) for k in ("q", "k", "v", "mask")], a)
+    _check(po, want[0], "partial out")
+    _check(pl, want[1], "partial lse")
+    out, lse = _combine(run, po, pl, n)
+    _check(out, ref["out"], "combined out")
+    _check(lse, ref["lse"], "combined lse")
+    bshd, _ = _combine(run, po, pl, n, out_bshd=True)
+    want = ref["out"].transpose(0, 2, 1, 3)
+    _check(bshd.reshape(want.shape), want, "combined out (bshd)")
+
+
+def test_combine_empty_rows(run):
+    """Rows whose chunks are all empty (lse -inf) give 0 and -inf, not NaN."""
+    pl = np.full((3, 1, 2), -np.inf, np.float32)
+    pl[1, 0, 1] = 0.5
+    po = np.zeros((3, 1, 2, 4), np.float32)
+    po[1, 0, 1] = [1, 2, 3, 4]
+    out, lse = _combine(run, po.reshape(3, 1, 2, 4), pl, 3)
+    assert np.array_equal(out[0, 0, 0], [0, 0, 0, 0]) and lse[0, 0, 0] == -np.inf
+    np.testing.assert_allclose(out[0, 0, 1], [1, 2, 3, 4])
+    assert lse[0, 0, 1] == np.float32(0.5)
+
+
+@pytest.mark.parametrize("split_heads", [False, True])
+def test_split_dkdv(run, rng, split_heads):
+    """dK/dV over 3 chunks of query positions: the partial sums (the op's reference) and
+    their total (the unsplit gradient)."""
+    from meganeura.ops.attention import _dkdv_ref
+
+    n, dims = 3, (1, 4, 2, 29, 23, 8, 4)
+    x, a, ref = _problem(rng, dims, {"causal": True, "q_offset": 3})
+    a = {**a, "splits": n, "split_heads": split_heads}
+    desc = dataclasses.replace(_desc("dkdv", x, a), splits=n, split_heads=split_heads)
+    H = 4 if split_heads else 2
+    dk, dv = run(desc, [x[k] for k in ("q", "k", "v", "dout", "lse", "delta")],
+                 [((n, H, 23, 8), f32), ((n, H, 23, 4), f32)])
+    names = ("q", "k", "v", "dout", "lse", "delta")
+    want = _dkdv_ref([x[k].astype(np.float64) for k in names], a)
+    _check(dk, want[0], "partial dk")
+    _check(dv, want[1], "partial dv")
+    fold = (lambda t: t.reshape(n, 1, 2, 2, 23, -1).sum((0, 3))) if split_heads else \
+        (lambda t: t.sum(0, keepdims=True))
+    _check(fold(dk.astype(np.float64)), ref["dk"], "summed dk")
+    _check(fold(dv.astype(np.float64)), ref["dv"], "summed dv")

@@ -2,7 +2,10 @@
 
 Each description is emitted for the target device (its limits and features); precision is
 applied here, once: under ``precision="fast"`` matmul descriptions ask for the tensor-core
-variant (the emitter falls back to f32 kernels where the device has none)."""
+variant (the emitter falls back to f32 kernels where the device has none).  Attention stays
+strict in fast mode: its tensor-core forward (``kernels/attention_fast.py``) measured slower
+than the strict one at Whisper's shape (288.6 vs 257.0 µs on the H200,
+docs/rejected-optimizations.md); kernels reach it by asking for it in their description."""
 
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ from ..kernels.common import Target
 from .executable import Copy, Dispatch, Fetch, Stream, round4
 from .memory import CopyOp, Plan
 
+# descriptions whose tensor-core variant pays under precision="fast"
+FAST_KERNELS = (kernels.MatmulKernel,)
+
 _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
 
 
@@ -23,7 +29,7 @@ def emit_kernel(desc, binds, target: Target, precision: str = "strict",
     emitted for this target, by (description, aliasing); the layers of a model repeat the same
     few kernels (SmolLM2's 1,015 training dispatches are 51 distinct programs), and emitting
     WGSL is most of this stage's time."""
-    if precision != "strict" and isinstance(desc, kernels.MatmulKernel):
+    if precision != "strict" and isinstance(desc, FAST_KERNELS):
         desc = dataclasses.replace(desc, precision=precision)
     # several views of one tensor (RoPE halves, q/k/v of a fused projection) bind the same
     # range: WebGPU forbids that for writable storage bindings (Dawn validates it), so the

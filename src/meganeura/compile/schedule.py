@@ -310,7 +310,8 @@ class _Planner:
         desc = arch.make(n.attrs, views, [o.type for o in n.outputs])
         shapes = ",".join(str(o.shape) for o in n.outputs)
         outs = list(n.outputs)
-        if low.archetype == "attention_fwd" and self._heads_last_reader(n.outputs[0]):
+        if low.archetype in ("attention_fwd", "attention_combine") and \
+                self._heads_last_reader(n.outputs[0]):
             # stored as (B, S, H, D): the output projection's (B, S, H·D) view needs no copy
             o = n.outputs[0]
             B, H, S, D = o.shape

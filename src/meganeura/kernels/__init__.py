@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from . import (  # noqa: F401  (importing a family module registers it)
     attention,
+    attention_combine,
     concat,
     conv,
     gather,

@@ -37,6 +37,13 @@ query heads of the group: dK/dV of a kv head are complete sums, no atomics) in t
 and δ are staged, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ in registers, P and dS to workgroup memory, then
 dV += Pᵀ·dO and dK += dSᵀ·Q.
 
+Split-K (``splits``): fwd walks one chunk of the keys per workgroup and stores that chunk's
+normalized output and lse (merged by ``attention_combine.py``); dK/dV walks one chunk of the
+query positions and stores partial sums (summed by graph ops).  The op's expansion chooses the
+count (``ops/attention.py``, ``split_count``): decoding over a long cache, batch-1 encoders
+(Whisper fwd 308 → 257 µs, dK/dV 507 → 409 µs with 4 chunks on the H200).  ``precision="fast"``
+forwards run ``attention_fast.py`` (tensor cores) where the device has f16 subgroup matrices.
+
 ``delta = rowsum(dO·O)`` is an ordinary fused reduce kernel (built by the op's VJP).  All sums
 are in a fixed order (deterministic).  Inputs are read in place through their strides (views of
 (B, S, H, D) projections need no copy); the mask is read through broadcast strides.  The tile
@@ -50,6 +57,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..dtypes import DType, f16, f32
+from . import attention_fast as AF
 from .archetypes import register
 from .common import (
     Bindings,
@@ -120,6 +128,15 @@ class AttentionKernel:
     # fwd only: store the output as (B, Sq, Hq, Dv) instead of (B, Hq, Sq, Dv), the layout the
     # output projection reads (the planner then needs no transposing copy)
     out_bshd: bool = False
+    # split-K: fwd splits the keys into ``splits`` chunks of ceil(Skv / splits) and writes each
+    # chunk's normalized output and lse ((splits·B, Hq, Sq, ·), combined by the
+    # ``attention_combine`` family); dkdv splits the query positions the same way and writes
+    # (splits·B, ·, Skv, ·) partial sums (summed by the caller).  More workgroups for problems
+    # with few (batch, head, block) items: decoding, batch-1 encoders.
+    splits: int = 1
+    # "fast": QKᵀ and PV on f16 subgroup matrices (f32 accumulation and softmax) where the
+    # device has them (``attention_fast``); elsewhere exactly the strict kernel
+    precision: str = "strict"
 
 
 # One description type per family (the registry maps types to families); ``kind`` still says
@@ -227,9 +244,10 @@ def _problem(k: AttentionKernel) -> tuple[int, int]:
     """(own-dimension extent, work items per block index) of a description."""
     B, Hq, Sq, _ = k.q.shape
     Hkv, Skv = k.k.shape[1], k.k.shape[2]
+    ns = max(1, int(k.splits))
     if k.kind == "dkdv":
-        return Skv, B * (Hq if k.split_heads else Hkv)
-    return Sq * (Hq // Hkv), B * Hkv
+        return Skv, ns * B * (Hq if k.split_heads else Hkv)
+    return Sq * (Hq // Hkv), ns * B * Hkv
 
 
 def resolve_config(k: AttentionKernel, t) -> tuple:
@@ -300,6 +318,14 @@ class _Gen:
         self.dp, self.vp = _pad(self.du, self.TC), _pad(self.vu, self.TC)
         self.shared: list[str] = []
         self.words = 0
+        self.ns = int(k.splits)
+        if self.ns < 1 or (self.ns > 1 and (k.kind == "dq" or k.out_bshd)):
+            raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (fwd and dkdv only, >= 1, "
+                               "not with out_bshd)")
+
+    def bsplit(self) -> str:
+        """Batch index of an output row: (chunk, batch) when split."""
+        return "b" if self.ns == 1 else f"(sc * {u(self.B)} + b)"
 
     # -- element access --------------------------------------------------------------------
     def ld(self, name: str, idx: str, dt: DType) -> str:
@@ -471,13 +497,17 @@ class _Gen:
             L.append(f"{ind}}}")
 
 
-def _grid_head(L, ind, grid, total, blk, nblk, head, nh) -> None:
-    """Workgroup -> (batch ``b``, head ``head``, block ``blk``); invocation -> (tr, tc)."""
+def _grid_head(L, ind, grid, total, blk, nblk, head, nh, g=None) -> None:
+    """Workgroup -> (split chunk ``sc``, batch ``b``, head ``head``, block ``blk``)."""
     L.append(f"{ind}let wg = {grid.wg_expr};")
     if not grid.exact:
         L.append(f"{ind}if (wg >= {u(total)}) {{ return; }}")
     L += [f"{ind}let {blk} = wg % {u(nblk)};", f"{ind}let bh = wg / {u(nblk)};",
-          f"{ind}let {head} = bh % {u(nh)};", f"{ind}let b = bh / {u(nh)};"]
+          f"{ind}let {head} = bh % {u(nh)};"]
+    if g is not None and g.ns > 1:
+        L += [f"{ind}let b = bh / {u(nh)} % {u(g.B)};", f"{ind}let sc = bh / {u(nh * g.B)};"]
+    else:
+        L.append(f"{ind}let b = bh / {u(nh)};")
 
 
 def _lanes(g: _Gen, L, ind) -> None:
@@ -495,7 +525,7 @@ def _rows_head(g: _Gen, L, ind, grid, total) -> None:
     """Block of packed rows, the key range it can see, this invocation's rows (packed row,
     query position, head, absolute position, in range)."""
     k, BQ = g.k, g.own
-    _grid_head(L, ind, grid, total, "blk", -(-g.rows // BQ), "hkv", g.Hkv)
+    _grid_head(L, ind, grid, total, "blk", -(-g.rows // BQ), "hkv", g.Hkv, g)
     _lanes(g, L, ind)
     L.append(f"{ind}let R0 = blk * {u(BQ)};")
     L.append(f"{ind}let Rn = min(R0 + {u(BQ)}, {u(g.rows)});")
@@ -507,6 +537,10 @@ def _rows_head(g: _Gen, L, ind, grid, total) -> None:
         L.append(f"{ind}kv_hi = min(kv_hi, {_i(k.q_offset)} + i_last + 1i);")
     if k.window:
         L.append(f"{ind}kv_lo = max(0i, {_i(k.q_offset)} + i_first - {_i(k.window)} + 1i);")
+    if g.ns > 1:  # this workgroup's chunk of the keys
+        ch = -(-g.Skv // g.ns)
+        L.append(f"{ind}kv_lo = max(kv_lo, i32(sc) * {_i(ch)});")
+        L.append(f"{ind}kv_hi = min(kv_hi, i32(sc) * {_i(ch)} + {_i(ch)});")
     for i in range(g.RM):
         L.append(f"{ind}let rw{i} = R0 + tr + {u(i * g.TR)};")
         L.append(f"{ind}let rok{i} = rw{i} < {u(g.rows)};")
@@ -603,7 +637,7 @@ def _fwd_kernel(g: _Gen, t):
     g.array("Vs", g.wv, g.loop * g.vp)
     g.array("Ps", RM, g.loop * TR)
     g.array("Red", RM, TC * TR)
-    total = -(-g.rows // g.own) * g.B * g.Hkv
+    total = -(-g.rows // g.own) * g.B * g.Hkv * g.ns
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
@@ -634,14 +668,14 @@ def _fwd_store(g: _Gen, L, ind) -> None:
         li, mi = _comp("lt", i, RM), _comp("m", i, RM)
         L.append(f"{ind}let inv{i} = select(1.0 / {li}, 0.0, {li} == 0.0);")
         L.append(f"{ind}if (rok{i} && tc == 0u) {{")
-        obase = f"((b * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"
+        obase = f"(({g.bsplit()} * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"
         L.append(f"{ind}    {g.bind['lse_out']}[{obase}] = "
                  f"{_store(f'select({mi} + log({li}), -mn_inf(), {li} == 0.0)', g.dt)};")
         L.append(f"{ind}}}")
     if k.out_bshd:
         rbase = lambda i: f"((b * {u(g.Sq)} + q{i}i) * {u(g.Hq)} + q{i}h)"  # noqa: E731
     else:
-        rbase = lambda i: f"((b * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"  # noqa: E731
+        rbase = lambda i: f"(({g.bsplit()} * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"  # noqa: E731
     g.store_rows(L, ind, "out", "o", g.nc, g.wv, g.vu, g.Dv, rbase, lambda i: f"rok{i}",
                  lambda i: f"inv{i}")
 
@@ -712,7 +746,7 @@ def _keys_head(g: _Gen, L, ind, grid, total) -> None:
     """Block of keys, this invocation's keys, the packed query rows that can see the block;
     stage K (pre-scaled) and V."""
     k, BKV = g.k, g.own
-    _grid_head(L, ind, grid, total, "kb", -(-g.Skv // BKV), "hw", g.NH)
+    _grid_head(L, ind, grid, total, "kb", -(-g.Skv // BKV), "hw", g.NH, g)
     if k.split_heads:
         L.append(f"{ind}let hq_w = hw;")
         L.append(f"{ind}let hkv = hw / {u(g.G)};")
@@ -731,6 +765,10 @@ def _keys_head(g: _Gen, L, ind, grid, total) -> None:
     if k.window:
         L.append(f"{ind}i_hi = clamp(i32(j1) - 1i + {_i(k.window)} - {_i(k.q_offset)}, 0i, "
                  f"{_i(g.Sq)});")
+    if g.ns > 1:  # this workgroup's chunk of the query positions
+        ch = -(-g.Sq // g.ns)
+        L.append(f"{ind}i_lo = max(i_lo, i32(sc) * {_i(ch)});")
+        L.append(f"{ind}i_hi = min(i_hi, i32(sc) * {_i(ch)} + {_i(ch)});")
     L.append(f"{ind}let R_lo = u32(i_lo) * {u(g.P)};")
     L.append(f"{ind}let R_hi = u32(max(i_hi, i_lo)) * {u(g.P)};")
     pre = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
@@ -825,7 +863,7 @@ def _dkdv_kernel(g: _Gen, t):
                        ("Ps", g.RM, g.loop * g.TR), ("Ds", g.RM, g.loop * g.TR),
                        ("Ls", 1, g.loop), ("Dl", 1, g.loop)):
         g.array(name, w, n)
-    total = -(-g.Skv // g.own) * g.B * g.NH
+    total = -(-g.Skv // g.own) * g.B * g.NH * g.ns
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _keys_head(g, L, ind, grid, total)
@@ -838,7 +876,7 @@ def _dkdv_kernel(g: _Gen, t):
     g.outer(L, i2, g.loop, [("av", "Ps", "Os", g.vp, nv), ("ak", "Ds", "Qs", g.dp, nk)])
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
-    obase = lambda i: f"((b * {u(g.NH)} + hw) * {u(g.Skv)} + jk{i})"  # noqa: E731
+    obase = lambda i: f"(({g.bsplit()} * {u(g.NH)} + hw) * {u(g.Skv)} + jk{i})"  # noqa: E731
     ok = lambda i: f"kok{i}"  # noqa: E731
     g.store_rows(L, ind, "dk", "ak", nk, g.wd, g.du, g.D, obase, ok, lambda i: _f(k.scale))
     g.store_rows(L, ind, "dv", "av", nv, g.wv, g.vu, g.Dv, obase, ok, lambda i: "1.0")
@@ -847,22 +885,33 @@ def _dkdv_kernel(g: _Gen, t):
 
 def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSpec:
     t = make_target(limits, features)
-    g = _Gen(k, t, alias)
+    fast = AF.usable(k, t)
+    if not fast and len(k.config) == 2:  # a fast configuration where the strict kernel runs
+        k = dataclasses.replace(k, config=())
+    g = _Gen(dataclasses.replace(k, config=()) if fast else k, t, alias)
+    g.k = k
     if g.dt not in (f32, f16):
         raise CodegenError(f"kernel {k.name!r}: attention of {g.dt.name} tensors")
     check_bindings(k.name, len(g.dts), t)
-    uses_f16 = check_dtypes(k.name, g.dts, t)
-    body = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}.get(k.kind)
+    uses_f16 = check_dtypes(k.name, g.dts, t) or fast
+    body = {"fwd": AF.fast_body if fast else _fwd_kernel, "dq": _dq_kernel,
+            "dkdv": _dkdv_kernel}.get(k.kind)
     if body is None:
         raise CodegenError(f"unknown attention kernel kind {k.kind!r}")
     lines = body(g, t)
     check_invocations(k.name, g.wg, t)
     check_workgroup_storage(k.name, 4 * g.words, t)
-    src = module_source(module_header(uses_f16) + g.bd.decls() + g.shared, {"mn_inf"},
-                        g.wg, lines)
+    head = module_header(uses_f16)
+    if fast:  # per-subgroup fragment offsets (lid / 32) are not uniform across the workgroup
+        head[-1:-1] = ["enable subgroups;", "enable chromium_experimental_subgroup_matrix;",
+                       "diagnostic(off, chromium.subgroup_matrix_uniformity);",
+                       "diagnostic(off, subgroup_uniformity);"]
+    src = module_source(head + g.bd.decls() + g.shared, {"mn_inf"}, g.wg, lines)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)
-    meta = {"tiles": (g.own, g.loop), "config": (g.TR, g.TC, g.RM, g.RN),
+    cfg, tiles = (g.fast, (16 * g.fast[0], g.fast[1])) if fast else \
+        ((g.TR, g.TC, g.RM, g.RN), (g.own, g.loop))
+    meta = {"tiles": tiles, "config": cfg, "precision": "fast" if fast else "strict",
             "workgroup_storage": 4 * g.words, "archetype": f"attention_{k.kind}",
             "workgroup_size": g.wg, "binding_dtypes": tuple(g.dts), "flops": flops}
     return KernelSpec(k.name, src, g.bd.n, g.grid.workgroups, meta=meta)
@@ -881,7 +930,8 @@ def _make(kind):
         return KIND_TYPES[kind](kind, q, kk, v, mask, dout, lse, delta, attrs["causal"],
                                 attrs["scale"], attrs["window"], attrs["q_offset"],
                                 name=f"attention_{kind}",
-                                split_heads=bool(attrs.get("split_heads", False)))
+                                split_heads=bool(attrs.get("split_heads", False)),
+                                splits=int(attrs.get("splits", 1)))
 
     return make
 

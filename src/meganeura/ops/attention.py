@@ -51,6 +51,29 @@ __all__ = ["attention", "attention_with_lse", "visible_mask"]
 # than this it works per query head and sums the group afterwards (more parallel work).
 SPLIT_HEADS_BELOW = 128
 
+# Split-K (see kernels/attention_combine.py): with fewer (batch, kv head, 32-row block) work
+# items than SPLIT_ITEMS, the forward splits the keys (the dK/dV kernel the query positions)
+# into chunks of at least SPLIT_MIN_CHUNK, aiming at SPLIT_TARGET work items; only for
+# loops of at least SPLIT_MIN_LEN keys when decoding (at most DECODE_ROWS query rows per kv
+# head), SPLIT_MIN_LEN_FULL otherwise (short ones are launch-bound: the extra kernel and the
+# partials, n times the output, cost more than they gain).
+SPLIT_ITEMS = 512
+SPLIT_TARGET = 1024
+SPLIT_MIN_CHUNK = 64
+SPLIT_MIN_LEN = 256
+SPLIT_MIN_LEN_FULL = 1024
+SPLIT_MAX = 64
+DECODE_ROWS = 64
+
+
+def split_count(items: int, length: int, min_len: int = SPLIT_MIN_LEN) -> int:
+    """Chunks to split a loop of ``length`` into, given ``items`` parallel work items."""
+    if items >= SPLIT_ITEMS or length < min_len:
+        return 1
+    n = min(-(-SPLIT_TARGET // max(items, 1)), length // SPLIT_MIN_CHUNK, SPLIT_MAX)
+    n = max(n, 1)
+    return -(-length // -(-length // n))  # no empty chunks
+
 # ------------------------------------------------------------------ helpers
 
 
@@ -150,6 +173,42 @@ def _attention_ref(xs, a):
     return [out.astype(q.dtype), lse.astype(q.dtype)]
 
 
+def _split_fwd_ref(xs, a):
+    """Per key chunk: the chunk's normalized output and lse, stacked as (n·B, ·)."""
+    n = a.get("splits", 1)
+    if n == 1:
+        return _attention_ref(xs, a)
+    q, k = xs[:2]
+    B, Hq, Sq, Skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    ch = -(-Skv // n)
+    base = xs[3] if a["has_mask"] else np.zeros((), q.dtype)
+    outs, lses = [], []
+    for c in range(n):
+        hide = np.full(Skv, -np.inf, q.dtype)
+        hide[c * ch:(c + 1) * ch] = 0.0
+        m = np.broadcast_to(base + hide, (B, Hq, Sq, Skv)).astype(q.dtype)
+        o, lse = _attention_ref(list(xs[:3]) + [m], {**a, "has_mask": True})
+        outs.append(o)
+        lses.append(lse)
+    return [np.concatenate(outs), np.concatenate(lses)]
+
+
+def _combine_ref(xs, a):
+    po, pl = (np.asarray(x, np.float64) for x in xs)
+    n = a["splits"]
+    po = po.reshape((n, -1) + po.shape[1:])
+    pl = pl.reshape((n, -1) + pl.shape[1:])
+    m = pl.max(0)
+    empty = ~(m > -np.inf)
+    w = np.exp(pl - np.where(empty, 0.0, m))
+    s = w.sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(empty[..., None], 0.0, (w[..., None] * po).sum(0) / s[..., None])
+        lse = np.where(empty, -np.inf, m + np.log(s))
+    dt = xs[0].dtype
+    return [out.astype(dt), lse.astype(dt)]
+
+
 def _probs(q, k, mask, lse, a):
     s = _scores(q, k, mask, a)
     ok = (lse > -np.inf)[..., None]
@@ -183,13 +242,43 @@ def _grad_ref(xs, a):
     return list(_grad_parts(xs, a))
 
 
+def _dkdv_ref(xs, a):
+    """dK, dV; with ``splits`` the partial sums of each chunk of query positions, stacked."""
+    n = a.get("splits", 1)
+    if n == 1:
+        return list(_grad_parts(xs, a)[1:])
+    i = 3 + int(a["has_mask"])
+    Sq = xs[0].shape[2]
+    ch = -(-Sq // n)
+    dks, dvs = [], []
+    for c in range(n):
+        keep = np.zeros(Sq, bool)
+        keep[c * ch:(c + 1) * ch] = True
+        lse = np.where(keep, xs[i + 1], -np.inf).astype(xs[i + 1].dtype)  # other rows: P = 0
+        _, dk, dv = _grad_parts(list(xs[:i + 1]) + [lse] + list(xs[i + 2:]), a)
+        dks.append(dk)
+        dvs.append(dv)
+    return [np.concatenate(dks), np.concatenate(dvs)]
+
+
 # ------------------------------------------------------------------ type rules
 
 
 def _attention_infer(types, a):
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_types(types, a)
     dt = types[0].dtype
-    return [TensorType((B, Hq, Sq, Dv), dt), TensorType((B, Hq, Sq), dt)]
+    n = a.get("splits", 1)
+    return [TensorType((n * B, Hq, Sq, Dv), dt), TensorType((n * B, Hq, Sq), dt)]
+
+
+def _combine_infer(types, a):
+    po, pl = types
+    n = a["splits"]
+    if po.ndim != 4 or po.shape[0] % n or pl.shape != po.shape[:3] or po.dtype != pl.dtype:
+        raise ShapeError(f"attention_combine: partials {po.shape}, {pl.shape} do not split into "
+                         f"{n} chunks")
+    B = po.shape[0] // n
+    return [TensorType((B,) + po.shape[1:], po.dtype), TensorType((B,) + pl.shape[1:], po.dtype)]
 
 
 def _grad_operands(types, a):
@@ -214,11 +303,11 @@ def _dq_infer(types, a):
 
 def _dkdv_infer(types, a):
     q, k, v = _grad_operands(types, a)
-    if a.get("split_heads"):
-        B, Hq = q.shape[:2]
-        return [TensorType((B, Hq) + k.shape[2:], k.dtype),
-                TensorType((B, Hq) + v.shape[2:], v.dtype)]
-    return [k, v]
+    B, Hq = q.shape[:2]
+    n = a.get("splits", 1)
+    H = Hq if a.get("split_heads") else k.shape[1]
+    return [TensorType((n * B, H) + k.shape[2:], k.dtype),
+            TensorType((n * B, H) + v.shape[2:], v.dtype)]
 
 
 # ------------------------------------------------------------------ VJPs
@@ -271,23 +360,47 @@ def _expand_grad(graph, node):
     dq = graph.apply("attention_grad_dq", *ins, **a)
     q, k, v = ins[:3]
     B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
-    if G > 1 and B * Hkv * -(-Skv // 16) < SPLIT_HEADS_BELOW:
-        # too few (batch, kv head, key block) work items to fill a GPU: one work item per query
-        # head instead, then a (deterministic) sum over the group
-        dkh, dvh = graph.apply("attention_grad_dkdv", *ins, **a, split_heads=True)
-        dk = R.sum(S.reshape(dkh, (B, Hkv, G, Skv, D)), 2)
-        dv = R.sum(S.reshape(dvh, (B, Hkv, G, Skv, Dv)), 2)
-    else:
-        dk, dv = graph.apply("attention_grad_dkdv", *ins, **a)
+    heads = G > 1 and B * Hkv * -(-Skv // 16) < SPLIT_HEADS_BELOW
+    # too few (batch, kv head, key block) work items to fill a GPU: one work item per query
+    # head (heads) and/or per chunk of query positions (n), then (deterministic) sums
+    NH = Hq if heads else Hkv
+    n = split_count(B * NH * -(-Skv // 32), Sq, SPLIT_MIN_LEN_FULL)
+    extra = ({"split_heads": True} if heads else {}) | ({"splits": n} if n > 1 else {})
+    dkh, dvh = graph.apply("attention_grad_dkdv", *ins, **a, **extra)
+    if not heads and n == 1:
+        return [dq, dkh, dvh]
+    lead = ((n,) if n > 1 else ()) + (B, Hkv) + ((G,) if heads else ())
+    axes = ((0,) if n > 1 else ()) + ((len(lead) - 1,) if heads else ())
+    dk = R.sum(S.reshape(dkh, lead + (Skv, D)), axes)
+    dv = R.sum(S.reshape(dvh, lead + (Skv, Dv)), axes)
     return [dq, dk, dv]
 
 
-defop("attention", _attention_infer, _attention_ref, _attention_vjp, Kernel("attention_fwd"))
+def fwd_splits(B: int, Hq: int, Hkv: int, Sq: int, Skv: int) -> int:
+    """Key chunks of the forward (1: no split-K); decoding (a few query rows over a long
+    cache) and batch-1 encoders split."""
+    rows = Hq // Hkv * Sq
+    return split_count(B * Hkv * -(-rows // 32), Skv,
+                       SPLIT_MIN_LEN if rows <= DECODE_ROWS else SPLIT_MIN_LEN_FULL)
+
+
+def _expand_fwd(graph, node):
+    q, k, v = node.inputs[:3]
+    B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
+    n = fwd_splits(B, Hq, Hkv, Sq, Skv)
+    if n == 1:
+        return list(graph.apply("attention_fwd", *node.inputs, **node.attrs))
+    po, pl = graph.apply("attention_fwd", *node.inputs, **node.attrs, splits=n)
+    return list(graph.apply("attention_combine", po, pl, splits=n))
+
+
+defop("attention", _attention_infer, _attention_ref, _attention_vjp, Composite(_expand_fwd))
+defop("attention_fwd", _attention_infer, _split_fwd_ref, None, Kernel("attention_fwd"))
+defop("attention_combine", _combine_infer, _combine_ref, None, Kernel("attention_combine"))
 defop("attention_grad", _grad_infer, _grad_ref, None, Composite(_expand_grad))
 defop("attention_grad_dq", _dq_infer, lambda xs, a: [_grad_parts(xs, a)[0]], None,
       Kernel("attention_grad_dq"))
-defop("attention_grad_dkdv", _dkdv_infer, lambda xs, a: list(_grad_parts(xs, a)[1:]), None,
-      Kernel("attention_grad_dkdv"))
+defop("attention_grad_dkdv", _dkdv_infer, _dkdv_ref, None, Kernel("attention_grad_dkdv"))
 
 
 # ------------------------------------------------------------------ builders

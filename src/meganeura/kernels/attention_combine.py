@@ -1,0 +1,108 @@
+"""The combine step of split-K attention (``attention_combine``): the forward kernel with
+``splits = n`` wrote, per key chunk c, the chunk's normalized output o_c (n·B, Hq, Sq, Dv) and
+log-sum-exp lse_c (n·B, Hq, Sq); this kernel merges them exactly like one online-softmax step:
+
+    m = max_c lse_c,   w_c = exp(lse_c - m),   out = Σ_c w_c·o_c / Σ_c w_c,   lse = m + log Σ_c w_c
+
+summed in chunk order (deterministic).  Chunks with no visible key have lse_c = -inf and weigh
+0; a row with none at all outputs 0 and lse = -inf (the forward kernel's convention).  One
+invocation per output element; the one at column 0 also writes the row's lse.  Split-K pays off
+when (batch, head, row block) work items are few and keys many: decoding over a KV cache (one
+query row per head) and batch-1 encoders (Whisper, 1,500 positions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dtypes import f16, f32
+from .archetypes import register
+from .common import (
+    WG,
+    Bindings,
+    CodegenError,
+    check_bindings,
+    check_dtypes,
+    flat_index,
+    make_grid,
+    make_target,
+    module_header,
+    module_source,
+    u,
+)
+from .ir import KernelSpec, Strided
+
+FLT_MAX = "3.4028234663852886e38"
+
+
+@dataclass(frozen=True)
+class AttentionCombineKernel:
+    """``part`` (n·B, Hq, Sq, Dv) and ``part_lse`` (n·B, Hq, Sq), contiguous; outputs out
+    (B, Hq, Sq, Dv) (or (B, Sq, Hq, Dv) with ``out_bshd``) and lse (B, Hq, Sq)."""
+
+    part: Strided
+    part_lse: Strided
+    splits: int
+    name: str = "attention_combine"
+    out_bshd: bool = False
+
+
+def emit(k: AttentionCombineKernel, limits=None, features=None, alias=None) -> KernelSpec:
+    t = make_target(limits, features)
+    n = int(k.splits)
+    nb, Hq, Sq, Dv = k.part.shape
+    if n < 1 or nb % n or k.part_lse.shape != (nb, Hq, Sq):
+        raise CodegenError(f"kernel {k.name!r}: partials {k.part.shape} / {k.part_lse.shape} do "
+                           f"not split into {k.splits} chunks")
+    for s in (k.part, k.part_lse):
+        if s.strides != Strided.contiguous(s.dtype, s.shape).strides or s.offset:
+            raise CodegenError(f"kernel {k.name!r}: partials must be contiguous")
+    dt = k.part.dtype
+    if dt not in (f32, f16):
+        raise CodegenError(f"kernel {k.name!r}: attention of {dt.name} tensors")
+    dts = [dt, k.part_lse.dtype, dt, dt]
+    check_bindings(k.name, 4, t)
+    uses_f16 = check_dtypes(k.name, dts, t)
+    bd = Bindings(dts, alias)
+    po, pl, out, lse = (bd.name(i) for i in range(4))
+    B = nb // n
+    rows = B * Hq * Sq
+    total = rows * Dv
+    grid = make_grid(k.name, -(-total // WG), t)
+    ld = (lambda x: x) if dt is f32 else (lambda x: f"f32({x})")
+    st = (lambda x: x) if dt is f32 else (lambda x: f"{dt.wgsl}({x})")
+    ind, i2 = "    ", "        "
+    L = flat_index(grid, total, ind)
+    L += [f"{ind}let r = i / {u(Dv)};", f"{ind}let d = i % {u(Dv)};",
+          f"{ind}var m: f32 = -mn_inf();"]
+    L.append(f"{ind}for (var c: u32 = 0u; c < {u(n)}; c = c + 1u) {{")
+    L.append(f"{i2}m = max(m, {ld(f'{pl}[c * {u(rows)} + r]')});")
+    L.append(f"{ind}}}")
+    L += [f"{ind}var s: f32 = 0.0;", f"{ind}var o: f32 = 0.0;",
+          f"{ind}let ms = select(m, 0.0, m < -{FLT_MAX});"]
+    L.append(f"{ind}for (var c: u32 = 0u; c < {u(n)}; c = c + 1u) {{")
+    L.append(f"{i2}let w = exp({ld(f'{pl}[c * {u(rows)} + r]')} - ms);")
+    L.append(f"{i2}s = s + w;")
+    L.append(f"{i2}o = o + w * {ld(f'{po}[(c * {u(rows)} + r) * {u(Dv)} + d]')};")
+    L.append(f"{ind}}}")
+    L.append(f"{ind}let empty = m < -{FLT_MAX};")
+    if k.out_bshd:  # r = (b·Hq + h)·Sq + i  ->  ((b·Sq + i)·Hq + h)
+        L += [f"{ind}let hi = r % {u(Hq * Sq)};",
+              f"{ind}let orow = (r / {u(Hq * Sq)} * {u(Sq)} + hi % {u(Sq)}) * {u(Hq)} + "
+              f"hi / {u(Sq)};"]
+    else:
+        L.append(f"{ind}let orow = r;")
+    L.append(f"{ind}{out}[orow * {u(Dv)} + d] = {st('select(o / s, 0.0, empty)')};")
+    L.append(f"{ind}if (d == 0u) {{")
+    L.append(f"{i2}{lse}[r] = {st('select(m + log(s), -mn_inf(), empty)')};")
+    L.append(f"{ind}}}")
+    src = module_source(module_header(uses_f16) + bd.decls(), {"mn_inf"}, WG, L)
+    meta = {"archetype": "attention_combine", "workgroup_size": WG, "binding_dtypes": tuple(dts),
+            "flops": 0}
+    return KernelSpec(k.name, src, bd.n, grid.workgroups, meta=meta)
+
+
+def _make(attrs, ins, outs):
+    return AttentionCombineKernel(ins[0], ins[1], int(attrs["splits"]))
+
+
+register("attention_combine", AttentionCombineKernel, emit, make=_make, contiguous_inputs=True)

@@ -1,0 +1,113 @@
+"""``precision="fast"`` attention forward (kernels/attention_fast.py).  On a device with f16
+subgroup matrices (Dawn on the H200) the tensor-core kernel runs and must pass the fast gates
+against float64 (DESIGN.md §5: forward ≤ 1e-2 relative L2; gradients, which stay strict,
+≤ 5e-2 and cosine ≥ 0.99); on any other device fast is the strict program, bit for bit.  On
+every device the tensor-core WGSL is emitted for a device that has the feature and validated
+by the local WGSL compiler with the subgroup-matrix builtins replaced by scalar stand-ins."""
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+import meganeura as mn
+from meganeura import kernels, ops, reference
+from meganeura.kernels import attention_fast as AF
+
+from .test_attention import _desc, _problem, _run
+
+H200_LIMITS = {"max_compute_workgroup_storage_size": 49152,
+               "max_compute_invocations_per_workgroup": 1024}
+TC_FEATURES = {"shader-f16", "subgroups", AF.SG_FEATURE}
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    fin = np.isfinite(b)
+    assert np.array_equal(fin, np.isfinite(a)), "non-finite pattern differs"
+    return float(np.linalg.norm(a[fin] - b[fin]) / max(np.linalg.norm(b[fin]), 1e-30))
+
+
+def _stubbed(src: str) -> str:
+    """The fast WGSL with subgroup-matrix builtins as scalar functions (syntax and types of
+    everything else checkable by a compiler without the extension)."""
+    src = "\n".join(ln for ln in src.splitlines()
+                    if not ln.startswith(("enable subgroups", "enable chromium", "diagnostic")))
+    src = re.sub(r"subgroupMatrixLoad<[^>]*>>\(&(\w+), ", r"sml_\1(", src)
+    src = src.replace("subgroupMatrixMultiplyAccumulate(", "smma(")
+    src = src.replace("subgroup_matrix_result<f32, 16, 16>()", "f32()")
+    src = src.replace("subgroupMatrixStore(&Sf, ", "sms(")
+    src = src.replace("subgroupShuffleXor(", "sgx(")  # Dawn wants "enable subgroups;" for it
+    stubs = [f"fn sml_{a}(o: u32, c: bool, s: u32) -> f32 {{ return f32({a}[o + s]); }}"
+             for a in ("Kh", "Vh", "Ph")]
+    stubs += ["fn smma(a: f32, b: f32, c: f32) -> f32 { return a * b + c; }",
+              "fn sms(o: u32, v: f32, c: bool, s: u32) { Sf[o + s] = v; }",
+              "fn sgx(x: f32, m: u32) -> f32 { return x + f32(m); }"]
+    return src.replace("\n@compute", "\n" + "\n".join(stubs) + "\n@compute", 1)
+
+
+# (B, Hq, Hkv, Sq, Skv, D, Dv), attrs, mask shape
+CASES = {
+    "gqa_causal": ((1, 6, 2, 37, 37, 64, 64), {"causal": True}, None),
+    "cross_mask": ((2, 2, 2, 21, 83, 32, 32), {}, (2, 1, 21, 83)),
+    "d128_window": ((1, 2, 1, 40, 40, 128, 128), {"causal": True, "window": 13}, None),
+    "decode": ((1, 9, 3, 1, 100, 64, 64), {"causal": True, "q_offset": 99}, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fast_wgsl_is_valid(dev, rng, case):
+    dims, attrs, mshape = CASES[case]
+    x, a, _ = _problem(rng, dims, attrs, mask_shape=mshape)
+    for splits in (1, 3):
+        desc = dataclasses.replace(_desc("fwd", x, a), precision="fast", splits=splits)
+        spec = kernels.emit(desc, H200_LIMITS, TC_FEATURES)
+        assert spec.meta["precision"] == "fast"
+        assert "subgroupMatrixMultiplyAccumulate" in spec.wgsl
+        dev.device.create_shader_module(code=_stubbed(spec.wgsl))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fast_forward(run, dev, rng, case):
+    """The fast kernel on this device: fast gates where it has tensor cores, else exactly the
+    strict kernel."""
+    dims, attrs, mshape = CASES[case]
+    x, a, ref = _problem(rng, dims, attrs, mask_shape=mshape)
+    desc = dataclasses.replace(_desc("fwd", x, a), precision="fast")
+    out, lse = _run(run, "fwd", x, desc)
+    spec = run.last_spec
+    if AF.SG_FEATURE not in dev.features:
+        strict = kernels.emit(dataclasses.replace(desc, precision="strict"), dev.limits,
+                              dev.features)
+        assert spec.wgsl == strict.wgsl and spec.meta["precision"] == "strict"
+    else:
+        assert spec.meta["precision"] == "fast"
+    assert _rel(out, ref["out"]) <= 1e-2
+    assert _rel(lse, ref["lse"]) <= 1e-2
+
+
+def test_fast_mode_keeps_strict_attention(gpu):
+    """compile(precision="fast") leaves attention on the strict kernels (the tensor-core forward
+    measured slower on the H200; docs/rejected-optimizations.md): forward and every gradient
+    bit-identical to the strict program, on every device."""
+    B, H, S, D = 1, 4, 70, 64
+    g = mn.Graph()
+    q, k, v = (g.param(n, (B, H, S, D)) for n in "qkv")
+    o = ops.attention(q, k, v, causal=True)
+    ct = g.input("ct", o.shape)
+    g2, grads = mn.grad(g, (o * ct).sum())
+    outs = {"o": g2[o], **{f"d{n}": x for n, x in grads.items()}}
+    r = np.random.default_rng(0)
+    params = {n: r.normal(size=(B, H, S, D)).astype(np.float32) for n in "qkv"}
+    feeds = {"ct": r.normal(size=o.shape).astype(np.float32)}
+    got = {}
+    for prec in ("fast", "strict"):
+        sess = mn.compile(g2, outputs=outs, device=gpu, precision=prec)
+        sess.set_params(params)
+        got[prec] = sess.run(**feeds)
+    want = dict(zip(outs, reference.evaluate(g2, list(outs.values()), {**params, **feeds},
+                                             np.float64)))
+    for n in outs:
+        np.testing.assert_array_equal(got["fast"][n], got["strict"][n], err_msg=n)
+    assert _rel(got["fast"]["o"], want["o"]) <= 1e-5
