@@ -370,7 +370,8 @@ def split_chunk(K: int, S: int) -> int:
     steps of every configuration but the last chunk)."""
     if S <= 1:
         return K
-    return -(-(-(-K // S)) // 16) * 16
+    per = -(-K // S)
+    return -(-per // 16) * 16
 
 
 def choose_split_k(M: int, N: int, K: int, GB: int) -> int:
