@@ -357,11 +357,13 @@ def choose_cfg(M: int, N: int, K: int, GB: int, forced=()) -> TileCfg:
 
 
 # Global split-K (forward and input gradient; the weight gradient splits in the graph, see
-# ops/conv.py weight_grad_split): GEMMs with fewer 64×64 tiles than SPLIT_K_FEW are cut
-# into K chunks of at least SPLIT_K_MIN_CHUNK until about SPLIT_K_TARGET workgroups exist.
-SPLIT_K_FEW = 128
-SPLIT_K_TARGET = 264  # two workgroups per SM of a 132-SM GPU
-SPLIT_K_MIN_CHUNK = 256
+# ops/conv.py weight_grad_split): a GEMM with fewer 64×64 tiles than SPLIT_K_FEW and K ≥ 2
+# chunks is cut into K chunks of about SPLIT_K_CHUNK.  Fitted to the split sweep of
+# `CONV_ALL=1 bench/conv_bench.py dawn` (H200, 2026-12-01; docs/benchmarks.md): the best split
+# kept chunks of 128–384 at every ResNet-50 shape (3×3 at 7×7: 16 chunks, 215 → 72 µs), and
+# K = 256 lost when split (1×1 256→1024: 66 µs unsplit, 107 split in two).
+SPLIT_K_FEW = 256
+SPLIT_K_CHUNK = 256
 SPLIT_K_MAX = 16
 
 
@@ -376,12 +378,12 @@ def split_chunk(K: int, S: int) -> int:
 
 def choose_split_k(M: int, N: int, K: int, GB: int) -> int:
     """How many K chunks (partial sums the schedule adds) a conv GEMM is cut into: 1 unless
-    its 64×64 tiles cannot fill a large GPU and K is long; every chunk non-empty.  Shapes only,
-    so plans stay portable."""
+    its 64×64 tiles cannot fill a large GPU and K holds two chunks; every chunk non-empty.
+    Shapes only, so plans stay portable."""
     tiles = -(-M // 64) * -(-N // 64) * GB
     if M <= 8 or tiles >= SPLIT_K_FEW:
         return 1
-    s = min(-(-SPLIT_K_TARGET // tiles), K // SPLIT_K_MIN_CHUNK, SPLIT_K_MAX)
+    s = min(K // SPLIT_K_CHUNK, SPLIT_K_MAX)
     if s <= 1:
         return 1
     return -(-K // split_chunk(K, s))

@@ -258,9 +258,11 @@ def _conv2d_infer(types, attrs):
 
 
 # weight_grad_split: chunks of at least WGRAD_MIN_CHUNK until WGRAD_TARGET 64×64 tiles exist
-# (two workgroups per SM of a 132-SM GPU, as the forward's split-K); before 2026-12 the rule
-# was chunks >= 1024 and 128 tiles (ResNet-50 weight gradients at 14×14 and 7×7 unsplit).
-WGRAD_MIN_CHUNK = 256
+# (two workgroups per SM of a 132-SM GPU); before 2026-12 the rule was chunks >= 1024 and 128
+# tiles (ResNet-50 weight gradients at 14×14 and 7×7 unsplit).  The H200 sweep of
+# bench/conv_bench.py (docs/benchmarks.md) chose these: e.g. 1×1 1024→256 at 14×14, 216 µs
+# unsplit, 89 µs in 4 chunks of 196, 110 µs in 3.
+WGRAD_MIN_CHUNK = 192
 WGRAD_TARGET = 264
 
 
