@@ -1,10 +1,18 @@
 """Convolution kernels on one WebGPU implementation: the ResNet-50 (batch 4) and SD U-Net
-(batch 2, small images) shapes, forward / input gradient / weight gradient, every tile
-configuration of the ``candidates`` hook (the heuristic's first, marked ``*``), each checked
+(batch 2, small images) shapes, forward / input gradient / weight gradient, each checked
 against float64 numpy before it is timed.
 
+Two groups of rows per problem, from the same process (so before/after share one run):
+* ``old``: the kernels as planned before the global split-K (forward and input gradient
+  unsplit, the weight gradient split by the old rule) with every tile configuration of the
+  ``candidates`` hook (the heuristic's first, marked ``*``);
+* ``new``: the split-K the plan now uses (``with_split_k``, ``weight_grad_split``) and a sweep
+  of other splits, each with its heuristic tile; a split's time is its partial kernel plus the
+  reduction adding the partials (what the plan runs).
+
 Usage: [CONV_ALL=1] python bench/conv_bench.py wgpu|dawn OUT.json [SHAPE_FILTER]
-(CONV_ALL: time every configuration of the template, not only the ≤ 8 candidates.)
+(CONV_ALL: the old rows time every configuration of the template, not only the ≤ 8
+candidates.)
 
 Timing: back-to-back dispatches of one kernel inside one compute pass between two timestamps
 (Dawn's timestamps are coarse on the H200, so one pass holds many dispatches); the median over
@@ -21,13 +29,14 @@ import time
 import numpy as np
 
 from meganeura.dtypes import f32
-from meganeura.kernels import Strided, candidates, emit, make_target
+from meganeura.kernels import Instr, ReduceKernel, Strided, candidates, emit, make_target
 from meganeura.kernels.conv import (
     CONFIGS,
     Conv2dInputGradKernel,
     Conv2dKernel,
     Conv2dWeightGradKernel,
     ConvGeom,
+    with_split_k,
 )
 from meganeura.ops.conv import _conv2d_ref, _input_grad_ref, _weight_grad_ref, weight_grad_split
 from meganeura.runtime.device import get_device
@@ -50,6 +59,12 @@ SHAPES = {
     "unet out (2,64,32,32)->4": ((2, 64, 32, 32), (4, 64, 3, 3), 1, 1),
 }
 
+# CONV_TINY=1: a dry run of the whole script on a CPU adapter (lavapipe)
+TINY = {
+    "tiny 3x3 (1,64,4,4)": ((1, 64, 4, 4), (64, 64, 3, 3), 1, 1),
+    "tiny 1x1s2 (1,32,6,6)": ((1, 32, 6, 6), (64, 32, 1, 1), 2, 0),
+}
+
 
 def geom(xs, ws, s, p) -> ConvGeom:
     n, c, h, w = xs
@@ -58,28 +73,56 @@ def geom(xs, ws, s, p) -> ConvGeom:
     return ConvGeom(n, c, h, w, o, kh, kw, oh, ow, (s, s), ((p, p), (p, p)))
 
 
+def old_weight_grad_split(n_reduce: int, rows: int, cols: int) -> int:
+    """The weight-gradient split rule before 2026-12 (chunks >= 1024, 128 tiles)."""
+    tiles = max(1, -(-rows // 64) * -(-cols // 64))
+    return max(1, min(n_reduce // 1024, -(-128 // tiles), 32))
+
+
 def problems(xs, ws, s, p, rng):
-    """(kind, description, inputs, output shape, float64 reference) of the three kernels."""
+    """(kind, unsplit description, inputs, output shape, float64 reference, old split, new
+    split, splits to sweep) of the three kernels."""
     G = geom(xs, ws, s, p)
     ys = (G.n, G.o, G.oh, G.ow)
     x, w, dy = (rng.standard_normal(sh, dtype=np.float32) for sh in (xs, ws, ys))
     a = {"stride": G.stride, "padding": G.pad, "dilation": G.dilation, "groups": 1}
-    S = weight_grad_split(G.n * G.oh * G.ow, G.o, G.c * G.kh * G.kw)
+    kt, rows, cols = G.n * G.oh * G.ow, G.o, G.c * G.kh * G.kw
     C = Strided.contiguous
-    wsh = ((S,) if S > 1 else ()) + ws
     x64 = x.astype(np.float64)
+    fwd = Conv2dKernel(G, C(f32, xs), C(f32, ws))
+    dgr = Conv2dInputGradKernel(G, C(f32, ys), C(f32, ws))
+    sweep = (2, 4, 8, 16)
     return [
-        ("fwd", Conv2dKernel(G, C(f32, xs), C(f32, ws)), [x, w], ys,
-         lambda: _conv2d_ref([x64, w], a)[0]),
-        ("dgrad", Conv2dInputGradKernel(G, C(f32, ys), C(f32, ws)), [dy, w], xs,
-         lambda: _input_grad_ref([dy.astype(np.float64), w], dict(a, input_size=xs[2:]))[0]),
-        (f"wgrad/{S}", Conv2dWeightGradKernel(G, C(f32, xs), C(f32, ys), S), [x, dy], wsh,
-         lambda: _weight_grad_ref([x64, dy], dict(a, kernel_size=ws[2:], split=S))[0]),
+        ("fwd", fwd, [x, w], ys, lambda: _conv2d_ref([x64, w], a)[0], 1,
+         with_split_k(fwd).split_k, sweep),
+        ("dgrad", dgr, [dy, w], xs,
+         lambda: _input_grad_ref([dy.astype(np.float64), w], dict(a, input_size=xs[2:]))[0], 1,
+         with_split_k(dgr).split_k, sweep),
+        ("wgrad", Conv2dWeightGradKernel(G, C(f32, xs), C(f32, ys)), [x, dy], ws,
+         lambda: _weight_grad_ref([x64, dy], dict(a, kernel_size=ws[2:], split=1))[0],
+         old_weight_grad_split(kt, rows, cols), weight_grad_split(kt, rows, cols),
+         (2, 4, 8, 16, 32)),
     ]
+
+
+def with_split(desc, S: int):
+    """``desc`` computing S partial sums (the weight gradient's ``split`` or ``split_k``)."""
+    if isinstance(desc, Conv2dWeightGradKernel):
+        return dataclasses.replace(desc, split=S)
+    return dataclasses.replace(desc, split_k=S)
+
+
+def sum_kernel(S: int, oshape) -> ReduceKernel:
+    """The reduction the plan adds S partial sums with (compile/schedule.py)."""
+    shape = (S,) + tuple(oshape)
+    return ReduceKernel(shape, (0,), "sum", (Strided.contiguous(f32, shape),),
+                        (Instr("{0}", (("in", 0),), f32),), name="splitk_sum")
 
 
 def time_kernel(dev, spec, bufs, per_pass=20, passes=7) -> float:
     """Median seconds per dispatch: ``per_pass`` dispatches in one timestamped pass."""
+    if os.environ.get("CONV_TINY"):
+        per_pass, passes = 2, 2
     wgpu = dev.module
     pipe, bg = dev.pipeline(spec), dev.bind_group(spec, bufs)
     qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * passes)
@@ -102,32 +145,52 @@ def time_kernel(dev, spec, bufs, per_pass=20, passes=7) -> float:
 
 
 def warm_up(dev, spec, bufs, seconds=0.6) -> None:
+    if os.environ.get("CONV_TINY"):
+        seconds = 0.0
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         time_kernel(dev, spec, bufs, 50, 2)
 
 
-def run_problem(dev, target, label, kind, desc, inputs, oshape, ref) -> list[dict]:
+def measure(dev, d, inputs, oshape, S, want, scale) -> dict:
+    """Check then time ``d`` (S partial sums) and, for S > 1, the reduction adding them."""
+    spec = emit(d, dev)
+    pshape = ((S,) if S > 1 else ()) + tuple(oshape)
+    bufs = [dev.upload(a) for a in inputs] + [dev.create_buffer(4 * int(np.prod(pshape)))]
+    dev.dispatch(spec, bufs)
+    got = dev.read_array(bufs[-1], pshape, f32)
+    got = got.sum(0, dtype=np.float64) if S > 1 else got
+    err = float(np.abs(got - want).max()) / scale
+    sec = time_kernel(dev, spec, bufs)
+    sum_sec = 0.0
+    if S > 1:
+        red = emit(sum_kernel(S, oshape), dev)
+        sum_sec = time_kernel(dev, red, [bufs[-1], dev.create_buffer(4 * int(np.prod(oshape)))])
+    tot = sec + sum_sec
+    return {"tile": list(spec.meta["tile"]), "split": S, "us": tot * 1e6,
+            "sum_us": sum_sec * 1e6, "tflops": spec.meta["flops"] / tot / 1e12, "rel_err": err,
+            "ok": err <= 1e-4, "workgroups": list(spec.workgroups)}
+
+
+def run_problem(dev, target, label, kind, desc, inputs, oshape, ref, s_old, s_new,
+                sweep) -> list[dict]:
     want = ref()
     scale = float(np.abs(want).max())
     rows = []
-    descs = candidates(desc, target)
+    old = with_split(desc, s_old) if s_old > 1 else desc
+    descs = candidates(old, target)
     if os.environ.get("CONV_ALL"):  # every configuration the device allows, not just ≤ 8
-        descs += [dataclasses.replace(desc, tile=c.tuple()) for c in CONFIGS
+        descs += [dataclasses.replace(old, tile=c.tuple()) for c in CONFIGS
                   if c.storage() <= target.lim("max_compute_workgroup_storage_size")]
         descs = list(dict.fromkeys(descs))
     for i, d in enumerate(descs):
-        spec = emit(d, dev)
-        bufs = [dev.upload(a) for a in inputs]
-        bufs.append(dev.create_buffer(4 * int(np.prod(oshape))))
-        dev.dispatch(spec, bufs)
-        got = dev.read_array(bufs[-1], oshape, f32)
-        err = float(np.abs(got - want).max()) / scale
-        sec = time_kernel(dev, spec, bufs)
-        flops = spec.meta["flops"]
-        rows.append({"shape": label, "kind": kind, "tile": list(spec.meta["tile"]),
-                     "heuristic": i == 0, "us": sec * 1e6, "tflops": flops / sec / 1e12,
-                     "rel_err": err, "ok": err <= 1e-4, "workgroups": list(spec.workgroups)})
+        r = measure(dev, d, inputs, oshape, s_old, want, scale)
+        rows.append({"shape": label, "kind": kind, "group": "old", "heuristic": i == 0, **r})
+        print(json.dumps(rows[-1]), flush=True)
+    for S in dict.fromkeys((s_new, *sweep)):
+        r = measure(dev, with_split(desc, S) if S > 1 else desc, inputs, oshape, S, want, scale)
+        rows.append({"shape": label, "kind": kind, "group": "new", "heuristic": S == s_new,
+                     **r})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -140,34 +203,41 @@ def main() -> None:
     print(impl, dev.adapter_name, flush=True)
     rng = np.random.default_rng(0)
     rows, warmed = [], False
-    for label, (xs, ws, s, p) in SHAPES.items():
+    for label, (xs, ws, s, p) in (TINY if os.environ.get("CONV_TINY") else SHAPES).items():
         if filt not in label:
             continue
-        for kind, desc, inputs, oshape, ref in problems(xs, ws, s, p, rng):
+        for kind, desc, inputs, oshape, ref, s_old, s_new, sweep in problems(xs, ws, s, p, rng):
             if not warmed:
                 spec = emit(desc, dev)
                 bufs = [dev.upload(a) for a in inputs] + [
                     dev.create_buffer(4 * int(np.prod(oshape)))]
                 warm_up(dev, spec, bufs)
                 warmed = True
-            rows += run_problem(dev, target, label, kind, desc, inputs, oshape, ref)
+            rows += run_problem(dev, target, label, kind, desc, inputs, oshape, ref, s_old,
+                                s_new, sweep)
     json.dump({"impl": impl, "adapter": dev.adapter_name, "rows": rows}, open(out_path, "w"),
               indent=1)
     print_table(rows)
 
 
 def print_table(rows) -> None:
-    """Per problem: the heuristic's time and the best candidate's."""
-    print(f"{'shape':30} {'kind':8} {'heur us':>8} {'TF':>5}  {'best us':>8} {'TF':>5} best tile")
+    """Per problem: old heuristic and best old configuration; the new plan (split S) and the
+    best split of the sweep (µs include the reduction adding the partials)."""
+    print(f"{'shape':28} {'kind':6} {'old us':>7} {'TF':>5} {'best':>7} {'new us':>7} {'TF':>5} "
+          f"{'S':>3} {'bestS us':>8} {'S':>3}  old best tile")
     seen = {}
     for r in rows:
         seen.setdefault((r["shape"], r["kind"]), []).append(r)
     for (shape, kind), rs in seen.items():
-        h = rs[0]
-        b = min(rs, key=lambda r: r["us"])
+        old = [r for r in rs if r["group"] == "old"]
+        new = [r for r in rs if r["group"] == "new"]
+        h, b = old[0], min(old, key=lambda r: r["us"])
+        nh = next(r for r in new if r["heuristic"]) if new else h
+        nb = min(new or old, key=lambda r: r["us"])
         bad = "" if all(r["ok"] for r in rs) else "  WRONG"
-        print(f"{shape:30} {kind:8} {h['us']:8.1f} {h['tflops']:5.1f}  {b['us']:8.1f} "
-              f"{b['tflops']:5.1f} {tuple(b['tile'])}{bad}")
+        print(f"{shape:28} {kind:6} {h['us']:7.1f} {h['tflops']:5.1f} {b['us']:7.1f} "
+              f"{nh['us']:7.1f} {nh['tflops']:5.1f} {nh['split']:3d} {nb['us']:8.1f} "
+              f"{nb['split']:3d}  {tuple(b['tile'])}{bad}")
 
 
 if __name__ == "__main__":

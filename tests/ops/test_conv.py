@@ -114,7 +114,8 @@ def test_weight_grad_split_heuristic():
     from meganeura.ops.conv import weight_grad_split
 
     assert weight_grad_split(100, 8, 72) == 1  # small: one chunk
-    assert weight_grad_split(4 * 56 * 56, 64, 576) == 12  # ResNet-50 layer1 3x3
+    assert weight_grad_split(4 * 56 * 56, 64, 576) == 30  # ResNet-50 layer1 3x3
+    assert weight_grad_split(4 * 14 * 14, 256, 2304) == 2  # layer3 3x3: 144 tiles
     assert weight_grad_split(10**7, 1, 1) == 32  # capped
 
 

@@ -320,8 +320,27 @@ class _Planner:
                                                           (S * H * D, D, H * D, 1), 0, o.size))
             desc = dataclasses.replace(desc, out_bshd=True)
             shapes += " [bshd]"
-        self.emit(desc, bases, outs, f"{low.archetype} {shapes}")
+        if getattr(desc, "split_k", 1) > 1:
+            self._split_k_archetype(desc, bases, outs[0], f"{low.archetype} {shapes}")
+        else:
+            self.emit(desc, bases, outs, f"{low.archetype} {shapes}")
         self.done.update(o.id for o in n.outputs)
+
+    def _split_k_archetype(self, desc, bases, out: Value, label: str, epilogue=None) -> None:
+        """A family description with ``split_k`` > 1 (a conv GEMM too small to fill the GPU):
+        its partial sums go to an f32 temp (split_k, *out.shape), added in order by a reduction
+        that also runs the pointwise ``epilogue`` ((instrs, extras, extra bases, ops))."""
+        acc = f32 if out.dtype.is_float else out.dtype
+        tmp = self.temp_value((desc.split_k,) + tuple(out.shape), acc)
+        self.emit(dataclasses.replace(desc, out_dtype=acc), bases, [tmp],
+                  f"{label} [split-K {desc.split_k}]")
+        if epilogue is None:
+            self.emit(_split_k_sum(tmp, out.dtype, "splitk_sum"), [tmp], [out],
+                      f"{label} [split-K sum]")
+            return
+        instrs, extras, ebases, ops = epilogue
+        red = _split_k_sum(tmp, out.dtype, "splitk_sum_ep", instrs, tuple(extras))
+        self.emit(red, [tmp] + list(ebases), [out], f"{label} [split-K sum] +{ops}")
 
     def _heads_last_reader(self, v: Value) -> bool:
         """Some reader swaps heads and positions of ``v`` (B, H, S, D) and nothing fetches
@@ -473,6 +492,13 @@ class _Planner:
 
         instrs = _rebind(kb.instrs, i_src, remap)
         bases, views = self._archetype_inputs(n, arch)
+        plain = arch.make(n.attrs, views, [src.type])
+        if getattr(plain, "split_k", 1) > 1:  # the epilogue runs where the partials are added
+            if len(extras) + 2 > MAX_BINDINGS:
+                return False
+            self._split_k_archetype(plain, bases, out, f"{low.archetype} {src.shape}",
+                                    (instrs, extras, ebases, ops))
+            return True
         if len(bases) + len(extras) + 1 > MAX_BINDINGS:
             return False
         desc = arch.epilogue(arch.make(n.attrs, views, [src.type]), tuple(extras), instrs,

@@ -30,6 +30,7 @@ accumulate in f32.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -118,6 +119,10 @@ class Conv2dKernel:
     out_dtype: DType | None = None
     tile: tuple[int, ...] = ()  # force (TM, TN)
     name: str = "conv2d"
+    # > 1: a global split-K.  The kernel writes ``split_k`` partial sums over consecutive
+    # chunks of K to a contiguous (split_k, N, O, OH, OW) output (bias in chunk 0, no
+    # epilogue); the schedule adds them in order (and runs any epilogue there).
+    split_k: int = 1
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,7 @@ class Conv2dInputGradKernel:
     tile: tuple[int, ...] = ()
     name: str = "conv2d_dgrad"
     naive: bool = False  # strided convs: one GEMM over all taps (no phase decomposition)
+    split_k: int = 1  # > 1: partial sums to a (split_k, N, C, H, W) output, as Conv2dKernel
 
 
 @dataclass(frozen=True)
@@ -152,7 +158,7 @@ def conv2d_with_epilogue(desc: Conv2dKernel, extra: tuple[Strided, ...],
     """The planner's hook for epilogue fusion: ``desc`` computing ``epilogue`` on its result
     (a ReLU/SiLU/residual add after the convolution) in the same kernel."""
     return Conv2dKernel(desc.geom, desc.x, desc.w, desc.bias, tuple(extra), tuple(epilogue),
-                        out_dtype, desc.tile, name="conv2d_ep")
+                        out_dtype, desc.tile, name="conv2d_ep", split_k=desc.split_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +354,45 @@ def choose_cfg(M: int, N: int, K: int, GB: int, forced=()) -> TileCfg:
             return c
     fits = [c for c in _SMALL if K >= 4 * c.BK * c.KS]
     return fits[-1] if fits else _LADDER[-1]
+
+
+# Global split-K (forward and input gradient; the weight gradient splits in the graph, see
+# ops/conv.py weight_grad_split): a GEMM with fewer 64×64 tiles than SPLIT_K_FEW and K ≥ 2
+# chunks is cut into K chunks of about SPLIT_K_CHUNK.  Fitted to the split sweep of
+# `CONV_ALL=1 bench/conv_bench.py dawn` (H200, 2026-12-01; docs/benchmarks.md): the best split
+# kept chunks of 128–384 at every ResNet-50 shape (3×3 at 7×7: 16 chunks, 215 → 72 µs), and
+# K = 256 lost when split (1×1 256→1024: 66 µs unsplit, 107 split in two).
+SPLIT_K_FEW = 256
+SPLIT_K_CHUNK = 256
+SPLIT_K_MAX = 16
+
+
+def split_chunk(K: int, S: int) -> int:
+    """K per chunk of an S-way split: ceil(K / S) rounded up to a multiple of 16 (whole K
+    steps of every configuration but the last chunk)."""
+    if S <= 1:
+        return K
+    per = -(-K // S)
+    return -(-per // 16) * 16
+
+
+def choose_split_k(M: int, N: int, K: int, GB: int) -> int:
+    """How many K chunks (partial sums the schedule adds) a conv GEMM is cut into: 1 unless
+    its 64×64 tiles cannot fill a large GPU and K holds two chunks; every chunk non-empty.
+    Shapes only, so plans stay portable."""
+    tiles = -(-M // 64) * -(-N // 64) * GB
+    if M <= 8 or tiles >= SPLIT_K_FEW:
+        return 1
+    s = min(K // SPLIT_K_CHUNK, SPLIT_K_MAX)
+    if s <= 1:
+        return 1
+    return -(-K // split_chunk(K, s))
+
+
+def _check_split(name: str, S) -> int:
+    if isinstance(S, bool) or not isinstance(S, int) or S < 1:
+        raise CodegenError(f"kernel {name!r}: split_k must be an int >= 1, got {S!r}")
+    return S
 
 
 def _candidate_cfgs(M: int, N: int, K: int, GB: int) -> list[TileCfg]:
@@ -654,7 +699,7 @@ def _forward_checks(k: Conv2dKernel, t):
                 raise CodegenError(f"kernel {name!r}: epilogue reads extra input {i} of "
                                    f"{len(k.extra)}")
     out_dt = k.out_dtype or (k.epilogue[-1].dtype if k.epilogue else op_dt)
-    check_binding_size(name, "output", G.n * G.o * G.oh * G.ow, out_dt, t)
+    check_binding_size(name, "output", max(1, k.split_k) * G.n * G.o * G.oh * G.ow, out_dt, t)
     return sx, sw, sb, xs, op_dt, out_dt
 
 
@@ -692,10 +737,12 @@ def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt) -> tuple[_Op
 
 
 def _forward_store(k: Conv2dKernel, bd: Bindings, sb, xs, op_dt, out_dt):
-    """Bias, the fused epilogue (extra inputs read at the output element) and the store."""
+    """Bias, the fused epilogue (extra inputs read at the output element) and the store; a
+    split-K partial adds the bias in chunk 0 only and stores at chunk ``si``'s slice."""
     G = k.geom
     ohw = G.oh * G.ow
     n_in = 2 + (k.bias is not None)
+    split = k.split_k > 1
 
     def epilogue(L, ind, helpers):
         conv = "accf" if op_dt is f32 else f"{op_dt.wgsl}(accf)"
@@ -724,10 +771,12 @@ def _forward_store(k: Conv2dKernel, bd: Bindings, sb, xs, op_dt, out_dt):
         L.append(f"{ind}let sq = {col} % {u(ohw)};")
         v = acc
         if sb is not None:
-            v = f"{acc} + {_read(bd.name(2), _lin([('o', sb[0])], k.bias.offset), op_dt)}"
+            b = _read(bd.name(2), _lin([('o', sb[0])], k.bias.offset), op_dt)
+            v = f"{acc} + select(0.0, {b}, si == 0u)" if split else f"{acc} + {b}"
         L.append(f"{ind}let accf: f32 = {v};")
         val, vdt = epilogue(L, ind, helpers) if k.epilogue else ("accf", f32)
-        oidx = _lin([("sn", G.o * ohw), ("o", ohw), ("sq", 1)])
+        oidx = _lin([("sn", G.o * ohw), ("o", ohw), ("sq", 1)]
+                    + ([("si", G.n * G.o * ohw)] if split else []))
         L.append(f"{ind}{bd.name(n_in + len(k.extra))}[{oidx}] = "
                  f"{store_value(val, vdt, out_dt)};")
 
@@ -741,17 +790,37 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
     bd = Bindings([op_dt, op_dt] + ([op_dt] if k.bias is not None else [])
                   + [s.dtype for s in k.extra] + [out_dt], alias)
     M, N, K = G.og, G.n * G.oh * G.ow, G.cg * G.kh * G.kw
-
-    def gb_lines(L, ind):
-        L.append(f"{ind}let gi = gbc;")
-
-    cfg = choose_cfg(M, N, K, G.groups, k.tile)
+    S = _check_split(name, k.split_k)
+    if S > 1 and (k.epilogue or k.extra):
+        raise CodegenError(f"kernel {name!r}: a split-K partial (split_k={S}) takes no "
+                           f"epilogue; the kernel summing the partials runs it")
+    chunk = split_chunk(K, S)
+    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile)
     A, B = _forward_operands(k, sx, sw, bd, op_dt)
-    gm = _Gemm(name, M, N, K, G.groups, cfg, A, B, gb_lines, None,
+    gb_lines, krange = _split_lines(G.groups, S, chunk, K)
+    gm = _Gemm(name, M, N, K if S == 1 else None, G.groups * S, cfg, A, B, gb_lines, krange,
                _forward_store(k, bd, sb, xs, op_dt, out_dt))
     return _module(name, bd, [i.dtype for i in k.epilogue], _emit_gemm(gm, t), t,
-                   {"archetype": "conv2d", "tile": cfg.tuple(),
-                                "flops": 2 * M * N * K * G.groups})
+                   {"archetype": "conv2d", "tile": cfg.tuple(), "split_k": S,
+                    "flops": 2 * M * N * K * G.groups})
+
+
+def _split_lines(groups: int, S: int, chunk: int, K: int):
+    """(gb_lines, krange) of a GEMM repeated per group and split-K chunk: workgroup batch
+    index -> group ``gi`` and chunk ``si``; chunk ``si`` covers K range [si·chunk, …)."""
+
+    def gb_lines(L, ind):
+        if S == 1:
+            L.append(f"{ind}let gi = gbc;")
+            return
+        L.append(f"{ind}let gi = gbc % {u(groups)};")
+        L.append(f"{ind}let si = gbc / {u(groups)};")
+
+    def krange(L, ind):
+        L.append(f"{ind}let kbeg = si * {u(chunk)};")
+        L.append(f"{ind}let kend = min(kbeg + {u(chunk)}, {u(K)});")
+
+    return gb_lines, (krange if S > 1 else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -809,7 +878,9 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
     dy, w = k.dy, k.w
     sd, sw, op_dt, out_dt, bd = _grad_setup(k, t, alias, (dy, (G.n, G.o, G.oh, G.ow), "dy"),
                                             (w, (G.o, G.cg, G.kh, G.kw), "weight"))
-    check_binding_size(name, "output", G.n * G.c * G.h * G.w, out_dt, t)
+    S = _check_split(name, k.split_k)
+    total = G.n * G.c * G.h * G.w
+    check_binding_size(name, "output", S * total, out_dt, t)
     sh_, sw_ = G.stride
     dh, dw = G.dilation
     (pt, pb), (pl, pr) = G.pad
@@ -837,23 +908,24 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
                       f"w{tag}", L, ind)
         return " && ".join(c1 + c2), _lin([(o, sd[1]), (oh, sd[2]), (ow, sd[3])], f"db{tag}")
 
-    def gb_lines(L, ind):
-        L.append(f"{ind}let gi = gbc;")
-
     def store(L, ind, r, col, acc, helpers):
         L.append(f"{ind}let sn = {col} / {u(hw)};")
         L.append(f"{ind}let sq = {col} % {u(hw)};")
-        oidx = _lin([("sn", G.c * hw), (f"(gi * {u(G.cg)} + {r})", hw), ("sq", 1)])
+        oidx = _lin([("sn", G.c * hw), (f"(gi * {u(G.cg)} + {r})", hw), ("sq", 1)]
+                    + ([("si", total)] if S > 1 else []))
         L.append(f"{ind}{bd.name(2)}[{oidx}] = {store_value(acc, f32, out_dt)};")
 
     if (sh_, sw_) != (1, 1) and not k.naive:
         return _input_grad_phases(k, t, sd, sw, out_dt, bd)
     A = _Operand(bd.name(1), op_dt, not (sw[1] == 1 and G.cg > 1), a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
-    cfg = choose_cfg(M, N, K, G.groups, k.tile)
-    gm = _Gemm(name, M, N, K, G.groups, cfg, A, B, gb_lines, None, store)
+    chunk = split_chunk(K, S)
+    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile)
+    gb_lines, krange = _split_lines(G.groups, S, chunk, K)
+    gm = _Gemm(name, M, N, K if S == 1 else None, G.groups * S, cfg, A, B, gb_lines, krange,
+               store)
     return _module(name, bd, [], _emit_gemm(gm, t), t,
-                   {"archetype": "conv2d_input_grad", "tile": cfg.tuple(),
+                   {"archetype": "conv2d_input_grad", "tile": cfg.tuple(), "split_k": S,
                     "flops": 2 * M * N * K * G.groups})
 
 
@@ -885,11 +957,16 @@ def _select(r: str, values, ty: str = "u") -> str:
     return expr
 
 
-def _phase_lines(G: ConvGeom, hrows, wrows, L: list[str], ind: str) -> None:
-    """Workgroup -> (group ``gi``, phase (rh, rw)) and that phase's positions, first tap, tap
-    count and first output offset per axis."""
+def _phase_lines(G: ConvGeom, hrows, wrows, L: list[str], ind: str, S: int = 1) -> None:
+    """Workgroup -> (group ``gi``, phase (rh, rw), split-K chunk ``si`` when S > 1) and that
+    phase's positions, first tap, tap count and first output offset per axis."""
     L.append(f"{ind}let gi = gbc % {u(G.groups)};")
-    L.append(f"{ind}let ph = gbc / {u(G.groups)};")
+    if S > 1:
+        nph = G.stride[0] * G.stride[1]
+        L.append(f"{ind}let ph = (gbc / {u(G.groups)}) % {u(nph)};")
+        L.append(f"{ind}let si = gbc / {u(G.groups * nph)};")
+    else:
+        L.append(f"{ind}let ph = gbc / {u(G.groups)};")
     L.append(f"{ind}let rh = ph / {u(G.stride[1])};")
     L.append(f"{ind}let rw = ph % {u(G.stride[1])};")
     for a, rows, rv in (("h", hrows, "rh"), ("w", wrows, "rw")):
@@ -926,13 +1003,19 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
     M = G.cg
     N = G.n * max(r[0] for r in hrows) * max(r[0] for r in wrows)
     kmax = G.og * max(r[2] for r in hrows) * max(r[2] for r in wrows)
+    S = k.split_k
+    ochunk = -(-G.og // S)  # output channels per split-K chunk (K = (o, taps))
 
     def gb_lines(L, ind):
-        _phase_lines(G, hrows, wrows, L, ind)
+        _phase_lines(G, hrows, wrows, L, ind, S)
 
     def krange(L, ind):
-        L.append(f"{ind}let kbeg = 0u;")
-        L.append(f"{ind}let kend = {u(G.og)} * nth * ntw;")
+        if S == 1:
+            L.append(f"{ind}let kbeg = 0u;")
+            L.append(f"{ind}let kend = {u(G.og)} * nth * ntw;")
+            return
+        L.append(f"{ind}let kbeg = si * {u(ochunk)} * nth * ntw;")
+        L.append(f"{ind}let kend = min(kbeg + {u(ochunk)} * nth * ntw, {u(G.og)} * nth * ntw);")
 
     a_hoist = _weight_rows(G, sw, w)
 
@@ -961,17 +1044,18 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
         L.append(f"{ind}let sq = {col} % qhw;")
         L.append(f"{ind}let sh = rh + {u(sh_)} * (sq / max(qw, 1u));")
         L.append(f"{ind}let sw = rw + {u(sw_)} * (sq % max(qw, 1u));")
-        oidx = _lin([("sn", G.c * hw), (f"(gi * {u(G.cg)} + {r})", hw), ("sh", G.w), ("sw", 1)])
+        oidx = _lin([("sn", G.c * hw), (f"(gi * {u(G.cg)} + {r})", hw), ("sh", G.w), ("sw", 1)]
+                    + ([("si", G.n * G.c * hw)] if S > 1 else []))
         L.append(f"{ind}{bd.name(2)}[{oidx}] = {store_value(acc, f32, out_dt)};")
 
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
-    cfg = choose_cfg(M, N, kmax, G.groups * sh_ * sw_, k.tile)
-    gm = _Gemm(name, M, N, None, G.groups * sh_ * sw_, cfg, A, B, gb_lines, krange, store,
-               n_bound="ncol")
+    GB = G.groups * sh_ * sw_ * S
+    cfg = choose_cfg(M, N, -(-kmax // S), GB, k.tile)
+    gm = _Gemm(name, M, N, None, GB, cfg, A, B, gb_lines, krange, store, n_bound="ncol")
     return _module(name, bd, [], _emit_gemm(gm, t), t,
                    {"archetype": "conv2d_input_grad", "tile": cfg.tuple(), "phases": sh_ * sw_,
-                    "flops": 2 * M * N * kmax * G.groups * sh_ * sw_})
+                    "split_k": S, "flops": 2 * M * N * kmax * G.groups * sh_ * sw_})
 
 # ---------------------------------------------------------------------------------------------
 # weight gradient
@@ -1056,13 +1140,23 @@ def _make_forward(attrs, inputs, outputs):
     x, w = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) == 3 else None
     geom = _geom(x.shape, w.shape, outputs[0].shape, attrs)
-    return Conv2dKernel(geom, x, w, bias, out_dtype=outputs[0].dtype)
+    return with_split_k(Conv2dKernel(geom, x, w, bias, out_dtype=outputs[0].dtype))
 
 
 def _make_input_grad(attrs, inputs, outputs):
     dy, w = inputs
     geom = _geom(outputs[0].shape, w.shape, dy.shape, attrs)
-    return Conv2dInputGradKernel(geom, dy, w, out_dtype=outputs[0].dtype)
+    return with_split_k(Conv2dInputGradKernel(geom, dy, w, out_dtype=outputs[0].dtype))
+
+
+def with_split_k(k):
+    """``k`` (forward or input gradient, unsplit) with the global split-K its GEMM shape asks
+    for (``choose_split_k``); the phase-decomposed input gradient splits its output channels."""
+    M, N, K, GB = gemm_shape(k)
+    S = choose_split_k(M, N, K, GB)
+    if S > 1 and isinstance(k, Conv2dInputGradKernel) and k.geom.stride != (1, 1):
+        S = -(-k.geom.og // -(-k.geom.og // S))  # whole channel chunks, none empty
+    return k if S == 1 else dataclasses.replace(k, split_k=S)
 
 
 def _make_weight_grad(attrs, inputs, outputs):
@@ -1080,25 +1174,25 @@ def gemm_shape(k) -> tuple[int, int, int, int]:
     G = k.geom
     khw = G.kh * G.kw
     if isinstance(k, Conv2dKernel):
-        return G.og, G.n * G.oh * G.ow, G.cg * khw, G.groups
+        S = k.split_k
+        return G.og, G.n * G.oh * G.ow, split_chunk(G.cg * khw, S), G.groups * S
     if isinstance(k, Conv2dWeightGradKernel):
         S = max(1, int(k.split))
         return G.og, G.cg * khw, -(-G.n * G.oh * G.ow // S), G.groups * S
     (sh_, sw_), (dh, dw) = G.stride, G.dilation
+    S = k.split_k
     if (sh_, sw_) == (1, 1) or k.naive:
-        return G.cg, G.n * G.h * G.w, G.og * khw, G.groups
+        return G.cg, G.n * G.h * G.w, split_chunk(G.og * khw, S), G.groups * S
     hrows = _phase_table(G.h, G.kh, sh_, G.pad[0][0], dh)[0]
     wrows = _phase_table(G.w, G.kw, sw_, G.pad[1][0], dw)[0]
     N = G.n * max(r[0] for r in hrows) * max(r[0] for r in wrows)
-    return G.cg, N, G.og * max(r[2] for r in hrows) * max(r[2] for r in wrows), \
-        G.groups * sh_ * sw_
+    kmax = G.og * max(r[2] for r in hrows) * max(r[2] for r in wrows)
+    return G.cg, N, -(-kmax // S), G.groups * sh_ * sw_ * S
 
 
 def conv_candidates(k, target) -> list:
     """The tuner's hook: ``k`` with each tile configuration worth timing (the heuristic's
     first), those the target's workgroup limits allow."""
-    import dataclasses
-
     M, N, K, GB = gemm_shape(k)
     store = target.lim("max_compute_workgroup_storage_size")
     inv = target.lim("max_compute_invocations_per_workgroup")

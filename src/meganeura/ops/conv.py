@@ -257,12 +257,22 @@ def _conv2d_infer(types, attrs):
     return [TensorType((n, o, oh, ow), x.dtype)]
 
 
+# weight_grad_split: chunks of at least WGRAD_MIN_CHUNK until WGRAD_TARGET 64×64 tiles exist
+# (two workgroups per SM of a 132-SM GPU); before 2026-12 the rule was chunks >= 1024 and 128
+# tiles (ResNet-50 weight gradients at 14×14 and 7×7 unsplit).  The H200 sweep of
+# bench/conv_bench.py (docs/benchmarks.md) chose these: e.g. 1×1 1024→256 at 14×14, 216 µs
+# unsplit, 89 µs in 4 chunks of 196, 110 µs in 3.
+WGRAD_MIN_CHUNK = 192
+WGRAD_TARGET = 264
+
+
 def weight_grad_split(n_reduce: int, rows: int, cols: int) -> int:
     """How many partial sums ``conv2d_weight_grad`` uses: the (N·OH·OW) reduction is cut into
-    chunks of at least 1024 so that about 128 output tiles (64×64) exist in all; 1 for small
-    problems.  Depends on shapes only (plans stay device-independent)."""
+    chunks of at least ``WGRAD_MIN_CHUNK`` so that about ``WGRAD_TARGET`` output tiles (64×64)
+    exist in all; 1 for small problems.  Depends on shapes only (plans stay
+    device-independent)."""
     tiles = max(1, -(-rows // 64) * -(-cols // 64))
-    s = min(n_reduce // 1024, -(-128 // tiles), 32)
+    s = min(n_reduce // WGRAD_MIN_CHUNK, -(-WGRAD_TARGET // tiles), 32)
     return max(1, s)
 
 
