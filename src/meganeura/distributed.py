@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -169,14 +170,25 @@ class Context:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    @staticmethod
+    def abort(code: int = 1) -> None:
+        """End this process now, after a ``DistributedError``: the process group is broken
+        then (a collective may still be blocked on a hung peer), and a normal interpreter exit
+        would wait on it or abort in gloo's destructor.  Flushes stdout/stderr first."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
 
 def init(backend: str | None = None, timeout: float | None = None,
-         share_adapter: bool | None = None) -> Context:
+         share_adapter: bool | None = None, open_device: bool = True) -> Context:
     """Join the gloo process group from the torchrun environment and open this rank's GPU:
     adapter number LOCAL_RANK among the host's adapters of the best kind.  ``timeout`` (default
     ``$MEGANEURA_DP_TIMEOUT`` or 300 s) bounds every wait for the other ranks.  More local ranks
     than adapters is an error unless ``share_adapter`` (or ``$MEGANEURA_DP_SHARE_ADAPTER=1``)
-    lets ranks share them — for tests on one CPU adapter (lavapipe), never for speed."""
+    lets ranks share them — for tests on one CPU adapter (lavapipe), never for speed.
+    ``open_device=False``: the process group only (``ctx.device`` is None), for a process
+    that takes part in collectives without computing on a GPU."""
     _, dist = _torch()
     info = rank_info()
     seconds = _timeout(timeout)
@@ -184,7 +196,8 @@ def init(backend: str | None = None, timeout: float | None = None,
         share_adapter = os.environ.get(ENV_SHARE_ADAPTER, "").strip() == "1"
     from .runtime.device import get_device_at
 
-    device = get_device_at(info.local_rank, backend, bool(share_adapter))
+    device = get_device_at(info.local_rank, backend, bool(share_adapter)) if open_device \
+        else None
     if not dist.is_initialized():
         try:
             dist.init_process_group("gloo", init_method="env://", rank=info.rank,
@@ -482,6 +495,11 @@ class DataParallel:
             for i, part in enumerate(np.split(arr, self.accumulate)):
                 micro[i][name] = part
         return self.step_micro(micro)
+
+    def step_global(self, **feeds) -> DPStep:
+        """One step on a global batch that every rank passes whole (the same data loader on
+        every rank): this rank takes its rows (``shard_batch``)."""
+        return self.step(**shard_batch(feeds, self.ctx.rank, self.ctx.world_size))
 
     def step_micro(self, micro: Sequence[Mapping[str, np.ndarray]]) -> DPStep:
         """One global step from this rank's ``accumulate`` micro-batches (feed dicts): the
