@@ -284,6 +284,26 @@ def test_buckets_follow_the_backward_and_segments_cover_the_stream():
     assert sorted(id(b) for s in segs for b in s[2]) == sorted(id(b) for b in buckets)
 
 
+def test_the_core_imports_without_torch_and_init_says_what_to_install():
+    code = ("import sys; sys.modules['torch'] = None; import meganeura, meganeura.cli, "
+            "meganeura.distributed as d\n"
+            "try:\n    d.init()\nexcept d.DistributedError as e:\n    print(e)")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "pip install 'meganeura[distributed]'" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_more_local_ranks_than_adapters_is_an_error_unless_shared(gpu):
+    from meganeura.errors import DeviceError
+    from meganeura.runtime.device import get_device_at
+
+    with pytest.raises(DeviceError, match=r"adapter 7 was asked for .* has only \d+"):
+        get_device_at(7, "wgpu")
+    assert get_device_at(7, "wgpu", share=True).adapter_name == gpu.adapter_name
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "equivalence":
