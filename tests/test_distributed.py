@@ -51,41 +51,55 @@ def _data(global_batch: int, steps: int = STEPS):
 
 def _worker_equivalence(out: str) -> None:
     """Every (optimizer, accumulation) case: 10 data-parallel steps here, the same 10 steps
-    of the global batch in one numpy reference session on rank 0."""
-    import meganeura as mn
+    of the global batch in one numpy reference session on rank 0; then the reference's
+    checkpoint (one process, the global batch) is resumed on these 2 ranks."""
     from meganeura import distributed as dist_mn
 
     ctx = dist_mn.init()
     report = {}
     for opt in ("sgd", "adamw"):
         for k in (1, 2):
-            m = _model(B)
-            dp = dist_mn.DataParallel(ctx, m.graph, m.loss, _optimizer(opt), accumulate=k,
-                                      bucket_mb=0.0005, seed=3)
-            gb = B * k * ctx.world_size
-            x, y = _data(gb)
-            losses = [dp.step(**dist_mn.shard_batch({"x": x[s], "y": y[s]}, ctx.rank,
-                                                    ctx.world_size)).loss
-                      for s in range(STEPS)]
-            state = dp.get_state()
-            if ctx.rank != 0:
-                continue
-            r = _model(gb)
-            ref = mn.compile(r.graph, loss=r.loss, optimizer=_optimizer(opt),
-                             backend="reference")
-            ref.init_params(3)
-            ref_losses = [ref.step(x=x[s], y=y[s]).loss for s in range(STEPS)]
-            want = ref.get_state()
-            assert sorted(state) == sorted(want), (sorted(state), sorted(want))
-            report[f"{opt}-k{k}"] = {
-                "rel_err": max(float(np.linalg.norm(state[n] - want[n])
+            dp, entry = _equivalence_case(ctx, opt, k, os.path.join(out, "ref.safetensors"))
+            report[f"{opt}-k{k}"] = entry
+    # resume the last single-process checkpoint on 2 ranks (rank 0 reads it, broadcasts it)
+    ctx.barrier()
+    dp.load(os.path.join(out, "ref.safetensors"), strict_fingerprint=False)
+    from meganeura.checkpoint import read_checkpoint
+
+    want, got = read_checkpoint(os.path.join(out, "ref.safetensors"))[0], dp.get_state()
+    report["resume"] = {"max_diff": max(float(np.abs(got[n] - want[n].reshape(got[n].shape))
+                                              .max()) for n in got),
+                        "step": dp.step_count, "names_match": sorted(got) == sorted(want)}
+    with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as f:
+        json.dump(report, f)
+    ctx.close()
+
+
+def _equivalence_case(ctx, opt: str, k: int, ckpt: str):
+    import meganeura as mn
+    from meganeura import distributed as dist_mn
+
+    m = _model(B)
+    dp = dist_mn.DataParallel(ctx, m.graph, m.loss, _optimizer(opt), accumulate=k,
+                              bucket_mb=0.0005, seed=3)
+    gb = B * k * ctx.world_size
+    x, y = _data(gb)
+    losses = [dp.step(**dist_mn.shard_batch({"x": x[s], "y": y[s]}, ctx.rank,
+                                            ctx.world_size)).loss for s in range(STEPS)]
+    state = dp.get_state()
+    if ctx.rank != 0:
+        return dp, None
+    r = _model(gb)
+    ref = mn.compile(r.graph, loss=r.loss, optimizer=_optimizer(opt), backend="reference")
+    ref.init_params(3)
+    ref_losses = [ref.step(x=x[s], y=y[s]).loss for s in range(STEPS)]
+    ref.save(ckpt)
+    want = ref.get_state()
+    assert sorted(state) == sorted(want), (sorted(state), sorted(want))
+    return dp, {"rel_err": max(float(np.linalg.norm(state[n] - want[n])
                                      / max(np.linalg.norm(want[n]), 1e-30)) for n in want),
                 "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                 "buckets": dp.stats.buckets, "segments": dp.stats.segments}
-    if ctx.rank == 0:
-        with open(os.path.join(out, "rank0.json"), "w") as f:
-            json.dump(report, f)
-    ctx.close()
 
 
 def _worker_failure(out: str, how: str) -> None:
@@ -152,15 +166,21 @@ def _torchrun(args, timeout: float = 150) -> subprocess.CompletedProcess:
 @pytest.mark.gpu
 def test_two_ranks_equal_one_rank_with_the_global_batch(tmp_path):
     """2 ranks x batch b == 1 session x batch 2b after 10 steps, SGD (momentum) and AdamW
-    (schedule, weight decay), without and with 2-micro-batch accumulation."""
+    (schedule, weight decay), without and with 2-micro-batch accumulation; and the single
+    session's checkpoint resumes on the 2 ranks (a different number of ranks)."""
     proc = _torchrun([HERE, "equivalence", str(tmp_path)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads((tmp_path / "rank0.json").read_text())
-    assert sorted(report) == ["adamw-k1", "adamw-k2", "sgd-k1", "sgd-k2"]
-    for case, r in report.items():
+    assert sorted(report) == ["adamw-k1", "adamw-k2", "resume", "sgd-k1", "sgd-k2"]
+    for case in ("adamw-k1", "adamw-k2", "sgd-k1", "sgd-k2"):
+        r = report[case]
         assert r["rel_err"] < 2e-5, (case, r)
         assert r["loss_err"] < 1e-5, (case, r)
         assert r["segments"] >= 2, (case, r)  # the readback overlaps the backward
+    # a single-process checkpoint of the global batch resumes on 2 ranks, on each rank
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())["resume"]
+        assert r == {"max_diff": 0.0, "step": STEPS, "names_match": True}, (rank, r)
 
 
 def _launch_by_hand(out, how: str):
