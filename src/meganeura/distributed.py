@@ -416,6 +416,9 @@ class DataParallel:
             raise DistributedError(f"DataParallel: bucket_mb must be > 0, got {bucket_mb!r}")
         if optimizer is None:
             raise DistributedError("DataParallel: an optimizer is required")
+        if ctx.device is None:
+            raise DistributedError("DataParallel: this rank has no GPU device (the context was "
+                                   "made with init(open_device=False))")
         self.ctx, self.accumulate = ctx, accumulate
         self.fingerprint = fingerprint or graph.fingerprint()
         self.stats = StepStats()
