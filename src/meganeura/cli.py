@@ -250,13 +250,46 @@ class _Run:
 def _save(sess, path: str, run: _Run) -> None:
     from .checkpoint import save_checkpoint
 
+    if hasattr(sess, "ctx"):  # --distributed: rank 0 writes, in the same format
+        sess.save(path, extra=run.metadata())
+        return
     save_checkpoint(path, sess.get_state(), sess.program.model_fingerprint, sess.step_count,
                     extra=run.metadata())
+
+
+def _compile_distributed(args, total: int, n_test: int):
+    """--distributed: this rank's share of every --batch-size batch on its own adapter; the
+    checkpoint carries the global-batch graph's fingerprint, so it is interchangeable with a
+    single-process run's (and resumable on any number of ranks)."""
+    from . import compile, distributed
+
+    if args.backend == "reference":
+        raise CLIError("--distributed runs on a GPU backend, not 'reference'")
+    ctx = distributed.init(args.backend)
+    if args.batch_size % ctx.world_size:
+        raise CLIError(f"--batch-size {args.batch_size} does not split evenly into "
+                       f"{ctx.world_size} ranks")
+    t0 = time.perf_counter()
+    m = _model(args.model, args.batch_size // ctx.world_size)
+    sess = distributed.DataParallel(
+        ctx, m.graph, m.loss, _optimizer(args, total), precision=args.precision,
+        seed=args.seed, fingerprint=_model(args.model, args.batch_size).graph.fingerprint())
+    me = _model(args.model, n_test)
+    evals = compile(me.graph, outputs={"logits": me.logits}, precision=args.precision,
+                    device=ctx.device)
+    if ctx.rank == 0:
+        print(f"model {args.model}: {sum(p.size for p in m.graph.params.values())} parameters; "
+              f"{ctx.world_size} ranks, {args.batch_size // ctx.world_size} examples each; "
+              f"rank 0 device: {ctx.device.adapter_name}; "
+              f"compile {time.perf_counter() - t0:.2f} s")
+    return sess, evals
 
 
 def _compile(args, total: int, n_test: int):
     from . import compile
 
+    if args.distributed:
+        return _compile_distributed(args, total, n_test)
     t0 = time.perf_counter()
     m = _model(args.model, args.batch_size)
     sess = compile(m.graph, loss=m.loss, outputs={"logits": m.logits},
@@ -301,7 +334,7 @@ def _train_epochs(sess, data, args, run: _Run, ckpt: str, stop: _StopOnSignal) -
     xtr, ytr = data
     per_epoch = len(xtr) // args.batch_size
     bar = tqdm(total=per_epoch * args.epochs, initial=run.epoch * per_epoch + run.batch,
-               desc="train", unit="step", disable=args.quiet)
+               desc="train", unit="step", disable=args.quiet or _rank(sess) != 0)
     try:
         while run.epoch < args.epochs:
             pending = []
@@ -309,7 +342,8 @@ def _train_epochs(sess, data, args, run: _Run, ckpt: str, stop: _StopOnSignal) -
                                                  seed=args.seed + run.epoch, drop_last=True)):
                 if i < run.batch:  # done before the interruption this resumes
                     continue
-                pending.append(sess.step(x=xb, y=yb))
+                step = sess.step_global if args.distributed else sess.step
+                pending.append(step(x=xb, y=yb))
                 bar.update(1)
                 if stop.signum is not None:
                     break
@@ -326,11 +360,28 @@ def _train_epochs(sess, data, args, run: _Run, ckpt: str, stop: _StopOnSignal) -
     return True
 
 
+def _rank(sess) -> int:
+    return sess.ctx.rank if hasattr(sess, "ctx") else 0
+
+
 def cmd_train(args) -> int:
+    if not args.distributed:
+        return _cmd_train(args)
+    from .distributed import Context, DistributedError
+
+    try:
+        return _cmd_train(args)
+    except DistributedError as e:  # the process group is broken: report and leave now
+        print(f"meganeura: error: {e}", file=sys.stderr)
+        Context.abort(1)
+
+
+def _cmd_train(args) -> int:
     from .io.datasets import load_digits
 
     _prepare_out(args.out)
-    _open_backend(args.backend)
+    if not args.distributed:  # (--distributed opens this rank's adapter itself)
+        _open_backend(args.backend)
     xtr, ytr = load_digits("train")
     xte, yte = load_digits("test")
     _check_batch(args.batch_size, len(xtr))
@@ -349,6 +400,9 @@ def cmd_train(args) -> int:
               f"saved {ckpt}; continue with --resume", file=sys.stderr)
         return 128 + stop.signum
     evals.set_params(sess.get_params())
+    if _rank(sess) != 0:  # every rank holds the same parameters: rank 0 reports
+        sess.ctx.close()
+        return 0
     acc = float((evals.run(x=xte)["logits"].argmax(-1) == yte).mean())
     print(f"final loss {np.mean(run.losses[-per_epoch:]):.4f}; test accuracy {acc * 100:.2f}% "
           f"({len(xte)} images); {sess.step_count - step0} steps in "
@@ -707,6 +761,10 @@ def _parser() -> argparse.ArgumentParser:
     pt.add_argument("--min-accuracy", type=_fraction, default=0.0,
                     help="exit with status 3 if the test accuracy is below this fraction (0-1)")
     pt.add_argument("--quiet", action="store_true", help="no progress bar")
+    pt.add_argument("--distributed", action="store_true",
+                    help="data parallel over the processes torchrun started (gloo; one GPU "
+                    "adapter per local rank); --batch-size is the global batch, split evenly "
+                    "across ranks; rank 0 writes the checkpoint and reports (docs/distributed.md)")
     pp = sub.add_parser("profile", help="per-kernel GPU times of a training step",
                         formatter_class=_HelpFormatter)
     _add_common(pp)

@@ -18,7 +18,7 @@ from ..errors import GraphBuildError
 from ..graph import Graph, Value
 from ..kernels.common import make_target
 from ..kernels.ir import PRECISIONS
-from ..program import build_program
+from ..program import Program, build_program
 from .pipeline import CompileOptions, Tuning, compile_program
 from .tune import TuningCache, tune_mode
 
@@ -71,6 +71,20 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
     _check_options(precision, backend, options)
     with _gc_paused():
         program = build_program(graph, loss, outputs, optimizer, nan_check)
+        return compile_built(program, precision, backend, check_finite, **options)
+
+
+def compile_built(program: Program, precision: str = "strict", backend: str | None = None,
+                  check_finite: bool = True, **options):
+    """A Session for a Program built by the caller instead of by ``build_program``: e.g.
+    ``meganeura.distributed``'s optimizer update, whose gradients are fed inputs (no loss to
+    differentiate), and its gradient step, whose gradients are fetched results.  Options
+    as for ``compile``."""
+    if not isinstance(program, Program):
+        raise GraphBuildError(f"compile_built: expected a Program, got "
+                              f"{type(program).__name__}")
+    _check_options(precision, backend, options)
+    with _gc_paused():
         if backend == "reference":
             from ..reference import ReferenceSession
 

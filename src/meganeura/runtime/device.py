@@ -442,6 +442,25 @@ def get_device(backend: str | None = None) -> Device:
         return dev
 
 
+def get_device_at(index: int, backend: str | None = None, share: bool = False) -> Device:
+    """The device on the ``index``-th adapter of the best kind present (one GPU per local rank
+    of a data-parallel run: ``meganeura.distributed``).  Fewer adapters than ``index + 1`` is a
+    ``DeviceError`` unless ``share`` lets ranks share one (tests on a single CPU adapter)."""
+    name = resolve_backend(backend)
+    if name == "auto":
+        try:
+            return get_device_at(index, "dawn", share)
+        except DeviceError:
+            name = "wgpu"
+    key = f"{name}#{index}"
+    with _CACHE_LOCK:
+        dev = _CACHE.get(key)
+        if dev is None:
+            dev = _open_wgpu(index, share) if name == "wgpu" else _open_dawn(index, share)
+            _CACHE[key] = dev
+        return dev
+
+
 def _open_auto() -> Device:
     with _CACHE_LOCK:
         if "dawn" in _CACHE:
@@ -482,7 +501,28 @@ def _pick(adapters):
     return good[0]
 
 
-def _open_wgpu() -> Device:
+def _pick_at(adapters, index: int, share: bool):
+    """The ``index``-th adapter of the best kind present (a host with GPUs and lavapipe: only
+    the GPUs count), or None when there is no usable adapter at all."""
+    best = _pick(adapters)
+    if best is None:
+        return None
+    kind = str(_info(best).get("adapter_type", ""))
+    same = [a for a in adapters if _good(a) and str(_info(a).get("adapter_type", "")) == kind]
+    if index < len(same):
+        return same[index]
+    if share:
+        return same[index % len(same)]
+    names = ", ".join(_describe_adapter(a) for a in same)
+    raise DeviceError(
+        f"adapter {index} was asked for (one per local rank) but this host has only "
+        f"{len(same)} {kind or 'usable'} adapter(s): {names}; start at most {len(same)} "
+        f"process(es) per host (torchrun --nproc-per-node {len(same)}), or let ranks share "
+        f"adapters (share_adapter=True / MEGANEURA_DP_SHARE_ADAPTER=1; for tests)"
+    )
+
+
+def _open_wgpu(index: int | None = None, share: bool = False) -> Device:
     try:
         import wgpu
     except ImportError as e:  # pragma: no cover - wgpu is a hard dependency
@@ -491,7 +531,7 @@ def _open_wgpu() -> Device:
         adapters = list(wgpu.gpu.enumerate_adapters_sync())
     except Exception as e:
         raise DeviceError(f"wgpu-native could not enumerate adapters: {e}; {_INSTALL_HINT}") from e
-    adapter = _pick(adapters)
+    adapter = _pick(adapters) if index is None else _pick_at(adapters, index, share)
     if adapter is None:
         found = ", ".join(_describe_adapter(a) for a in adapters) or "no adapters at all"
         raise DeviceError(
@@ -501,7 +541,7 @@ def _open_wgpu() -> Device:
     return _make_device(wgpu, adapter, "wgpu")
 
 
-def _open_dawn() -> Device:
+def _open_dawn(index: int | None = None, share: bool = False) -> Device:
     global _DAWN_CONFIGURED
     try:
         import wgpudawn
@@ -525,7 +565,7 @@ def _open_dawn() -> Device:
         adapters = list(wgpudawn.gpu.enumerate_adapters_sync())
     except Exception:
         adapters = []
-    adapter = _pick(adapters)
+    adapter = _pick(adapters) if index is None else _pick_at(adapters, index, share)
     if adapter is None:
         err = ""
         try:

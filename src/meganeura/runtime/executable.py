@@ -88,6 +88,7 @@ class GPUStream:
         self.commands = [self._command(op) for op in stream.ops]
         self.checked = False  # set once an encode of this fixed stream passed validation
         self._raw_runs = None  # the stream with native handles, built at the first raw encode
+        self._segments: dict[tuple[int, int], list | None] = {}  # checked ranges (encode_range)
         self.readback_pool: list = []  # readback buffers whose results were read
 
     def buffer(self, loc: Loc):
@@ -156,9 +157,29 @@ class GPUStream:
         self.checked = True
         return cb
 
-    def _encode_checked(self, enc) -> None:
+    def encode_range(self, start: int, stop: int, extra_copies=()):
+        """A command buffer of the stream's commands ``[start, stop)`` (``extra_copies``
+        appended), for a stream submitted in segments: a data-parallel step reads gradients
+        back while later segments still run (``meganeura.distributed``).  Each range is
+        validated at its first encode, then encoded through the native calls like ``encode``."""
+        key = (start, stop)
+        enc = self.dev.device.create_command_encoder()
+        raw = _raw_calls(self.dev) if key in self._segments else None
+        if raw is not None:
+            if self._segments[key] is None:
+                self._segments[key] = self._native_runs(self.commands[start:stop])
+            self._encode_raw(enc, raw, self._segments[key])
+        else:
+            self._encode_checked(enc, self.commands[start:stop])
+        for c in extra_copies:
+            c.record(enc)
+        cb = enc.finish()
+        self._segments.setdefault(key, None)
+        return cb
+
+    def _encode_checked(self, enc, commands=None) -> None:
         cp = last = None
-        for cmd in self.commands:
+        for cmd in self.commands if commands is None else commands:
             if isinstance(cmd, DispatchCommand):
                 if cp is None:
                     cp, last = enc.begin_compute_pass(), None
@@ -175,11 +196,11 @@ class GPUStream:
         if cp is not None:
             cp.end()
 
-    def _native_runs(self) -> list:
+    def _native_runs(self, commands=None) -> list:
         """Runs of dispatches between copies, with native handles (a pipeline only where it
         changes)."""
         runs, run, last = [], None, None
-        for cmd in self.commands:
+        for cmd in self.commands if commands is None else commands:
             if isinstance(cmd, DispatchCommand):
                 if run is None:
                     run, last = [], None
@@ -192,16 +213,18 @@ class GPUStream:
                 runs.append(("copy", cmd))
         return runs
 
-    def _encode_raw(self, enc, raw) -> None:
+    def _encode_raw(self, enc, raw, runs=None) -> None:
         """The checked stream again through wgpu-native's C calls, with every handle looked
-        up once."""
+        up once (``runs``: those of a segment instead of the whole stream)."""
         lib, null = raw
-        if self._raw_runs is None:
-            self._raw_runs = self._native_runs()
+        if runs is None:
+            if self._raw_runs is None:
+                self._raw_runs = self._native_runs()
+            runs = self._raw_runs
         set_pipeline = lib.wgpuComputePassEncoderSetPipeline
         set_bind_group = lib.wgpuComputePassEncoderSetBindGroup
         dispatch = lib.wgpuComputePassEncoderDispatchWorkgroups
-        for kind, item in self._raw_runs:
+        for kind, item in runs:
             if kind == "copy":
                 item.record(enc)
                 continue
