@@ -197,11 +197,11 @@ def build(records, out_dir, plan_memory=None) -> str:
     for key, title in keys:
         L.append(f"\n## Strict f32 — {title} (ms)\n")
         L.append("| workload | ours wgpu | ours dawn | PyTorch eager | torch.compile | "
-                 "ours/eager | ours/compile |")
-        L.append("|---|---|---|---|---|---|---|")
+                 "PyTorch CUDA graph | ours/eager | ours/compile |")
+        L.append("|---|---|---|---|---|---|---|---|")
         for r in records:
             if "error" in r:
-                L.append(f"| {r['key']} | error: {r['error'][:80]} | | | | | |")
+                L.append(f"| {r['key']} | error: {r['error'][:80]} | | | | | | |")
                 continue
             cells = r["torch"]["cells"]
             ours = {}
@@ -221,8 +221,9 @@ def build(records, out_dir, plan_memory=None) -> str:
             best = _best(r, key)
             ratio_e = _fmt(best[0] / eager) if best and eager else "—"
             ratio_c = _fmt(best[0] / comp) if best and comp else "—"
+            graph = _ms(cells.get("cuda_graph_f32"), key)
             L.append(f"| {r['key']} | {ours['wgpu']} | {ours['dawn']} | {_fmt(eager)} | "
-                     f"{_fmt(comp)} | {ratio_e} | {ratio_c} |")
+                     f"{_fmt(comp)} | {_fmt(graph)} | {ratio_e} | {ratio_c} |")
     L.append("\n## Compile time (s): graph → ready session vs torch.compile (first call)\n")
     L.append("Ours on both implementations, our pipeline cache emptied before each compile. The "
              "SGD train compile is the first to meet the training kernels, so it also pays the "
