@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
+import select
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,17 +48,19 @@ class Target:
     module: str  # path from the repository root
     tests: tuple[str, ...]
     vjps_only: bool = False  # keep only mutants inside VJP code (ops/elementwise.py)
+    sample: int = 0  # run this many of the mutants, chosen at random (seeded); 0: all
 
 
 TARGETS = {
     t.name: t
     for t in (
-        Target("reduce", "src/meganeura/kernels/reduce.py", ("tests/kernels/test_reduce.py",)),
+        Target("reduce", "src/meganeura/kernels/reduce.py", ("tests/kernels/test_reduce.py",),
+               sample=120),
         Target("pointwise", "src/meganeura/kernels/pointwise.py",
                ("tests/kernels/test_pointwise.py",)),
         Target("checkpoint", "src/meganeura/checkpoint.py", ("tests/test_checkpoint.py",)),
         Target("elementwise_vjps", "src/meganeura/ops/elementwise.py",
-               ("tests/ops/test_elementwise.py",), vjps_only=True),
+               ("tests/ops/test_elementwise.py",), vjps_only=True, sample=120),
     )
 }
 
@@ -77,10 +83,13 @@ EXCLUDE_OPERATORS = (
 EQUIVALENT: dict[tuple[str, str, str], str] = {}
 
 
-def _config(t: Target, timeout: float) -> str:
-    """The cosmic-ray TOML for one target; the test command imports the mutated copy only."""
+def _config(t: Target, timeout: float, sock: Path) -> str:
+    """The cosmic-ray TOML for one target.  The test command asks the fork server (``serve``)
+    to run pytest in the tree copy: each mutant's run then pays only for importing meganeura
+    and opening the device, not for numpy/scipy/torch/wgpu (most of a run on a busy 2-core
+    machine)."""
     tests = " ".join(t.tests)
-    cmd = (f"env PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=src:. {sys.executable} -m pytest -q -x "
+    cmd = (f"{sys.executable} {Path(__file__).resolve()} client --socket {sock} -- -q -x "
            f"-p no:cacheprovider {tests}")
     excl = ", ".join(f"'{e}'" for e in EXCLUDE_OPERATORS)
     return (f'[cosmic-ray]\nmodule-path = "{t.module}"\ntimeout = {timeout}\n'
@@ -148,28 +157,152 @@ def _skip_outside_vjps(session: Path, module: Path) -> int:
         return sum(1 for _ in db.pending_work_items)
 
 
+def _skip_unsampled(session: Path, keep: int, seed: str) -> None:
+    """Keep ``keep`` pending mutants chosen at random (seeded by the target's name, so a rerun
+    picks the same ones); a uniform sample estimates the whole module's score."""
+    import random
+
+    from cosmic_ray.work_db import use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    with use_db(str(session)) as db:
+        pending = sorted(w.job_id for w in db.pending_work_items)
+        if len(pending) <= keep:
+            return
+        kept = set(random.Random(seed).sample(pending, keep))
+        db.set_multiple_results([j for j in pending if j not in kept],
+                                WorkResult(output="not sampled",
+                                           worker_outcome=WorkerOutcome.SKIPPED))
+
+
 def _cr(*args: str, cwd: Path) -> None:
     """Run one cosmic-ray command line tool from this interpreter's environment."""
     exe = Path(sys.executable).parent / args[0]
     subprocess.run([str(exe), *args[1:]], cwd=cwd, check=True)
 
 
-def run_target(t: Target, workdir: Path, timeout: float) -> None:
+def run_target(t: Target, workdir: Path, timeout: float, sample: int | None) -> None:
     """Initialise (once), filter, baseline and execute one target's session (resumable)."""
     home = workdir / t.name
     tree, cfg, session = home / "tree", home / "config.toml", home / "session.sqlite"
-    if not session.exists():
+    sock = home / "fork.sock"
+    fresh = not session.exists()
+    if fresh:
         _copy_tree(tree)
-        cfg.write_text(_config(t, timeout))
-        _cr("cosmic-ray", "init", str(cfg), str(session), cwd=tree)
-        _cr("cr-filter-operators", str(session), str(cfg), cwd=tree)
-        if t.vjps_only:
-            _skip_outside_vjps(session, tree / t.module)
-        _cr("cosmic-ray", "baseline", str(cfg), cwd=tree)
-    start = time.time()
-    _cr("cosmic-ray", "exec", str(cfg), str(session), cwd=tree)
-    (home / "exec_seconds").write_text(
-        str(time.time() - start + _float(home / "exec_seconds")))
+        shutil.copy2(tree / t.module, home / "original.py")  # the tree's copy gets mutated
+    else:  # an interrupted run may have left a mutant on disk
+        shutil.copy2(home / "original.py", tree / t.module)
+    cfg.write_text(_config(t, timeout, sock))
+    server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "serve",
+                               "--socket", str(sock)])
+    try:
+        _wait_for_socket(sock, server)
+        if fresh:
+            _cr("cosmic-ray", "init", str(cfg), str(session), cwd=tree)
+            _cr("cr-filter-operators", str(session), str(cfg), cwd=tree)
+            if t.vjps_only:
+                _skip_outside_vjps(session, tree / t.module)
+            keep = t.sample if sample is None else sample
+            if keep:
+                _skip_unsampled(session, keep, t.name)
+            _cr("cosmic-ray", "baseline", str(cfg), cwd=tree)
+        start = time.time()
+        try:
+            _cr("cosmic-ray", "exec", str(cfg), str(session), cwd=tree)
+        finally:
+            (home / "exec_seconds").write_text(
+                str(time.time() - start + _float(home / "exec_seconds")))
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def _wait_for_socket(sock: Path, server: subprocess.Popen) -> None:
+    for _ in range(600):
+        if sock.exists():
+            return
+        if server.poll() is not None:
+            raise RuntimeError(f"fork server exited with {server.returncode}")
+        time.sleep(0.1)
+    raise RuntimeError(f"fork server did not create {sock}")
+
+
+# heavy third-party modules the tests import: loaded once by the fork server, never meganeura
+_PRELOAD = ("numpy", "scipy.special", "torch", "torch.nn.functional", "wgpu", "safetensors.numpy",
+            "hypothesis", "pytest")
+
+
+def serve(sock: Path) -> None:
+    """Fork server: one child per request runs ``pytest.main(args)`` in the request's folder,
+    importing meganeura (the mutant) fresh; the child is killed if the client goes away
+    (cosmic-ray's timeout kills the client)."""
+    import importlib
+
+    for name in _PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    if sock.exists():
+        sock.unlink()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(sock))
+    srv.listen(1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            conn, _ = srv.accept()
+            with conn:
+                req = json.loads(conn.makefile().readline())
+                pid = os.fork()
+                if pid == 0:
+                    srv.close()
+                    _child(req)
+                conn.sendall(f"{_await_child(pid, conn)}\n".encode())
+    finally:
+        sock.unlink(missing_ok=True)
+
+
+def _child(req: dict) -> None:
+    """In the forked child: run pytest in the tree copy and exit with its status."""
+    code = 4
+    try:
+        os.chdir(req["cwd"])
+        os.environ.update(req["env"])
+        sys.dont_write_bytecode = True
+        sys.path[:0] = [os.path.join(req["cwd"], "src"), req["cwd"]]
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        import pytest
+
+        code = int(pytest.main(req["args"]))
+    finally:
+        os._exit(code)
+
+
+def _await_child(pid: int, conn: socket.socket) -> int:
+    """The child's exit status; kills it when the client hangs up first (-9)."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        ready, _, _ = select.select([conn], [], [], 0.2)
+        if ready and not conn.recv(1):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return -9
+
+
+def client(sock: Path, args: list[str]) -> int:
+    """The test command cosmic-ray runs: forward the pytest arguments to the fork server."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("XDG_", "MEGANEURA_", "VK_"))}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+        c.connect(str(sock))
+        c.sendall((json.dumps({"cwd": os.getcwd(), "args": args, "env": env}) + "\n").encode())
+        reply = c.makefile().readline().strip()
+    code = int(reply) if reply else 1
+    return code if 0 <= code < 256 else 1
 
 
 def _float(p: Path) -> float:
@@ -183,9 +316,10 @@ def summarize(t: Target, workdir: Path) -> tuple[dict, list[dict]]:
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
     home = workdir / t.name
-    lines = (home / "tree" / t.module).read_text().splitlines()
+    original = home / "original.py"
+    lines = (original if original.exists() else ROOT / t.module).read_text().splitlines()
     counts = dict.fromkeys(("killed", "timeout", "survived", "equivalent", "incompetent",
-                            "pending", "skipped"), 0)
+                            "pending", "skipped", "not sampled"), 0)
     survivors = []
     with use_db(str(home / "session.sqlite"), WorkDB.Mode.open) as db:
         done = {job: r for job, r in db.results}
@@ -195,7 +329,7 @@ def summarize(t: Target, workdir: Path) -> tuple[dict, list[dict]]:
             if r is None:
                 counts["pending"] += 1
             elif r.worker_outcome == WorkerOutcome.SKIPPED:
-                counts["skipped"] += 1
+                counts["not sampled" if r.output == "not sampled" else "skipped"] += 1
             elif r.test_outcome == TestOutcome.SURVIVED:
                 text = lines[m.start_pos[0] - 1].strip()
                 why = EQUIVALENT.get((t.name, m.operator_name, text))
@@ -215,17 +349,21 @@ def summarize(t: Target, workdir: Path) -> tuple[dict, list[dict]]:
 
 def report(names, workdir: Path, diffs: bool) -> str:
     """Markdown: one row of counts per target, then every survivor."""
-    out = ["| module | mutants run | killed | timeout | survived | equivalent | incompetent "
-           "| score | pending | exec time |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| module | mutants (sampled of) | killed | timeout | survived | equivalent "
+           "| incompetent | score | pending | exec time |", "|---" * 10 + "|"]
     tail = []
     for name in names:
         t = TARGETS[name]
+        if not (workdir / name / "session.sqlite").exists():
+            out.append(f"| {t.module} | not run |" + " |" * 8)
+            continue
         c, surv = summarize(t, workdir)
         ran = c["killed"] + c["timeout"] + c["survived"] + c["equivalent"] + c["incompetent"]
         caught = c["killed"] + c["timeout"]
         denom = caught + c["survived"]
         score = f"{100 * caught / denom:.1f} %" if denom else "-"
-        out.append(f"| {t.module} | {ran} | {c['killed']} | {c['timeout']} | {c['survived']} "
+        of = f" of {ran + c['pending'] + c['not sampled']}" if c["not sampled"] else ""
+        out.append(f"| {t.module} | {ran}{of} | {c['killed']} | {c['timeout']} | {c['survived']} "
                    f"| {c['equivalent']} | {c['incompetent']} | {score} | {c['pending']} "
                    f"| {c['seconds'] / 60:.0f} min |")
         for s in surv:
@@ -240,13 +378,24 @@ def report(names, workdir: Path, diffs: bool) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["run", "report"])
+    ap.add_argument("command", choices=["run", "report", "serve", "client"])
     ap.add_argument("--modules", default=",".join(TARGETS),
                     help=f"comma-separated, of: {', '.join(TARGETS)}")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/mn-mutation"))
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant")
+    ap.add_argument("--sample", type=int, default=None,
+                    help="new sessions: run N random mutants per module (0: all; default: "
+                         "each module's own, see TARGETS)")
     ap.add_argument("--diffs", action="store_true", help="report: show each survivor's diff")
+    ap.add_argument("--socket", type=Path, help="serve/client (internal): the fork server's socket")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["client"] and "--" in argv:  # client --socket S -- <pytest arguments>
+        cut = argv.index("--")
+        return client(ap.parse_args(argv[:cut]).socket, argv[cut + 1:])
     a = ap.parse_args(argv)
+    if a.command == "serve":
+        serve(a.socket)
+        return 0
     names = [n for n in a.modules.split(",") if n]
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
@@ -255,7 +404,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp/mn-mutation-xdg")
         os.makedirs(os.environ["XDG_RUNTIME_DIR"], mode=0o700, exist_ok=True)
         for n in names:
-            run_target(TARGETS[n], a.workdir, a.timeout)
+            run_target(TARGETS[n], a.workdir, a.timeout, a.sample)
     print(report(names, a.workdir, a.diffs))
     return 0
 
