@@ -7,7 +7,8 @@ mutant the tests still pass on ("survived") is either a missing test or an equiv
   pip install -e ".[mutation]"            # cosmic-ray, pinned
   nice -n 15 python bench/mutation.py run                     # all modules (hours on 2 cores)
   nice -n 15 python bench/mutation.py run --modules checkpoint
-  python bench/mutation.py report                             # counts + survivors (markdown)
+  nice -n 15 python bench/mutation.py retest    # after writing tests: rerun the survivors only
+  python bench/mutation.py report [--diffs]                   # counts + survivors (markdown)
 
 Sessions live in ``--workdir`` (default /tmp/mn-mutation); ``run`` resumes an unfinished one
 (delete the folder to start over, e.g. after changing the tests).  Not part of CI: too slow.
@@ -181,7 +182,20 @@ def _cr(*args: str, cwd: Path) -> None:
     subprocess.run([str(exe), *args[1:]], cwd=cwd, check=True)
 
 
-def run_target(t: Target, workdir: Path, timeout: float, sample: int | None) -> None:
+def _reset_survivors(tree: Path, session: Path) -> None:
+    """``retest``: take the current tests into the tree copy and run the survivors again
+    (after new tests were written for them)."""
+    import sqlite3
+
+    shutil.rmtree(tree / "tests")
+    shutil.copytree(ROOT / "tests", tree / "tests",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    with sqlite3.connect(session) as db:
+        db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
+
+
+def run_target(t: Target, workdir: Path, timeout: float, sample: int | None,
+               retest: bool = False) -> None:
     """Initialise (once), filter, baseline and execute one target's session (resumable)."""
     home = workdir / t.name
     tree, cfg, session = home / "tree", home / "config.toml", home / "session.sqlite"
@@ -192,6 +206,8 @@ def run_target(t: Target, workdir: Path, timeout: float, sample: int | None) -> 
         shutil.copy2(tree / t.module, home / "original.py")  # the tree's copy gets mutated
     else:  # an interrupted run may have left a mutant on disk
         shutil.copy2(home / "original.py", tree / t.module)
+        if retest:
+            _reset_survivors(tree, session)
     cfg.write_text(_config(t, timeout, sock))
     server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "serve",
                                "--socket", str(sock)])
@@ -378,7 +394,7 @@ def report(names, workdir: Path, diffs: bool) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["run", "report", "serve", "client"])
+    ap.add_argument("command", choices=["run", "retest", "report", "serve", "client"])
     ap.add_argument("--modules", default=",".join(TARGETS),
                     help=f"comma-separated, of: {', '.join(TARGETS)}")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/mn-mutation"))
@@ -400,11 +416,11 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
         ap.error(f"unknown module(s) {unknown}; choose from {sorted(TARGETS)}")
-    if a.command == "run":
+    if a.command in ("run", "retest"):
         os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp/mn-mutation-xdg")
         os.makedirs(os.environ["XDG_RUNTIME_DIR"], mode=0o700, exist_ok=True)
         for n in names:
-            run_target(TARGETS[n], a.workdir, a.timeout, a.sample)
+            run_target(TARGETS[n], a.workdir, a.timeout, a.sample, a.command == "retest")
     print(report(names, a.workdir, a.diffs))
     return 0
 
