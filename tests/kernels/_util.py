@@ -76,9 +76,9 @@ def no_subgroup_matrix_reason(dev) -> str | None:
     else:
         cause = "none of Dawn's subgroup-matrix configs is f16 16x16x16 at subgroup size 32"
     if dev.is_cpu:
-        cause += ("; no CPU Vulkan driver has them: lavapipe (Mesa 22.3.6, 25.0.7) and "
-                  "SwiftShader lack VK_KHR_cooperative_matrix, and their subgroups are 8 and 4 "
-                  "lanes, not 32")
+        cause += ("; no CPU Vulkan driver can: lavapipe (Mesa 22.3.6 and 25.0.7 tried) and "
+                  "SwiftShader lack VK_KHR_cooperative_matrix, and their subgroups are the SIMD "
+                  "width (lavapipe 8 lanes with AVX2, 16 with AVX-512; SwiftShader 4), never 32")
     return (f"{dev.adapter_name} ({dev.implementation}) has no f16 subgroup matrices "
             f"({SG_FEATURE}): {cause}; these tests run on the GPU machine (bench/gpu_suite.sh, "
             f"Dawn on the H200); see docs/mutation-testing.md")
