@@ -213,3 +213,22 @@ def test_load_names_every_kind_of_mismatch(tmp_path):
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path, {**EXPECTED, "b": TensorType((2,), f32)}, "fp")
     assert "missing tensors ['b']" in str(info.value) and "mismatched" not in str(info.value)
+
+
+def test_the_largest_step_is_2_to_the_53(tmp_path):
+    """Steps up to 2**53 (where a float64 counter still counts by ones) load; one more does not
+    (16 digits, so the regex alone would let it through)."""
+    ok = _foreign(tmp_path / "ok.safetensors", TENSORS, step=str(2**53))
+    assert load_checkpoint(ok, EXPECTED, "fp")[1] == 2**53
+    bad = _foreign(tmp_path / "bad.safetensors", TENSORS, step=str(2**53 + 1))
+    with pytest.raises(CheckpointError, match="bad step .* to 9007199254740992"):
+        load_checkpoint(bad, EXPECTED, "fp")
+
+
+def test_fingerprint_mismatch_is_refused_unless_asked(tmp_path):
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, TENSORS, "fp-a", 3)
+    with pytest.raises(CheckpointError, match="written by a different graph"):
+        load_checkpoint(path, EXPECTED, "fp-b")
+    tensors, step = load_checkpoint(path, EXPECTED, "fp-b", strict_fingerprint=False)
+    assert step == 3 and tensors["w"].shape == (3, 4)
