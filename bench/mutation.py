@@ -56,13 +56,13 @@ TARGETS = {
     t.name: t
     for t in (
         Target("reduce", "src/meganeura/kernels/reduce.py", ("tests/kernels/test_reduce.py",),
-               sample=80),
+               sample=25),
         Target("pointwise", "src/meganeura/kernels/pointwise.py",
                ("tests/kernels/test_pointwise.py",)),
         Target("checkpoint", "src/meganeura/checkpoint.py", ("tests/test_checkpoint.py",),
-               sample=60),
+               sample=40),
         Target("elementwise_vjps", "src/meganeura/ops/elementwise.py",
-               ("tests/ops/test_elementwise.py",), vjps_only=True, sample=70),
+               ("tests/ops/test_elementwise.py",), vjps_only=True, sample=25),
     )
 }
 
