@@ -232,3 +232,18 @@ def test_fingerprint_mismatch_is_refused_unless_asked(tmp_path):
         load_checkpoint(path, EXPECTED, "fp-b")
     tensors, step = load_checkpoint(path, EXPECTED, "fp-b", strict_fingerprint=False)
     assert step == 3 and tensors["w"].shape == (3, 4)
+
+
+def test_a_writer_owned_by_another_user_counts_as_alive(tmp_path, monkeypatch):
+    """Probing another user's process fails with EPERM (never as root, so it is simulated):
+    that process exists, so its temp file is left alone."""
+    other = tmp_path / ".tmp-ck.safetensors-4242-0badf00d"
+    other.write_bytes(b"x")
+
+    def kill(pid, sig):
+        assert sig == 0
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", kill)
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    assert other.exists()
