@@ -80,9 +80,27 @@ EXCLUDE_OPERATORS = (
     rf"core/ReplaceUnaryOperator_(?!(?:{'|'.join(_KEEP_UNARY)})$)",
 )
 
-# Survivors judged equivalent (no input can tell them apart), keyed by target, operator and the
-# stripped source line, so line moves do not invalidate them; docs/mutation-testing.md says why.
-EQUIVALENT: dict[tuple[str, str, str], str] = {}
+# Survivors judged equivalent (no valid input tells them apart from the original): target,
+# operator and a piece of the mutated line (so line moves keep them valid), and why.
+EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
+    ("elementwise_vjps", "core/NumberReplacer", "c[ -1]",
+     "a one-output op gets one cotangent, so c[-1] is c[0]"),
+    ("pointwise", "core/ReplaceFalseWithTrue", "zip(used, mstrides[1:], strict=True)",
+     "merge_dims returns one stride tuple per operand: the two always have equal length"),
+    ("pointwise", "core/NumberReplacer", "s.offset == -1 else",
+     "offsets are never negative; offset 0 then emits `i + 0u`, the same index"),
+    ("pointwise", "core/NumberReplacer", '"workgroup_storage": ',
+     "read only by the runtime's workgroup-storage limit check; 1 or -1 byte exceeds no "
+     "device's limit (WebGPU guarantees 16,384)"),
+)
+
+
+def _equivalent(target: str, op: str, diff: str) -> str | None:
+    added = [ln[1:] for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("++")]
+    for t, o, piece, why in EQUIVALENT:
+        if t == target and o == op and any(piece in ln for ln in added):
+            return why
+    return None
 
 
 def _config(t: Target, timeout: float, sock: Path) -> str:
@@ -351,7 +369,7 @@ def summarize(t: Target, workdir: Path) -> tuple[dict, list[dict]]:
                 counts["not sampled" if r.output == "not sampled" else "skipped"] += 1
             elif r.test_outcome == TestOutcome.SURVIVED:
                 text = lines[m.start_pos[0] - 1].strip()
-                why = EQUIVALENT.get((t.name, m.operator_name, text))
+                why = _equivalent(t.name, m.operator_name, r.diff or "")
                 counts["equivalent" if why else "survived"] += 1
                 survivors.append({"line": m.start_pos[0], "op": m.operator_name,
                                   "occurrence": m.occurrence, "text": text, "why": why,
