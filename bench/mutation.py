@@ -85,6 +85,18 @@ EXCLUDE_OPERATORS = (
 EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("elementwise_vjps", "core/NumberReplacer", "c[ -1]",
      "a one-output op gets one cotangent, so c[-1] is c[0]"),
+    ("elementwise_vjps", "core/NumberReplacer", "cos(n.inputs[ -1])",
+     "a unary op has one input, so inputs[-1] is inputs[0]"),
+    ("elementwise_vjps", "core/ReplaceAndWithOr", "src.is_float or n.out.dtype.is_float",
+     "autodiff only passes cotangents between float values, so a cast from or to an integer "
+     "type never has its VJP result used"),
+    ("reduce", "core/NumberReplacer", "kstr[1 + nu : 2 + nu + nx]",
+     "zip (strict=False) stops at len(used_x): the longer slice's extra entry is never read"),
+    ("reduce", "core/ReplaceFalseWithTrue", "kstr[1 + nu : 1 + nu + nx], strict=True",
+     "the slice has exactly len(used_x) entries"),
+    ("reduce", "core/NumberReplacer", "if unroll > 0:",
+     "with unroll = 1 the 'unrolled' loop is the plain loop (one accumulator, step TY), the "
+     "remainder loop then runs zero times and the combine is acc = acc"),
     ("pointwise", "core/ReplaceFalseWithTrue", "zip(used, mstrides[1:], strict=True)",
      "merge_dims returns one stride tuple per operand: the two always have equal length"),
     ("pointwise", "core/NumberReplacer", "s.offset == -1 else",
