@@ -97,6 +97,9 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("reduce", "core/NumberReplacer", "if unroll > 0:",
      "with unroll = 1 the 'unrolled' loop is the plain loop (one accumulator, step TY), the "
      "remainder loop then runs zero times and the combine is acc = acc"),
+    ("reduce", "core/NumberReplacer", "if split > 0:",
+     "with split = 1 every workgroup index is below owgs: cb = 0 (read only when split > 1) "
+     "and wo = wg, as in the other branch"),
     ("pointwise", "core/ReplaceFalseWithTrue", "zip(used, mstrides[1:], strict=True)",
      "merge_dims returns one stride tuple per operand: the two always have equal length"),
     ("pointwise", "core/NumberReplacer", "s.offset == -1 else",
