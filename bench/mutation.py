@@ -100,6 +100,11 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("reduce", "core/NumberReplacer", "if split > 0:",
      "with split = 1 every workgroup index is below owgs: cb = 0 (read only when split > 1) "
      "and wo = wg, as in the other branch"),
+    ("reduce", "core/AddNot", "64 if not out_total >= 64",
+     "serial layout width only: each invocation folds one output alone (same order) and "
+     "invocations past the last output are masked, so results are bit-identical"),
+    ("reduce", "core/NumberReplacer", "max( 0, int(getattr(k, \"split\", 1) or 1))",
+     "`split or 1` is already >= 1 for every valid (non-negative) split"),
     ("pointwise", "core/ReplaceFalseWithTrue", "zip(used, mstrides[1:], strict=True)",
      "merge_dims returns one stride tuple per operand: the two always have equal length"),
     ("pointwise", "core/NumberReplacer", "s.offset == -1 else",
