@@ -165,3 +165,85 @@ def test_read_metadata_without_tensors(tmp_path):
     (tmp_path / "junk").write_bytes(b"junk" * 10)
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         read_metadata(tmp_path / "junk")
+
+
+def test_a_failed_write_names_the_target_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """Disk full at the fsync: the error names the checkpoint (not the temp file) with the OS's
+    reason and errno, the temp file is removed, and an older checkpoint stays intact."""
+    import errno
+
+    target = tmp_path / "ck.safetensors"
+    save_checkpoint(target, TENSORS, "fp", 1)
+    before = target.read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/somewhere/.tmp-file")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as info:
+        save_checkpoint(target, {"w": np.zeros(5, np.float32)}, "fp", 2)
+    assert str(info.value) == f"cannot save checkpoint {str(target)!r}: {os.strerror(28)}"
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == ["ck.safetensors"] and target.read_bytes() == before
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_probing_a_live_writer_does_not_signal_it(tmp_path):
+    """The stale-temp cleanup asks whether a writer is alive with signal 0, which delivers
+    nothing: a live writer (here a sleeping process) survives the probe and keeps its file."""
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        live = tmp_path / f".tmp-ck.safetensors-{writer.pid}-0badf00d"
+        live.write_bytes(b"x")
+        save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+        assert writer.poll() is None and live.exists()
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def test_load_names_every_kind_of_mismatch(tmp_path):
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, TENSORS, "fp", 1)
+    wrong = {"w": TensorType((4, 3), f32), "step": TensorType((), f32)}
+    with pytest.raises(CheckpointError, match=r"mismatched tensors \[w: file float32\[3, 4\] "
+                                              r"vs graph") as info:
+        load_checkpoint(path, wrong, "fp")
+    assert "missing" not in str(info.value) and "unexpected" not in str(info.value)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, {**EXPECTED, "b": TensorType((2,), f32)}, "fp")
+    assert "missing tensors ['b']" in str(info.value) and "mismatched" not in str(info.value)
+
+
+def test_the_largest_step_is_2_to_the_53(tmp_path):
+    """Steps up to 2**53 (where a float64 counter still counts by ones) load; one more does not
+    (16 digits, so the regex alone would let it through)."""
+    ok = _foreign(tmp_path / "ok.safetensors", TENSORS, step=str(2**53))
+    assert load_checkpoint(ok, EXPECTED, "fp")[1] == 2**53
+    bad = _foreign(tmp_path / "bad.safetensors", TENSORS, step=str(2**53 + 1))
+    with pytest.raises(CheckpointError, match="bad step .* to 9007199254740992"):
+        load_checkpoint(bad, EXPECTED, "fp")
+
+
+def test_fingerprint_mismatch_is_refused_unless_asked(tmp_path):
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, TENSORS, "fp-a", 3)
+    with pytest.raises(CheckpointError, match="written by a different graph"):
+        load_checkpoint(path, EXPECTED, "fp-b")
+    tensors, step = load_checkpoint(path, EXPECTED, "fp-b", strict_fingerprint=False)
+    assert step == 3 and tensors["w"].shape == (3, 4)
+
+
+def test_a_writer_owned_by_another_user_counts_as_alive(tmp_path, monkeypatch):
+    """Probing another user's process fails with EPERM (never as root, so it is simulated):
+    that process exists, so its temp file is left alone."""
+    other = tmp_path / ".tmp-ck.safetensors-4242-0badf00d"
+    other.write_bytes(b"x")
+
+    def kill(pid, sig):
+        assert sig == 0
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", kill)
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    assert other.exists()

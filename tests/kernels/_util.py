@@ -57,3 +57,28 @@ def assert_close(got, ref, rtol, atol=0.0, what=""):
             f"{what}: {bad.sum()} of {bad.size} elements off; worst at "
             f"{np.unravel_index(i, bad.shape)}: got {got.flat[i]!r}, want {ref.flat[i]!r}"
         )
+
+
+def no_subgroup_matrix_reason(dev) -> str | None:
+    """None when ``dev`` runs the fast path on f16 subgroup matrices, else the exact reason it
+    cannot (the tensor-core and fast-precision tests skip with it; the evidence for CPU drivers
+    is in docs/mutation-testing.md)."""
+    from meganeura.kernels.matmul import SG_FEATURE
+
+    if SG_FEATURE in dev.features:
+        return None
+    adapter_features = set(getattr(dev.adapter, "features", ()) or ())
+    if dev.implementation != "dawn":
+        cause = "wgpu-native exposes no subgroup matrices (only Dawn does)"
+    elif "chromium-experimental-subgroup-matrix" not in adapter_features:
+        cause = ("Dawn offers chromium-experimental-subgroup-matrix only on Vulkan drivers with "
+                 "VK_KHR_cooperative_matrix, and this driver has none")
+    else:
+        cause = "none of Dawn's subgroup-matrix configs is f16 16x16x16 at subgroup size 32"
+    if dev.is_cpu:
+        cause += ("; no CPU Vulkan driver can: lavapipe (Mesa 22.3.6 and 25.0.7 tried) and "
+                  "SwiftShader lack VK_KHR_cooperative_matrix, and their subgroups are the SIMD "
+                  "width (lavapipe 8 lanes with AVX2, 16 with AVX-512; SwiftShader 4), never 32")
+    return (f"{dev.adapter_name} ({dev.implementation}) has no f16 subgroup matrices "
+            f"({SG_FEATURE}): {cause}; these tests run on the GPU machine (bench/gpu_suite.sh, "
+            f"Dawn on the H200); see docs/mutation-testing.md")

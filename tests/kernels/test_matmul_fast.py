@@ -11,7 +11,7 @@ from meganeura.dtypes import f16, f32
 from meganeura.kernels import CodegenError, Instr, MatmulKernel, Strided
 from meganeura.kernels.matmul import SG_FEATURE, SGMAT, TC_EXTRAS, TC_LADDER, choose_variant
 
-from ._util import assert_close, view_of
+from ._util import assert_close, no_subgroup_matrix_reason, view_of
 from .test_matmul import BIAS_RELU, _operand
 
 TC_LIMITS = {"max_compute_workgroup_storage_size": 49152,
@@ -71,9 +71,9 @@ def test_workgroup_storage_fits_every_variant(variant):
 
 @pytest.fixture
 def tc_run(run, dev):
-    if SG_FEATURE not in dev.features:
-        pytest.skip(f"{dev.adapter_name} ({dev.implementation}) has no f16 subgroup matrices; "
-                    "these run on the GPU machine (Dawn on the H200)")
+    reason = no_subgroup_matrix_reason(dev)
+    if reason:
+        pytest.skip(reason)
     return run
 
 

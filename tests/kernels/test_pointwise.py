@@ -204,3 +204,33 @@ def test_deterministic_source(dev):
     a, b = codegen.emit(k, dev), codegen.emit(k, dev)
     assert a == b and a.wgsl == b.wgsl
     assert dev.pipeline(a) is dev.pipeline(b)  # cached by source
+
+
+def test_out_of_range_outputs_and_inputs_are_refused_by_name():
+    """A description naming an instr or input that does not exist is a CodegenError that says
+    which, never an IndexError (or, for index -1, silently the last instr)."""
+    one = [Strided.contiguous(f32, (4,))]
+    neg = [Instr("{0}", (("in", 0),), f32), Instr("({0} * 2.0)", (("t", 0),), f32)]
+    for outputs in ((-1,), (2,)):
+        with pytest.raises(CodegenError, match=f"output refers to instr {outputs[0]} of 2"):
+            codegen.emit(_pk((4,), one, neg, outputs=outputs))
+    k = _pk((4,), one, [Instr("({0} + {1})", (("in", 0), ("in", 1)), f32)])
+    with pytest.raises(CodegenError, match="reads input 1 of 1"):
+        codegen.emit(k)
+
+
+def test_output_larger_than_a_binding_is_refused():
+    """The output's binding is checked too: a broadcast input of 4 bytes fits a limit of 8,
+    the 16-byte output does not."""
+    k = _pk((4,), [Strided.contiguous(f32, (1,))], [Instr("{0}", (("in", 0),), f32)])
+    with pytest.raises(LimitError, match="output 0"):
+        codegen.emit(k, {"max_storage_buffer_binding_size": 8})
+
+
+def test_contiguous_input_at_an_offset(run, rng):
+    """An input walking like the output but starting at element 1 (x[1:]): indexed by the
+    thread id plus its offset."""
+    base = rng.standard_normal(9).astype(np.float32)
+    k = _pk((8,), [view_of(base, base[1:])], [Instr("({0} * 2.0)", (("in", 0),), f32)])
+    (y,) = run(k, [base], [((8,), f32)])
+    np.testing.assert_array_equal(y, base[1:] * 2)

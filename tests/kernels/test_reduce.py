@@ -302,3 +302,35 @@ def test_split_max_finds_a_single_peak_anywhere(run, dev):
         k = _plain((n,), (0,), "max")
         y, split = _run_split(run, dev, k, [x], [], ())
         assert split > 1 and float(y) == 7.0, pos
+
+
+def test_post_pass_after_an_epilogue_with_an_extra_input(run, rng):
+    """Extra (epilogue) inputs and post inputs side by side: each reads through its own
+    strides (w broadcast over the rows: stride 0 along the kept axis)."""
+    shape = (7, 50)
+    x = rng.standard_normal(shape).astype(np.float32)
+    b = rng.standard_normal(7).astype(np.float32)
+    w = rng.standard_normal(50).astype(np.float32)
+    full = Strided.contiguous(f32, shape)
+    desc = ReduceKernel(
+        shape, (1,), "sum", (full,), (),
+        (Instr("({0} / 50.0 + {1})", (("acc", 0), ("x", 0)), f32),),
+        (Strided.contiguous(f32, (7,)),),
+        post_inputs=(full, Strided(f32, shape, (0, 1), 0, 50)),
+        post=(Instr("(({0} - {1}) * {2})", (("in", 0), ("r", 0), ("in", 1)), f32),),
+        post_outputs=(0,),
+    )
+    r, y = run(desc, [x, b, x, w], [((7,), f32), (shape, f32)])
+    want = x.astype(np.float64).mean(1) + b
+    assert_close(r, want, 1e-5, 1e-6, what="mean + b")
+    assert_close(y, (x - r[:, None]) * w, 1e-5, 1e-6, what="post")
+
+
+def test_split_rule(dev):
+    """Split only when one dispatch has fewer than half the target workgroups, into
+    ceil(target / workgroups) chunks (at most one per min_chunk elements)."""
+    assert split_plan(_plain((200, 4096), (1,), "sum"), dev) is None  # 200 ≥ 256 / 2
+    partial, final, (tshape, tdt) = split_plan(_plain((3, 300_000), (1,), "sum"), dev)
+    assert partial.split == 86 and tshape == (86, 3) and tdt is f32  # ceil(256 / 3)
+    partial, _, _ = split_plan(_plain((3, 4096), (1,), "sum"), dev)
+    assert partial.split == 4  # 4096 // 1024 chunks, not 86

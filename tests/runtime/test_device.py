@@ -272,28 +272,73 @@ def test_emit_with_device_and_dispatch(dev):
 
 def test_auto_through_the_real_code_path():
     """``auto`` in a fresh process, no monkeypatching: Dawn when it imports and finds an adapter,
-    else wgpu-native — and a session compiled there trains.  (On lavapipe CI wgpudawn is not
-    installed, so this takes the real fallback path; on the H200 with the extra it gets Dawn.)"""
+    else wgpu-native; the device it reports is the machine's real Vulkan/Metal/D3D12 adapter
+    (on lavapipe CI: llvmpipe via Vulkan, a CPU, never the OpenGL llvmpipe wgpu also lists),
+    and a session compiled there trains.  (On lavapipe CI wgpudawn is not installed, so this
+    takes the real fallback path; on the H200 with the extra it gets Dawn.)"""
+    import json
     import subprocess
     import sys
 
     code = """
-import importlib.util, numpy as np, meganeura as mn
+import importlib.util, json, numpy as np, wgpu, meganeura as mn
 from meganeura.runtime.device import get_device
 dev = get_device("auto")
-has_dawn = importlib.util.find_spec("wgpudawn") is not None
+raw = [dict(a.info) for a in wgpu.gpu.enumerate_adapters_sync()]
 g = mn.Graph("t"); x = g.input("x", (4, 3)); w = g.param("w", (3, 2))
 loss = ((x @ w) ** 2.0).mean()
 s = mn.compile(g, loss=loss, optimizer=mn.optim.SGD(lr=0.1), backend="auto")
 s.set_params({"w": np.ones((3, 2), np.float32)})
 l0 = s.step(x=np.ones((4, 3), np.float32)).loss
 l1 = s.step(x=np.ones((4, 3), np.float32)).loss
-print(dev.implementation, has_dawn, s.dev is dev, l1 < l0)
+d = dev.describe()
+print(json.dumps({"dev": {k: d[k] for k in ("implementation", "backend_type", "adapter",
+                                          "adapter_type", "is_cpu")},
+                  "raw": [(i.get("device"), i.get("backend_type"), i.get("adapter_type"))
+                          for i in raw],
+                  "has_dawn": importlib.util.find_spec("wgpudawn") is not None,
+                  "same": s.dev is dev, "trained": bool(l1 < l0)}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    impl, has_dawn, same, trained = out.stdout.split()[-4:]
-    assert impl in ("dawn", "wgpu") and same == "True" and trained == "True"
-    if has_dawn == "False":
-        assert impl == "wgpu"
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    d = r["dev"]
+    assert d["implementation"] in ("dawn", "wgpu") and r["same"] and r["trained"], r
+    assert d["backend_type"] in ("Vulkan", "Metal", "D3D12"), d
+    if not r["has_dawn"]:
+        assert d["implementation"] == "wgpu"
+    if d["implementation"] == "wgpu":  # one of the adapters wgpu-native itself lists
+        good = [a for a in r["raw"] if a[1] in ("Vulkan", "Metal", "D3D12")]
+        assert [d["adapter"], d["backend_type"], d["adapter_type"]] in good, r
+    if "llvmpipe" in d["adapter"]:  # lavapipe: reported as a CPU adapter
+        assert d["is_cpu"] and d["adapter_type"] == "CPU", d
+
+
+def test_auto_without_any_vulkan_driver_says_so():
+    """With every Vulkan driver hidden (an ICD list naming no file), ``auto`` raises a
+    DeviceError that says no Vulkan/Metal/D3D12 adapter exists and how to install one; it never
+    falls back to OpenGL.  Fresh process: the device cache and the loader are per process."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+from meganeura.errors import DeviceError
+from meganeura.runtime.device import get_device
+try:
+    dev = get_device("auto")
+except DeviceError as e:
+    print("DeviceError:", e)
+else:
+    print("OPENED", dev.implementation, dev.backend_type, dev.adapter_name)
+"""
+    env = dict(os.environ, VK_DRIVER_FILES="/nonexistent/none.json",
+               VK_ICD_FILENAMES="/nonexistent/none.json")
+    env.pop("VK_ADD_DRIVER_FILES", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    msg = out.stdout.strip().splitlines()[-1]
+    assert msg.startswith("DeviceError:"), msg
+    assert "no Vulkan, Metal or D3D12 adapter" in msg and "mesa-vulkan-drivers" in msg, msg

@@ -1,0 +1,470 @@
+"""Mutation testing of the modules where a silent bug costs most (issue 18), with cosmic-ray.
+
+Each module is mutated in a private copy of the tree (never in the checkout you work in), one
+mutant at a time, and the narrow test file that owns the module runs against each mutant: a
+mutant the tests still pass on ("survived") is either a missing test or an equivalent mutant.
+
+  pip install -e ".[mutation]"            # cosmic-ray, pinned
+  nice -n 15 python bench/mutation.py run                     # all modules (hours on 2 cores)
+  nice -n 15 python bench/mutation.py run --modules checkpoint
+  nice -n 15 python bench/mutation.py retest    # after writing tests: rerun the survivors only
+  python bench/mutation.py report [--diffs]                   # counts + survivors (markdown)
+
+Sessions live in ``--workdir`` (default /tmp/mn-mutation); ``run`` resumes an unfinished one
+(delete the folder to start over, e.g. after changing the tests).  Not part of CI: too slow.
+
+Why a reduced operator set: cosmic-ray replaces each binary operator by all ten others and each
+comparison by all nine others; nearly all of those are killed by any test that runs the line
+and multiply the run time by ~5.  We keep one natural replacement per operator (the set mutmut
+uses: ``+``↔``-``, ``*``↔``/``, ``<``↔``<=``, ``==``↔``!=``, ``is``↔``is not`` …) and every other
+cosmic-ray operator (numbers ±1, ``and``↔``or``, ``not`` added/removed, ``True``↔``False``,
+break/continue, exceptions, zero-iteration loops, decorators removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CR_VERSION = "8.7.0"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module to mutate, the tests that own it, and (optionally) which code in it counts."""
+
+    name: str
+    module: str  # path from the repository root
+    tests: tuple[str, ...]
+    vjps_only: bool = False  # keep only mutants inside VJP code (ops/elementwise.py)
+    sample: int = 0  # run this many of the mutants, chosen at random (seeded); 0: all
+
+
+TARGETS = {
+    t.name: t
+    for t in (
+        Target("reduce", "src/meganeura/kernels/reduce.py", ("tests/kernels/test_reduce.py",),
+               sample=25),
+        Target("pointwise", "src/meganeura/kernels/pointwise.py",
+               ("tests/kernels/test_pointwise.py",)),
+        Target("checkpoint", "src/meganeura/checkpoint.py", ("tests/test_checkpoint.py",),
+               sample=40),
+        Target("elementwise_vjps", "src/meganeura/ops/elementwise.py",
+               ("tests/ops/test_elementwise.py",), vjps_only=True, sample=25),
+    )
+}
+
+# one replacement per operator (see the module docstring); everything else of these families
+# is filtered out before the run
+_KEEP_BINARY = ("Add_Sub", "Sub_Add", "Mul_Div", "Div_Mul", "FloorDiv_Div", "Mod_Div",
+                "Pow_Mul", "LShift_RShift", "RShift_LShift", "BitAnd_BitOr", "BitOr_BitAnd",
+                "BitXor_BitAnd")
+_KEEP_COMPARE = ("Eq_NotEq", "NotEq_Eq", "Lt_LtE", "LtE_Lt", "Gt_GtE", "GtE_Gt", "Is_IsNot",
+                 "IsNot_Is", "In_NotIn", "NotIn_In")
+_KEEP_UNARY = ("USub_UAdd", "UAdd_USub", "Delete_USub", "Delete_Not", "Delete_Invert")
+EXCLUDE_OPERATORS = (
+    rf"core/ReplaceBinaryOperator_(?!(?:{'|'.join(_KEEP_BINARY)})$)",
+    rf"core/ReplaceComparisonOperator_(?!(?:{'|'.join(_KEEP_COMPARE)})$)",
+    rf"core/ReplaceUnaryOperator_(?!(?:{'|'.join(_KEEP_UNARY)})$)",
+)
+
+# Survivors judged equivalent (no valid input tells them apart from the original): target,
+# operator and a piece of the mutated line (so line moves keep them valid), and why.
+EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
+    ("elementwise_vjps", "core/NumberReplacer", "c[ -1]",
+     "a one-output op gets one cotangent, so c[-1] is c[0]"),
+    ("elementwise_vjps", "core/NumberReplacer", "cos(n.inputs[ -1])",
+     "a unary op has one input, so inputs[-1] is inputs[0]"),
+    ("elementwise_vjps", "core/ReplaceAndWithOr", "src.is_float or n.out.dtype.is_float",
+     "autodiff only passes cotangents between float values, so a cast from or to an integer "
+     "type never has its VJP result used"),
+    ("reduce", "core/NumberReplacer", "kstr[1 + nu : 2 + nu + nx]",
+     "zip (strict=False) stops at len(used_x): the longer slice's extra entry is never read"),
+    ("reduce", "core/ReplaceFalseWithTrue", "kstr[1 + nu : 1 + nu + nx], strict=True",
+     "the slice has exactly len(used_x) entries"),
+    ("reduce", "core/NumberReplacer", "if unroll > 0:",
+     "with unroll = 1 the 'unrolled' loop is the plain loop (one accumulator, step TY), the "
+     "remainder loop then runs zero times and the combine is acc = acc"),
+    ("reduce", "core/NumberReplacer", "if split > 0:",
+     "with split = 1 every workgroup index is below owgs: cb = 0 (read only when split > 1) "
+     "and wo = wg, as in the other branch"),
+    ("reduce", "core/AddNot", "64 if not out_total >= 64",
+     "serial layout width only: each invocation folds one output alone (same order) and "
+     "invocations past the last output are masked, so results are bit-identical"),
+    ("reduce", "core/NumberReplacer", "max( 0, int(getattr(k, \"split\", 1) or 1))",
+     "`split or 1` is already >= 1 for every valid (non-negative) split"),
+    ("pointwise", "core/ReplaceFalseWithTrue", "zip(used, mstrides[1:], strict=True)",
+     "merge_dims returns one stride tuple per operand: the two always have equal length"),
+    ("pointwise", "core/NumberReplacer", "s.offset == -1 else",
+     "offsets are never negative; offset 0 then emits `i + 0u`, the same index"),
+    ("pointwise", "core/NumberReplacer", '"workgroup_storage": ',
+     "read only by the runtime's workgroup-storage limit check; 1 or -1 byte exceeds no "
+     "device's limit (WebGPU guarantees 16,384)"),
+)
+
+
+def _equivalent(target: str, op: str, diff: str) -> str | None:
+    added = [ln[1:] for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("++")]
+    for t, o, piece, why in EQUIVALENT:
+        if t == target and o == op and any(piece in ln for ln in added):
+            return why
+    return None
+
+
+def _config(t: Target, timeout: float, sock: Path) -> str:
+    """The cosmic-ray TOML for one target.  The test command asks the fork server (``serve``)
+    to run pytest in the tree copy: each mutant's run then pays only for importing meganeura
+    and opening the device, not for numpy/scipy/torch/wgpu (most of a run on a busy 2-core
+    machine)."""
+    tests = " ".join(t.tests)
+    cmd = (f"{sys.executable} {Path(__file__).resolve()} client --socket {sock} -- -q -x "
+           f"-p no:cacheprovider {tests}")
+    excl = ", ".join(f"'{e}'" for e in EXCLUDE_OPERATORS)
+    return (f'[cosmic-ray]\nmodule-path = "{t.module}"\ntimeout = {timeout}\n'
+            f'excluded-modules = []\ntest-command = "{cmd}"\n\n'
+            f'[cosmic-ray.distributor]\nname = "local"\n\n'
+            f"[cosmic-ray.filters.operators-filter]\nexclude-operators = [{excl}]\n")
+
+
+def _copy_tree(dest: Path) -> None:
+    """A private copy of what the tests import (mutations are written to disk)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("src", "tests"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+def vjp_spans(source: str) -> list[tuple[int, int, int, int]]:
+    """(line, col, end line, end col) of the VJP code of an op family module: the ``vjp``
+    argument (4th) of every ``_unary``/``_binary``/``defop`` registration, and the module's own
+    helper functions those reach by name (``_tie_mask``, ``_sum_to`` …), but not op builders
+    (``where``, ``exp`` …: their code is the forward, tested by the forward tests)."""
+    tree = ast.parse(source)
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    builders = {n.name for n in funcs.values()
+                if any("register_builder" in ast.unparse(d) for d in n.decorator_list)}
+    seen: set[str] = set()
+    spans: list[tuple[int, int, int, int]] = []
+
+    def add(node: ast.AST) -> None:
+        spans.append((node.lineno, node.col_offset, node.end_lineno, node.end_col_offset))
+        for sub in ast.walk(node):
+            if (isinstance(sub, ast.Name) and sub.id in funcs and sub.id not in builders
+                    and sub.id not in seen):
+                seen.add(sub.id)
+                add(funcs[sub.id])
+
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("_unary", "_binary", "defop") and len(node.args) > 3):
+            vjp = node.args[3]
+            if not (isinstance(vjp, ast.Constant) and vjp.value is None):
+                add(vjp)
+    return spans
+
+
+def _inside(pos: tuple[int, int], spans) -> bool:
+    return any((l0, c0) <= pos <= (l1, c1) for l0, c0, l1, c1 in spans)
+
+
+def _skip_outside_vjps(session: Path, module: Path) -> int:
+    """Mark every mutant outside the VJP code as skipped; returns how many remain."""
+    from cosmic_ray.work_db import use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    spans = vjp_spans(module.read_text())
+    with use_db(str(session)) as db:
+        skip = [w.job_id for w in db.pending_work_items
+                if not all(_inside(tuple(m.start_pos), spans) for m in w.mutations)]
+        if skip:
+            db.set_multiple_results(skip, WorkResult(output="outside VJP code",
+                                                     worker_outcome=WorkerOutcome.SKIPPED))
+        return sum(1 for _ in db.pending_work_items)
+
+
+def _skip_unsampled(session: Path, keep: int, seed: str) -> None:
+    """Run ``keep`` mutants in all, chosen at random among those not run yet (seeded by the
+    target's name); a uniform sample estimates the whole module's score."""
+    import random
+
+    from cosmic_ray.work_db import use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    with use_db(str(session)) as db:
+        pending = sorted(w.job_id for w in db.pending_work_items)
+        ran = sum(1 for _, r in db.results if r.worker_outcome != WorkerOutcome.SKIPPED)
+        keep = max(0, keep - ran)
+        if len(pending) <= keep:
+            return
+        kept = set(random.Random(seed).sample(pending, keep))
+        db.set_multiple_results([j for j in pending if j not in kept],
+                                WorkResult(output="not sampled",
+                                           worker_outcome=WorkerOutcome.SKIPPED))
+
+
+def _cr(*args: str, cwd: Path) -> None:
+    """Run one cosmic-ray command line tool from this interpreter's environment."""
+    exe = Path(sys.executable).parent / args[0]
+    subprocess.run([str(exe), *args[1:]], cwd=cwd, check=True)
+
+
+def _reset_survivors(tree: Path, session: Path) -> None:
+    """``retest``: take the current tests into the tree copy and run the survivors again
+    (after new tests were written for them)."""
+    import sqlite3
+
+    shutil.rmtree(tree / "tests")
+    shutil.copytree(ROOT / "tests", tree / "tests",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    with sqlite3.connect(session) as db:
+        db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
+
+
+def run_target(t: Target, workdir: Path, timeout: float, sample: int | None,
+               retest: bool = False) -> None:
+    """Initialise (once), filter, baseline and execute one target's session (resumable)."""
+    home = workdir / t.name
+    tree, cfg, session = home / "tree", home / "config.toml", home / "session.sqlite"
+    sock = home / "fork.sock"
+    fresh = not session.exists()
+    if fresh:
+        _copy_tree(tree)
+        shutil.copy2(tree / t.module, home / "original.py")  # the tree's copy gets mutated
+    else:  # an interrupted run may have left a mutant on disk
+        shutil.copy2(home / "original.py", tree / t.module)
+        if retest:
+            _reset_survivors(tree, session)
+    cfg.write_text(_config(t, timeout, sock))
+    server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "serve",
+                               "--socket", str(sock)])
+    try:
+        _wait_for_socket(sock, server)
+        if fresh:
+            _cr("cosmic-ray", "init", str(cfg), str(session), cwd=tree)
+            _cr("cr-filter-operators", str(session), str(cfg), cwd=tree)
+            if t.vjps_only:
+                _skip_outside_vjps(session, tree / t.module)
+            _cr("cosmic-ray", "baseline", str(cfg), cwd=tree)
+        keep = t.sample if sample is None else sample
+        if keep and not retest:
+            _skip_unsampled(session, keep, t.name)
+        start = time.time()
+        try:
+            _cr("cosmic-ray", "exec", str(cfg), str(session), cwd=tree)
+        finally:
+            (home / "exec_seconds").write_text(
+                str(time.time() - start + _float(home / "exec_seconds")))
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def _wait_for_socket(sock: Path, server: subprocess.Popen) -> None:
+    for _ in range(600):
+        if sock.exists():
+            return
+        if server.poll() is not None:
+            raise RuntimeError(f"fork server exited with {server.returncode}")
+        time.sleep(0.1)
+    raise RuntimeError(f"fork server did not create {sock}")
+
+
+# heavy third-party modules the tests import: loaded once by the fork server, never meganeura
+_PRELOAD = ("numpy", "scipy.special", "torch", "torch.nn.functional", "wgpu", "safetensors.numpy",
+            "hypothesis", "pytest")
+
+
+def serve(sock: Path) -> None:
+    """Fork server: one child per request runs ``pytest.main(args)`` in the request's folder,
+    importing meganeura (the mutant) fresh; the child is killed if the client goes away
+    (cosmic-ray's timeout kills the client)."""
+    import importlib
+
+    for name in _PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    if sock.exists():
+        sock.unlink()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(sock))
+    srv.listen(1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            conn, _ = srv.accept()
+            with conn:
+                req = json.loads(conn.makefile().readline())
+                pid = os.fork()
+                if pid == 0:
+                    srv.close()
+                    _child(req)
+                conn.sendall(f"{_await_child(pid, conn)}\n".encode())
+    finally:
+        sock.unlink(missing_ok=True)
+
+
+def _child(req: dict) -> None:
+    """In the forked child: run pytest in the tree copy and exit with its status."""
+    code = 4
+    try:
+        os.chdir(req["cwd"])
+        os.environ.update(req["env"])
+        sys.dont_write_bytecode = True
+        sys.path[:0] = [os.path.join(req["cwd"], "src"), req["cwd"]]
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        import pytest
+
+        code = int(pytest.main(req["args"]))
+    finally:
+        os._exit(code)
+
+
+def _await_child(pid: int, conn: socket.socket) -> int:
+    """The child's exit status; kills it when the client hangs up first (-9)."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        ready, _, _ = select.select([conn], [], [], 0.2)
+        if ready and not conn.recv(1):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return -9
+
+
+def client(sock: Path, args: list[str]) -> int:
+    """The test command cosmic-ray runs: forward the pytest arguments to the fork server."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("XDG_", "MEGANEURA_", "VK_"))}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+        c.connect(str(sock))
+        c.sendall((json.dumps({"cwd": os.getcwd(), "args": args, "env": env}) + "\n").encode())
+        reply = c.makefile().readline().strip()
+    code = int(reply) if reply else 1
+    return code if 0 <= code < 256 else 1
+
+
+def _float(p: Path) -> float:
+    return float(p.read_text()) if p.exists() else 0.0
+
+
+def summarize(t: Target, workdir: Path) -> tuple[dict, list[dict]]:
+    """Counts (killed, timeout, survived, equivalent, incompetent, pending, skipped) and the
+    survivors (line, operator, source line, equivalence reason or None) of one session."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    home = workdir / t.name
+    original = home / "original.py"
+    lines = (original if original.exists() else ROOT / t.module).read_text().splitlines()
+    counts = dict.fromkeys(("killed", "timeout", "survived", "equivalent", "incompetent",
+                            "pending", "skipped", "not sampled"), 0)
+    survivors = []
+    with use_db(str(home / "session.sqlite"), WorkDB.Mode.open) as db:
+        done = {job: r for job, r in db.results}
+        for item in db.work_items:
+            r = done.get(item.job_id)
+            m = item.mutations[0]
+            if r is None:
+                counts["pending"] += 1
+            elif r.worker_outcome == WorkerOutcome.SKIPPED:
+                counts["not sampled" if r.output == "not sampled" else "skipped"] += 1
+            elif r.test_outcome == TestOutcome.SURVIVED:
+                text = lines[m.start_pos[0] - 1].strip()
+                why = _equivalent(t.name, m.operator_name, r.diff or "")
+                counts["equivalent" if why else "survived"] += 1
+                survivors.append({"line": m.start_pos[0], "op": m.operator_name,
+                                  "occurrence": m.occurrence, "text": text, "why": why,
+                                  "diff": r.diff or ""})
+            elif r.test_outcome == TestOutcome.INCOMPETENT:
+                counts["incompetent"] += 1
+            elif (r.output or "").strip() == "timeout":
+                counts["timeout"] += 1
+            else:
+                counts["killed"] += 1
+    counts["seconds"] = round(_float(home / "exec_seconds"))
+    return counts, sorted(survivors, key=lambda s: (s["line"], s["op"]))
+
+
+def report(names, workdir: Path, diffs: bool) -> str:
+    """Markdown: one row of counts per target, then every survivor."""
+    out = ["| module | mutants (sampled of) | killed | timeout | survived | equivalent "
+           "| incompetent | score | pending | exec time |", "|---" * 10 + "|"]
+    tail = []
+    for name in names:
+        t = TARGETS[name]
+        if not (workdir / name / "session.sqlite").exists():
+            out.append(f"| {t.module} | not run |" + " |" * 8)
+            continue
+        c, surv = summarize(t, workdir)
+        ran = c["killed"] + c["timeout"] + c["survived"] + c["equivalent"] + c["incompetent"]
+        caught = c["killed"] + c["timeout"]
+        denom = caught + c["survived"]
+        score = f"{100 * caught / denom:.1f} %" if denom else "-"
+        of = f" of {ran + c['pending'] + c['not sampled']}" if c["not sampled"] else ""
+        out.append(f"| {t.module} | {ran}{of} | {c['killed']} | {c['timeout']} | {c['survived']} "
+                   f"| {c['equivalent']} | {c['incompetent']} | {score} | {c['pending']} "
+                   f"| {c['seconds'] / 60:.0f} min |")
+        for s in surv:
+            tag = f"equivalent: {s['why']}" if s["why"] else "SURVIVED"
+            tail.append(f"- {name}:{s['line']} `{s['op']}` #{s['occurrence']} ({tag}): "
+                        f"`{s['text']}`")
+            if diffs:
+                tail.append("```diff\n" + s["diff"].strip() + "\n```")
+    return "\n".join(out + ["", "Score = (killed + timeout) / (killed + timeout + survived); "
+                            "equivalent and incompetent mutants are left out.", ""] + tail)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=["run", "retest", "report", "serve", "client"])
+    ap.add_argument("--modules", default=",".join(TARGETS),
+                    help=f"comma-separated, of: {', '.join(TARGETS)}")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/mn-mutation"))
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant")
+    ap.add_argument("--sample", type=int, default=None,
+                    help="new sessions: run N random mutants per module (0: all; default: "
+                         "each module's own, see TARGETS)")
+    ap.add_argument("--diffs", action="store_true", help="report: show each survivor's diff")
+    ap.add_argument("--socket", type=Path, help="serve/client (internal): the fork server's socket")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["client"] and "--" in argv:  # client --socket S -- <pytest arguments>
+        cut = argv.index("--")
+        return client(ap.parse_args(argv[:cut]).socket, argv[cut + 1:])
+    a = ap.parse_args(argv)
+    if a.command == "serve":
+        serve(a.socket)
+        return 0
+    names = [n for n in a.modules.split(",") if n]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        ap.error(f"unknown module(s) {unknown}; choose from {sorted(TARGETS)}")
+    if a.command in ("run", "retest"):
+        os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp/mn-mutation-xdg")
+        os.makedirs(os.environ["XDG_RUNTIME_DIR"], mode=0o700, exist_ok=True)
+        for n in names:
+            run_target(TARGETS[n], a.workdir, a.timeout, a.sample, a.command == "retest")
+    print(report(names, a.workdir, a.diffs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
