@@ -82,3 +82,20 @@ def test_batch_norm_training_groups_its_gradient_sums(gpu):
         np.testing.assert_allclose(s.step(x=xs).loss, ref.step(x=xs).loss, rtol=1e-5)
     for name, v in ref.get_params().items():
         np.testing.assert_allclose(s.get_params()[name], v, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_medium_column_reduction_is_split(gpu):
+    """A column sum over 600 rows of 64 outputs (two workgroups unsplit) runs as partial and
+    final passes (COLUMN_MIN_CHUNK); a row sum of the same size stays one kernel."""
+    g = mn.Graph("col")
+    x = g.input("x", (600, 64))
+    outs = {"c": x.sum(axis=0) * 1.0, "r": x.T.sum(axis=0) * 1.0}
+    s = mn.compile(g, outputs=outs)
+    labels = s.kernel_labels(inference=True)
+    col = [lbl for lbl in labels if "->(64,)" in lbl]
+    row = [lbl for lbl in labels if "->(600,)" in lbl]
+    assert any("[partial]" in lbl for lbl in col) and not any("[" in lbl for lbl in row), labels
+    xs = np.random.default_rng(0).normal(size=(600, 64)).astype(np.float32)
+    got = s.run(x=xs)
+    np.testing.assert_allclose(got["c"], xs.astype(np.float64).sum(0), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(got["r"], xs.astype(np.float64).sum(1), rtol=1e-5, atol=1e-4)
