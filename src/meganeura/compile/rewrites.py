@@ -33,6 +33,10 @@ def rewrite_kernels(kernels: list[LoweredKernel], *, post_passes: bool, merges: 
     # in ResNet-50's inference plan the earlier-produced outputs raised the peak by 15%.)
     if merges:
         kernels = merge_adjacent(kernels, lambda a, b: merged(a, b, keep))
+    if post_passes:  # sibling reductions (same shape and axes): one dispatch (siblings.py)
+        from .siblings import group_sibling_reductions
+
+        kernels = group_sibling_reductions(kernels, updated)
     return kernels
 # Longest reduced extent whose elementwise pass runs in the reduction's workgroups: the pass
 # has only the reduction's parallelism (one workgroup per row for a norm over the hidden

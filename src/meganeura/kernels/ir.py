@@ -107,6 +107,37 @@ class ReduceKernel:
 
 
 @dataclass(frozen=True)
+class ReduceMember:
+    """One reduction of a ``MultiReduceKernel``: its ``kind``, ``prologue`` (instrs over the
+    shared ``("in", i)`` inputs; the value reduced is the last one), ``epilogue`` (over
+    ``("acc", 0)`` and the shared ``("x", i)`` extra inputs) and stored dtype, as in
+    ``ReduceKernel``."""
+
+    kind: str
+    prologue: tuple[Instr, ...]
+    epilogue: tuple[Instr, ...] = ()
+    out_dtype: DType | None = None
+
+
+@dataclass(frozen=True)
+class MultiReduceKernel:
+    """Several reductions of one iteration ``shape`` over the same ``axes`` in one dispatch
+    (sibling reductions: a norm's gradient sums ``sum(dy)``, ``sum(dy * x̂)``): each reduced
+    element's coordinates are computed and every input loaded once, then every member's
+    prologue folds it into its own accumulator.  ``split`` as in ``ReduceKernel`` (partial
+    mode: no epilogues, outputs ``(split, *out)`` in the accumulator dtype).  Bindings:
+    inputs, extra, then one contiguous output per member."""
+
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    inputs: tuple[Strided, ...]
+    members: tuple[ReduceMember, ...]
+    extra: tuple[Strided, ...] = ()
+    split: int = 1
+    name: str = "multi_reduce"
+
+
+@dataclass(frozen=True)
 class MatmulKernel:
     """C[b, m, n] = sum_k A[b, m, k] * B[b, k, n] (+ epilogue).  ``a`` and ``b`` are Strided
     views of rank 3 (batch, rows, cols) *after* transposes, so transposed operands are read in
