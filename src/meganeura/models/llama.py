@@ -253,38 +253,66 @@ def _last_logits(g: Graph, cfg: LlamaConfig, h: Value) -> Value:
     return lm_head(g, cfg, ops.squeeze(h[:, -1:], 1))  # (B, V)
 
 
+def _pad_mask(g: Graph, start: Value, kv_len: int) -> Value:
+    """Additive (B, 1, 1, kv_len) mask hiding each row's left padding: key j of row b is
+    visible only from ``start[b]`` (the row's first real token) on."""
+    kidx = g.const(np.arange(kv_len, dtype=np.int32)).reshape(1, kv_len)
+    visible = kidx >= ops.reshape(start, (start.shape[0], 1))
+    return ops.where(visible, 0.0, float("-inf")).reshape(start.shape[0], 1, 1, kv_len)
+
+
 def llama_prefill(cfg: LlamaConfig, batch: int, prompt_len: int, max_len: int,
-                  impl: str = "auto") -> LlamaGraph:
+                  impl: str = "auto", padded: bool = False) -> LlamaGraph:
     """Process a prompt (input ``ids`` (B, P)) from position 0: writes the KV cache rows 0..P-1
-    and returns the logits of the last position (B, V).  Run it with ``Session.step``."""
+    and returns the logits of the last position (B, V).  Run it with ``Session.step``.
+
+    ``padded``: prompts of different lengths, left-padded to P; input ``start`` (B,) i32 is
+    each row's first real token.  Row b's tokens get positions 0, 1, … from ``start[b]`` (as
+    HF derives them from the attention mask) and its padding is hidden from every query, so a
+    row's logits are those of its prompt alone."""
     if not 0 < prompt_len <= max_len:
         raise GraphBuildError(f"prompt_len {prompt_len} must be in 1..max_len ({max_len})")
     g = Graph("llama_prefill")
     ids = g.input("ids", (batch, prompt_len), dtype=i32)
     caches = _cache_states(g, cfg, batch, max_len)
-    rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(g, prompt_len)
+    mask = None
+    if padded:
+        start = g.input("start", (batch,), dtype=i32)
+        steps = g.const(np.arange(prompt_len, dtype=np.int32)).reshape(1, 1, prompt_len)
+        positions = steps - ops.reshape(start, (batch, 1, 1))  # (B, 1, P); < 0 on padding
+        rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(g, positions)
+        mask = _pad_mask(g, start, prompt_len)
+    else:
+        rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(g, prompt_len)
 
     def attend(i, q, k, v):
         ck, cv = caches[i]
         g.set_update(f"cache.{i}.k", _write(ck, k, 0, impl))
         g.set_update(f"cache.{i}.v", _write(cv, v, 0, impl))
-        return _attn(cfg, i, impl).attend(q, k, v, causal=True)
+        return _attn(cfg, i, impl).attend(q, k, v, causal=True, mask=mask)
 
     h = decoder(g, cfg, ids, rope, attend, impl, fuse=False)  # memory-bound: no weight copies
     return LlamaGraph(g, ids, _last_logits(g, cfg, h), config=cfg)
 
 
 def llama_decode(cfg: LlamaConfig, batch: int, max_len: int,
-                 impl: str = "auto") -> LlamaGraph:
+                 impl: str = "auto", padded: bool = False) -> LlamaGraph:
     """One decode step: input ``ids`` (B, 1) at position ``pos`` (i32 scalar input) attends to
-    cache rows 0..pos (the new token's K/V written at ``pos`` first); returns logits (B, V)."""
+    cache rows 0..pos (the new token's K/V written at ``pos`` first); returns logits (B, V).
+
+    ``padded``: after a padded prefill (see :func:`llama_prefill`); input ``start`` (B,) i32,
+    row b's token sits at position ``pos - start[b]`` and never sees cache rows < start[b]."""
     g = Graph("llama_decode")
     ids = g.input("ids", (batch, 1), dtype=i32)
     pos = g.input("pos", (), dtype=i32)
     caches = _cache_states(g, cfg, batch, max_len)
-    rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(g, ops.reshape(pos, (1,)))
+    start = g.input("start", (batch,), dtype=i32) if padded else None
+    positions = ops.reshape(pos - start, (batch, 1, 1)) if padded else ops.reshape(pos, (1,))
+    rope = RoPE(cfg.head_dim, cfg.rope_theta).tables(g, positions)
     kidx = g.const(np.arange(max_len, dtype=np.int32))
     mask = ops.where(kidx <= pos, 0.0, float("-inf")).reshape(1, 1, 1, max_len)
+    if padded:
+        mask = mask + _pad_mask(g, start, max_len)
 
     def attend(i, q, k, v):
         ck, cv = caches[i]
