@@ -104,3 +104,52 @@ def test_generate_batch_stops_rows_at_eos():
     for r, f in zip(rows, free):
         k = int(np.argmax(f == eos)) + 1 if eos in f else len(f)
         assert r.tolist() == f[:k].tolist()
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    pytest.importorskip("gguf")
+    from meganeura.init import init_leaves
+    from meganeura.models.llama import llama_lm
+    from tests.io.gguf_util import VOCAB, write_tiny_llama
+
+    cfg = tiny_llama(vocab_size=len(VOCAB), max_position_embeddings=64)
+    sd = init_leaves(llama_lm(cfg, 1, 2, loss=False).graph, 0)
+    sd["model.embed_tokens.weight"] = np.random.default_rng(0).normal(
+        0, 1.0, sd["model.embed_tokens.weight"].shape)
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_llama(path, sd, cfg)
+    return str(path)
+
+
+def test_cli_generates_several_prompts_as_one_batch(tiny_gguf, tmp_path, capsys):
+    from meganeura.cli import main
+    from meganeura.io.gguf import load_gguf
+
+    texts = ["abc ab", "a", "ab abc a b"]
+    (tmp_path / "p.txt").write_text(texts[2] + "\n\n")
+    rc = main(["generate", tiny_gguf, *texts[:2], "--prompts-file", str(tmp_path / "p.txt"),
+               "--max-new-tokens", "5", "--backend", "reference"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "3 prompt(s)" in err and "tokens/s (all rows)" in err
+    m = load_gguf(tiny_gguf)
+    tok = m.tokenizer
+    for b, text in enumerate(texts):  # each answer = that prompt generated alone
+        ids = tok.encode(text)
+        gen = LlamaGenerator(m.config, m.params, max_len=len(ids) + 5, backend="reference")
+        new = gen.generate(np.array([ids]), 5, eos_token_id=tok.eos_id)[0, len(ids):]
+        assert f"--- [{b}] {tok.decode([int(t) for t in new])}\n" in out, (b, out)
+
+
+def test_cli_without_prompts_or_with_a_missing_file_is_one_line(tiny_gguf, tmp_path, capsys):
+    from tests.test_cli import _fails
+
+    _, line = _fails(["generate", tiny_gguf, "--backend", "reference"], capsys)
+    assert "no prompt" in line
+    _, line = _fails(["generate", tiny_gguf, "--prompts-file", str(tmp_path / "no.txt"),
+                      "--backend", "reference"], capsys)
+    assert "--prompts-file" in line and "no.txt" in line

@@ -495,56 +495,91 @@ def _load_lm(path: str):
     return m.config, m.params, m.tokenizer
 
 
-def _prompt_ids(tok, args) -> list[int]:
-    text = args.prompt
-    if tok.chat_template and not args.raw:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+def _prompt_texts(args) -> list[str]:
+    """The prompts: the positional ones, then one per non-blank line of --prompts-file."""
+    texts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                texts += [line for line in f.read().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(f"--prompts-file {args.prompts_file!r}: "
+                           f"{getattr(e, 'strerror', None) or e}") from None
+    if not texts:
+        raise CLIError("no prompt: give one or more prompts, or --prompts-file FILE")
+    return texts
+
+
+def _prompt_ids(tok, text: str, raw: bool) -> list[int]:
+    if tok.chat_template and not raw:
+        text = tok.apply_chat_template([{"role": "user", "content": text}])
     ids = tok.encode(text)
     if not ids:
-        raise CLIError("the prompt is empty after tokenization")
+        raise CLIError(f"the prompt {text!r} is empty after tokenization")
     return ids
 
 
 def cmd_generate(args) -> int:
-    """Stream a completion of the prompt: prefill once, then one KV-cache decode step per
-    token; text goes to stdout, timings (time to first token, tokens/s) to stderr."""
-    from .generate import LlamaGenerator
+    """Complete the prompts: prefill once, then one KV-cache decode step per token.  One
+    prompt streams its text; several run as one batch (left-padded, each row as if alone)
+    and print each answer.  Text goes to stdout, timings (time to first token, tokens/s) to
+    stderr."""
+    from .generate import LlamaGenerator, left_pad
 
     _open_backend(args.backend)
+    texts = _prompt_texts(args)
     t0 = time.perf_counter()
     cfg, params, tok = _load_lm(args.model)
     if args.checkpoint:
         from .finetune import load_finetuned
 
         params = load_finetuned(args.checkpoint, params)
-    ids = _prompt_ids(tok, args)
-    max_len = len(ids) + args.max_new_tokens
+    prompts = [_prompt_ids(tok, t, args.raw) for t in texts]
+    max_len = max(map(len, prompts)) + args.max_new_tokens
     if max_len > cfg.max_position_embeddings:
-        raise CLIError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} "
-                       f"exceed the model's context of {cfg.max_position_embeddings}")
-    gen = LlamaGenerator(cfg, params, max_len=max_len, backend=args.backend)
-    gen.prefill_session(len(ids))  # compile now, so the timings below are generation only
+        raise CLIError(f"prompt ({max(map(len, prompts))} tokens) + --max-new-tokens "
+                       f"{args.max_new_tokens} exceed the model's context of "
+                       f"{cfg.max_position_embeddings}")
+    gen = LlamaGenerator(cfg, params, batch=len(prompts), max_len=max_len, backend=args.backend)
+    pad = tok.pad_id if tok.pad_id is not None else (tok.eos_id or 0)
+    ids, start = left_pad(prompts, pad)
+    gen.prefill_session(ids.shape[1], bool(start.any()))  # compile now: timings = generation
     t_load = time.perf_counter() - t0
-    out: list[int] = []
-    shown = ""
+    rows, timing = _stream_rows(gen, tok, ids, start, args)
+    n = sum(len(r) for r in rows)
+    print(f"[{len(prompts)} prompt(s), {int((ids.shape[1] - start).sum())} prompt tokens, {n} "
+          f"generated; load+compile {t_load:.1f} s; {timing}]", file=sys.stderr)
+    return 0
+
+
+def _stream_rows(gen, tok, ids, start, args) -> tuple[list[list[int]], str]:
+    """Run the generation; a single row's text is written as it comes, several rows' answers
+    once done.  Returns the new tokens of each row (up to its end-of-text) and a timing line."""
+    rows: list[list[int]] = [[] for _ in range(len(ids))]
+    done = np.zeros(len(ids), dtype=bool)
+    shown, t_first, steps = "", None, 0
     t1 = time.perf_counter()
-    t_first = None
-    for t in gen.stream(np.array([ids]), args.max_new_tokens, args.temperature, args.top_k,
-                        args.seed, tok.eos_id, args.top_p):
+    for t in gen.stream(ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                        tok.eos_id, args.top_p, start=start):
         t_first = t_first or time.perf_counter() - t1
-        out.append(int(t[0]))
-        text = tok.decode(out)
-        if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 character
+        steps += 1
+        for b in np.flatnonzero(~done):
+            rows[b].append(int(t[b]))
+        done |= t == tok.eos_id
+        text = tok.decode(rows[0])
+        if len(rows) == 1 and not text.endswith("\ufffd"):  # hold back a partial character
             sys.stdout.write(text[len(shown):])
             sys.stdout.flush()
             shown = text
     total = time.perf_counter() - t1
-    rest = len(out) - 1
-    rate = f"{rest / (total - t_first):.1f} tokens/s" if rest and total > t_first else "n/a"
-    sys.stdout.write("\n")
-    print(f"[{len(ids)} prompt tokens, {len(out)} generated; load+compile {t_load:.1f} s; "
-          f"time to first token {t_first * 1e3:.0f} ms; decode {rate}]", file=sys.stderr)
-    return 0
+    if len(rows) == 1:
+        sys.stdout.write("\n")
+    else:
+        for b, r in enumerate(rows):
+            print(f"--- [{b}] {tok.decode(r)}")
+    rate = (f"{(steps - 1) * len(rows) / (total - t_first):.1f} tokens/s (all rows)"
+            if steps > 1 and total > t_first else "n/a")
+    return rows, f"time to first token {t_first * 1e3:.0f} ms; decode {rate}"
 
 
 def _finetune_data(args, tok, cfg):
@@ -741,8 +776,10 @@ def _add_model_commands(sub) -> None:
                         formatter_class=_HelpFormatter)
     pg.add_argument("model", help="a .gguf file or an HF folder (config.json, safetensors, "
                     "tokenizer.json)")
-    pg.add_argument("prompt", help="the prompt (wrapped in the model's chat template "
-                    "unless --raw)")
+    pg.add_argument("prompt", nargs="*", help="the prompt(s) (each wrapped in the model's chat "
+                    "template unless --raw); several run as one batch")
+    pg.add_argument("--prompts-file", default=None,
+                    help="more prompts, one per line (all run as one batch)")
     pg.add_argument("--max-new-tokens", type=_positive_int, default=64,
                     help="tokens to generate at most (stops at the end-of-text token)")
     pg.add_argument("--temperature", type=_float_at_least(0.0, True), default=0.0,
