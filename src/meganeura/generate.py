@@ -10,6 +10,10 @@ Both are graphs whose only updates are the cache states (``Graph.set_update``) a
 ``Session.step`` runs them once and applies the updates, so the cache never leaves the GPU and
 the prefix is never recomputed.  Sampling (greedy, temperature, top-k) runs on the host from
 the returned logits (B, vocab): greedy, temperature, top-k, top-p.
+
+Prompts of different lengths in one batch are left-padded (:func:`left_pad`) and run through
+the padded variants of both graphs (input ``start`` (B,): per-row positions and a padding
+mask), so every row generates what its prompt alone would (:meth:`LlamaGenerator.generate_batch`).
 """
 
 from __future__ import annotations
