@@ -158,3 +158,56 @@ def test_bad_data_files_give_one_line_errors(tiny_gguf, data, tmp_path, capsys):
     _, line = _fails(["generate", tiny_gguf, "a", "--checkpoint", str(tmp_path / "no.st"),
                       "--backend", "reference"], capsys)
     assert "does not exist" in line
+
+
+def _run(tiny_gguf, data, out, backend, capsys, *extra):
+    rc = main(["finetune", tiny_gguf, "--data", data, "--epochs", "2", "--lr", "1e-2",
+               "--batch-size", "4", "--seq-len", "16", "--out", str(out), "--backend", backend,
+               "--quiet", *extra])
+    text, err = capsys.readouterr()
+    assert rc == 0, err
+    return text
+
+
+@pytest.mark.parametrize("backend", ["reference", "wgpu"])
+def test_resumed_finetune_equals_the_uninterrupted_run(tiny_gguf, data, tmp_path, backend,
+                                                       capsys, request):
+    """4 steps (2 epochs of 2) in one go == 1 step, resume, 2 steps (across the epoch
+    boundary), resume, 1 step: parameters, AdamW moments, step (the LR schedule's position),
+    loss history and data order all continue exactly."""
+    if backend == "wgpu":
+        request.getfixturevalue("gpu")
+    _run(tiny_gguf, data, tmp_path / "a", backend, capsys)
+    b = tmp_path / "b"
+    state = str(b / "finetune-state.safetensors")
+    assert "continue with --resume" in _run(tiny_gguf, data, b, backend, capsys,
+                                            "--stop-after", "1")
+    _run(tiny_gguf, data, b, backend, capsys, "--resume", state, "--stop-after", "2")
+    assert read_checkpoint(state)[1]["cli.epoch"] == "1"
+    assert "(last epoch)" in _run(tiny_gguf, data, b, backend, capsys, "--resume", state)
+    for name in ("finetune-state.safetensors", "finetuned.safetensors"):
+        want, wmeta = read_checkpoint(tmp_path / "a" / name)
+        got, gmeta = read_checkpoint(b / name)
+        assert set(got) == set(want) and gmeta["step"] == wmeta["step"] == "4", name
+        for k, v in want.items():
+            np.testing.assert_array_equal(got[k], v, err_msg=f"{name}: {k}")
+    full, meta = read_checkpoint(b / "finetune-state.safetensors")
+    assert json.loads(meta["cli.losses"]) == json.loads(
+        read_checkpoint(tmp_path / "a" / "finetune-state.safetensors")[1]["cli.losses"])
+    assert len(json.loads(meta["cli.losses"])) == 4
+    extra = set(full) - set(load_gguf(tiny_gguf).params)
+    assert "optim.step" in extra and len(extra) > 1  # the optimizer's moments too
+
+
+def test_resume_refuses_other_settings_and_missing_files(tiny_gguf, data, tmp_path, capsys):
+    _run(tiny_gguf, data, tmp_path, "reference", capsys, "--stop-after", "1")
+    state = str(tmp_path / "finetune-state.safetensors")
+    base = ["finetune", tiny_gguf, "--data", data, "--batch-size", "4", "--seq-len", "16",
+            "--backend", "reference", "--out", str(tmp_path), "--quiet", "--epochs", "2",
+            "--lr", "1e-2"]
+    _, line = _fails(base[:-1] + ["3e-2", "--resume", state], capsys)
+    assert "comes from a run with --lr 0.01" in line
+    _, line = _fails(base + ["--resume", str(tmp_path / "nope.safetensors")], capsys)
+    assert "no checkpoint" in line and "finetune-state.safetensors" in line
+    _, line = _fails(base + ["--resume", str(tmp_path / "finetuned.safetensors")], capsys)
+    assert "was not written by 'meganeura finetune'" in line

@@ -185,11 +185,13 @@ function checkWeights(manifest, tensors, base) {
   const needed = new Set(manifest.program.persistent);
   for (const [n, leaf] of Object.entries(manifest.leaves)) if (leaf.kind === "constant") needed.add(n);
   const out = {};
+  const halves = new Set(manifest.program.stored_f16 ?? []);
   for (const name of needed) {
     const leaf = manifest.leaves[name];
-    const t = tensors[name];
+    let t = tensors[name];
     const where = `artifact ${base}: weights.safetensors`;
     if (!t) throw new ArtifactError(`${where} lacks '${name}' (${fmtType(leaf)})`);
+    if (halves.has(name) && leaf.dtype === "f32" && t.dtype === "F16") t = halvesToF32(t);
     const dt = DTYPES[leaf.dtype];
     const sameShape = squeeze(t.shape) === squeeze(leaf.shape); // scalars may be saved as [1]
     if (t.dtype !== dt.st || !sameShape || t.bytes.byteLength !== product(leaf.shape) * dt.bytes) {
@@ -199,6 +201,21 @@ function checkWeights(manifest, tensors, base) {
     out[name] = t.bytes;
   }
   return out;
+}
+
+/** An f16-stored parameter (export with weights="f16") as the f32 tensor the program reads:
+ *  the download is halved, the GPU program and its results stay those of the f32 export. */
+function halvesToF32(t) {
+  const n = t.bytes.byteLength >> 1;
+  const h = new DataView(t.bytes.buffer, t.bytes.byteOffset, t.bytes.byteLength);
+  const f = new Float32Array(n);
+  for (let i = 0; i < n; i++) {
+    const v = h.getUint16(2 * i, true);
+    const sign = v & 0x8000 ? -1 : 1, e = (v >> 10) & 0x1f, m = v & 0x3ff;
+    f[i] = sign * (e === 0 ? m * 2 ** -24 : e === 31 ? (m ? NaN : Infinity)
+                                                     : (1 + m / 1024) * 2 ** (e - 15));
+  }
+  return { dtype: "F32", shape: t.shape, bytes: new Uint8Array(f.buffer) };
 }
 
 // ------------------------------------------------------------------------------- device

@@ -220,8 +220,9 @@ class _Run:
     """Progress of a training run: completed epochs, batches done in the next epoch, the loss
     of every step; stored in the checkpoint's metadata so ``--resume`` continues exactly."""
 
-    def __init__(self, args):
-        self.config = {k: getattr(args, k) for k in CKPT_KEYS}
+    def __init__(self, args, config: dict | None = None, command: str = "train"):
+        self.config = config if config is not None else {k: getattr(args, k) for k in CKPT_KEYS}
+        self.command = command
         self.epoch, self.batch, self.losses = 0, 0, []
 
     def metadata(self) -> dict[str, str]:
@@ -236,8 +237,9 @@ class _Run:
             epoch, batch = int(meta["cli.epoch"]), int(meta["cli.batch"])
             losses = [float(x) for x in json.loads(meta["cli.losses"])]
         except (KeyError, ValueError, TypeError):
-            raise CLIError(f"--resume: {path!r} was not written by 'meganeura train'") from None
-        diff = [f"--{k.replace('_', '-')} {config.get(k)!r}" for k in CKPT_KEYS
+            raise CLIError(f"--resume: {path!r} was not written by 'meganeura "
+                           f"{self.command}'") from None
+        diff = [f"--{k.replace('_', '-')} {config.get(k)!r}" for k in self.config
                 if config.get(k) != self.config[k]]
         if diff:
             raise CLIError(f"--resume: {path!r} comes from a run with " + ", ".join(diff)
@@ -316,8 +318,10 @@ def _resume(sess, ckpt: str, run: _Run) -> None:
     from .checkpoint import read_metadata
 
     if not os.path.exists(ckpt):
+        hint = ("point --out at the run's directory" if run.command == "train"
+                else "give the finetune-state.safetensors an earlier run saved")
         raise CLIError(f"--resume: no checkpoint {ckpt!r} to resume from (run without "
-                       "--resume first, or point --out at the run's directory)")
+                       f"--resume first, or {hint})")
     run.restore(read_metadata(ckpt), ckpt)
     sess.load(ckpt)
     print(f"resuming from {ckpt}: epoch {run.epoch}/{run.config['epochs']}, "
@@ -549,56 +553,91 @@ def _load_lm(path: str):
     return m.config, m.params, m.tokenizer
 
 
-def _prompt_ids(tok, args) -> list[int]:
-    text = args.prompt
-    if tok.chat_template and not args.raw:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+def _prompt_texts(args) -> list[str]:
+    """The prompts: the positional ones, then one per non-blank line of --prompts-file."""
+    texts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                texts += [line for line in f.read().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(f"--prompts-file {args.prompts_file!r}: "
+                           f"{getattr(e, 'strerror', None) or e}") from None
+    if not texts:
+        raise CLIError("no prompt: give one or more prompts, or --prompts-file FILE")
+    return texts
+
+
+def _prompt_ids(tok, text: str, raw: bool) -> list[int]:
+    if tok.chat_template and not raw:
+        text = tok.apply_chat_template([{"role": "user", "content": text}])
     ids = tok.encode(text)
     if not ids:
-        raise CLIError("the prompt is empty after tokenization")
+        raise CLIError(f"the prompt {text!r} is empty after tokenization")
     return ids
 
 
 def cmd_generate(args) -> int:
-    """Stream a completion of the prompt: prefill once, then one KV-cache decode step per
-    token; text goes to stdout, timings (time to first token, tokens/s) to stderr."""
-    from .generate import LlamaGenerator
+    """Complete the prompts: prefill once, then one KV-cache decode step per token.  One
+    prompt streams its text; several run as one batch (left-padded, each row as if alone)
+    and print each answer.  Text goes to stdout, timings (time to first token, tokens/s) to
+    stderr."""
+    from .generate import LlamaGenerator, left_pad
 
     _open_backend(args.backend)
+    texts = _prompt_texts(args)
     t0 = time.perf_counter()
     cfg, params, tok = _load_lm(args.model)
     if args.checkpoint:
         from .finetune import load_finetuned
 
         params = load_finetuned(args.checkpoint, params)
-    ids = _prompt_ids(tok, args)
-    max_len = len(ids) + args.max_new_tokens
+    prompts = [_prompt_ids(tok, t, args.raw) for t in texts]
+    max_len = max(map(len, prompts)) + args.max_new_tokens
     if max_len > cfg.max_position_embeddings:
-        raise CLIError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} "
-                       f"exceed the model's context of {cfg.max_position_embeddings}")
-    gen = LlamaGenerator(cfg, params, max_len=max_len, backend=args.backend)
-    gen.prefill_session(len(ids))  # compile now, so the timings below are generation only
+        raise CLIError(f"prompt ({max(map(len, prompts))} tokens) + --max-new-tokens "
+                       f"{args.max_new_tokens} exceed the model's context of "
+                       f"{cfg.max_position_embeddings}")
+    gen = LlamaGenerator(cfg, params, batch=len(prompts), max_len=max_len, backend=args.backend)
+    pad = tok.pad_id if tok.pad_id is not None else (tok.eos_id or 0)
+    ids, start = left_pad(prompts, pad)
+    gen.prefill_session(ids.shape[1], bool(start.any()))  # compile now: timings = generation
     t_load = time.perf_counter() - t0
-    out: list[int] = []
-    shown = ""
+    rows, timing = _stream_rows(gen, tok, ids, start, args)
+    n = sum(len(r) for r in rows)
+    print(f"[{len(prompts)} prompt(s), {int((ids.shape[1] - start).sum())} prompt tokens, {n} "
+          f"generated; load+compile {t_load:.1f} s; {timing}]", file=sys.stderr)
+    return 0
+
+
+def _stream_rows(gen, tok, ids, start, args) -> tuple[list[list[int]], str]:
+    """Run the generation; a single row's text is written as it comes, several rows' answers
+    once done.  Returns the new tokens of each row (up to its end-of-text) and a timing line."""
+    rows: list[list[int]] = [[] for _ in range(len(ids))]
+    done = np.zeros(len(ids), dtype=bool)
+    shown, t_first, steps = "", None, 0
     t1 = time.perf_counter()
-    t_first = None
-    for t in gen.stream(np.array([ids]), args.max_new_tokens, args.temperature, args.top_k,
-                        args.seed, tok.eos_id, args.top_p):
+    for t in gen.stream(ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                        tok.eos_id, args.top_p, start=start):
         t_first = t_first or time.perf_counter() - t1
-        out.append(int(t[0]))
-        text = tok.decode(out)
-        if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 character
+        steps += 1
+        for b in np.flatnonzero(~done):
+            rows[b].append(int(t[b]))
+        done |= t == tok.eos_id
+        text = tok.decode(rows[0])
+        if len(rows) == 1 and not text.endswith("\ufffd"):  # hold back a partial character
             sys.stdout.write(text[len(shown):])
             sys.stdout.flush()
             shown = text
     total = time.perf_counter() - t1
-    rest = len(out) - 1
-    rate = f"{rest / (total - t_first):.1f} tokens/s" if rest and total > t_first else "n/a"
-    sys.stdout.write("\n")
-    print(f"[{len(ids)} prompt tokens, {len(out)} generated; load+compile {t_load:.1f} s; "
-          f"time to first token {t_first * 1e3:.0f} ms; decode {rate}]", file=sys.stderr)
-    return 0
+    if len(rows) == 1:
+        sys.stdout.write("\n")
+    else:
+        for b, r in enumerate(rows):
+            print(f"--- [{b}] {tok.decode(r)}")
+    rate = (f"{(steps - 1) * len(rows) / (total - t_first):.1f} tokens/s (all rows)"
+            if steps > 1 and total > t_first else "n/a")
+    return rows, f"time to first token {t_first * 1e3:.0f} ms; decode {rate}"
 
 
 def _finetune_data(args, tok, cfg):
@@ -620,39 +659,71 @@ def _finetune_data(args, tok, cfg):
     return ids, labels
 
 
-def _finetune_epochs(sess, ids, labels, args, ckpt: str) -> list[float]:
-    """AdamW over shuffled batches; the bar shows the loss and tokens/s (all batch x seq-len
-    positions, padding included: what the device computes);
-    the parameters are saved atomically after every epoch, so a crash loses one epoch."""
-    from tqdm import tqdm
+FINETUNE_KEYS = ("model", "data", "epochs", "batch_size", "seq_len", "lr", "weight_decay",
+                 "seed")
 
+
+def _finetune_run(args) -> _Run:
+    """The run's progress, keyed by the settings a resumed run must share (files by their
+    absolute path, so a resume from another directory is the same run)."""
+    config = {k: getattr(args, k) for k in FINETUNE_KEYS}
+    config["model"], config["data"] = os.path.abspath(args.model), os.path.abspath(args.data)
+    return _Run(args, config, command="finetune")
+
+
+def _finetune_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The shuffled example order of one epoch: a function of (seed, epoch) alone, so a
+    resumed run sees exactly the batches the uninterrupted run would have."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def _finetune_save(sess, args, run: _Run, state: str) -> None:
+    """The parameters for ``generate --checkpoint`` (HF names) and the full training state
+    (optimizer moments, step, progress) for ``--resume``; both atomic."""
     from .checkpoint import save_checkpoint
 
+    save_checkpoint(os.path.join(args.out, "finetuned.safetensors"), sess.get_params(),
+                    sess.program.model_fingerprint, sess.step_count,
+                    extra={"finetune.epoch": str(run.epoch),
+                           "finetune.model": os.path.abspath(args.model)})
+    save_checkpoint(state, sess.get_state(), sess.program.model_fingerprint, sess.step_count,
+                    extra=run.metadata())
+
+
+def _finetune_epochs(sess, ids, labels, args, run: _Run, state: str, stop) -> bool:
+    """AdamW over shuffled batches from ``run``'s position; the bar shows the loss and
+    tokens/s (all batch x seq-len positions, padding included: what the device computes).
+    Saves after every epoch, and when ``--stop-after`` steps are done or a signal arrives
+    (then returns False)."""
+    from tqdm import tqdm
+
     per_epoch = len(ids) // args.batch_size
-    rng = np.random.default_rng(args.seed)
-    losses: list[float] = []
-    t0, tokens = time.perf_counter(), 0
-    with tqdm(total=per_epoch * args.epochs, desc="finetune", unit="step",
-              disable=args.quiet) as bar:
-        for epoch in range(1, args.epochs + 1):
-            order = rng.permutation(len(ids))
-            for b in range(per_epoch):
-                sel = order[b * args.batch_size:(b + 1) * args.batch_size]
-                losses.append(sess.step(ids=ids[sel], labels=labels[sel]).loss)
+    t0, tokens, steps = time.perf_counter(), 0, 0
+    with tqdm(total=per_epoch * args.epochs, initial=run.epoch * per_epoch + run.batch,
+              desc="finetune", unit="step", disable=args.quiet) as bar:
+        while run.epoch < args.epochs:
+            order = _finetune_order(args.seed, run.epoch, len(ids))
+            while run.batch < per_epoch:
+                sel = order[run.batch * args.batch_size:(run.batch + 1) * args.batch_size]
+                run.losses.append(sess.step(ids=ids[sel], labels=labels[sel]).loss)
+                run.batch, steps = run.batch + 1, steps + 1
                 tokens += sel.size * args.seq_len
-                bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}",
+                bar.set_postfix(epoch=run.epoch + 1, loss=f"{run.losses[-1]:.4f}",
                                 tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
                 bar.update(1)
-            save_checkpoint(ckpt, sess.get_params(), sess.program.model_fingerprint,
-                            sess.step_count, extra={"finetune.epoch": str(epoch),
-                                                    "finetune.model": os.path.abspath(args.model)})
-    return losses
+                if stop.signum is not None or steps == args.stop_after:
+                    _finetune_save(sess, args, run, state)
+                    return False
+            run.epoch, run.batch = run.epoch + 1, 0
+            _finetune_save(sess, args, run, state)
+    return True
 
 
 def cmd_finetune(args) -> int:
     """Fine-tune a GGUF file or HF llama folder on prompt/response pairs (JSON lines): chat
-    template around each pair, loss on the response tokens only, AdamW, a checkpoint (HF
-    parameter names, atomic) after every epoch that ``generate --checkpoint`` loads."""
+    template around each pair, loss on the response tokens only, AdamW; after every epoch the
+    parameters (HF names, for ``generate --checkpoint``) and the full training state (for
+    ``--resume``) are saved atomically."""
     from .finetune import build_session
 
     _prepare_out(args.out)
@@ -660,18 +731,28 @@ def cmd_finetune(args) -> int:
     t0 = time.perf_counter()
     cfg, params, tok = _load_lm(args.model)
     ids, labels = _finetune_data(args, tok, cfg)
-    steps = len(ids) // args.batch_size * args.epochs
-    sess = build_session(cfg, params, args.batch_size, args.seq_len, _optimizer(args, steps),
-                         args.backend)
+    per_epoch = len(ids) // args.batch_size
+    sess = build_session(cfg, params, args.batch_size, args.seq_len,
+                         _optimizer(args, per_epoch * args.epochs), args.backend)
     print(f"model {args.model}: {cfg.n_params} parameters; load+compile "
           f"{time.perf_counter() - t0:.1f} s")
+    state = os.path.join(args.out, "finetune-state.safetensors")
+    run = _finetune_run(args)
+    if args.resume:
+        _resume(sess, args.resume, run)
+    t1, step0 = time.perf_counter(), sess.step_count
+    with _StopOnSignal() as stop:
+        finished = _finetune_epochs(sess, ids, labels, args, run, state, stop)
     ckpt = os.path.join(args.out, "finetuned.safetensors")
-    t1 = time.perf_counter()
-    losses = _finetune_epochs(sess, ids, labels, args, ckpt)
-    per_epoch = len(ids) // args.batch_size
-    print(f"loss {np.mean(losses[:per_epoch]):.4f} (first epoch) -> "
-          f"{np.mean(losses[-per_epoch:]):.4f} (last epoch); {len(losses)} steps in "
-          f"{time.perf_counter() - t1:.1f} s; saved {ckpt}")
+    done = f"{sess.step_count - step0} steps in {time.perf_counter() - t1:.1f} s; saved {ckpt}"
+    if not finished:
+        why = (signal.Signals(stop.signum).name if stop.signum is not None
+               else f"--stop-after {args.stop_after}")
+        print(f"stopped ({why}) at epoch {run.epoch + 1}/{args.epochs}, step "
+              f"{sess.step_count}; {done}; continue with --resume {state}")
+        return 128 + stop.signum if stop.signum is not None else 0
+    print(f"loss {np.mean(run.losses[:per_epoch]):.4f} (first epoch) -> "
+          f"{np.mean(run.losses[-per_epoch:]):.4f} (last epoch); {done}")
     print(f"chat with it: meganeura generate {args.model} \"PROMPT\" --checkpoint {ckpt}")
     return 0
 
@@ -799,8 +880,10 @@ def _add_model_commands(sub) -> None:
                         formatter_class=_HelpFormatter)
     pg.add_argument("model", help="a .gguf file or an HF folder (config.json, safetensors, "
                     "tokenizer.json)")
-    pg.add_argument("prompt", help="the prompt (wrapped in the model's chat template "
-                    "unless --raw)")
+    pg.add_argument("prompt", nargs="*", help="the prompt(s) (each wrapped in the model's chat "
+                    "template unless --raw); several run as one batch")
+    pg.add_argument("--prompts-file", default=None,
+                    help="more prompts, one per line (all run as one batch)")
     pg.add_argument("--max-new-tokens", type=_positive_int, default=64,
                     help="tokens to generate at most (stops at the end-of-text token)")
     pg.add_argument("--temperature", type=_float_at_least(0.0, True), default=0.0,
@@ -846,6 +929,10 @@ def _add_finetune(sub) -> None:
     pf.add_argument("--backend", type=_backend(True), default=None,
                     help="wgpu | dawn | auto | reference (default: $MEGANEURA_WEBGPU, else wgpu)")
     pf.add_argument("--quiet", action="store_true", help="no progress bar")
+    pf.add_argument("--resume", default=None, metavar="CKPT",
+                    help="continue a run from its finetune-state.safetensors (same settings)")
+    pf.add_argument("--stop-after", type=_positive_int, default=None, metavar="STEPS",
+                    help="stop (saving a resumable state) after this many steps of this call")
 
 
 def main(argv=None) -> int:

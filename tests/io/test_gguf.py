@@ -161,6 +161,40 @@ def test_smollm2_logits_and_greedy_generation_match_transformers(smollm2, backen
         np.testing.assert_array_equal(out, want[P - 1:].argmax(-1))
 
 
+@pytest.mark.slow
+def test_smollm2_batched_generation_matches_transformers_batched(smollm2):
+    """Three chat prompts of different lengths in one left-padded batch on the reference
+    backend: each row's greedy tokens equal transformers' batched ``generate`` (left padding,
+    attention mask) and the row's prompt generated alone."""
+    from meganeura.generate import left_pad
+
+    ours, theirs, _ = smollm2
+    tok, n = ours.tokenizer, 4
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("Hi", "What is the capital of France?", "Name a color.")]
+    pad = tok.pad_id if tok.pad_id is not None else tok.eos_id
+    ids, start = left_pad(prompts, pad)
+    assert len(set(start.tolist())) == 3
+    gen = LlamaGenerator(ours.config, ours.params, batch=3, max_len=ids.shape[1] + n,
+                         backend="reference")
+    rows = gen.generate_batch(prompts, n, eos_token_id=tok.eos_id)
+    mask = (np.arange(ids.shape[1])[None] >= start[:, None]).astype(np.int64)
+    with torch.no_grad():  # rows that end early are padded after their EOS
+        want = theirs.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask),
+                               max_new_tokens=n, do_sample=False, eos_token_id=tok.eos_id,
+                               pad_token_id=pad)[:, ids.shape[1]:].numpy()
+    for b in range(3):
+        k = len(rows[b])
+        np.testing.assert_array_equal(rows[b], want[b, :k], err_msg=f"row {b} vs transformers")
+        assert (want[b, k:] == pad).all()
+    b = int(np.argmax(start))
+    alone = LlamaGenerator(ours.config, ours.params, max_len=len(prompts[b]) + n,
+                           backend="reference")
+    solo = alone.generate(np.array([prompts[b]]), n, eos_token_id=tok.eos_id)[0, len(prompts[b]):]
+    np.testing.assert_array_equal(rows[b], solo[:len(rows[b])], err_msg=f"row {b} vs alone")
+    print([tok.decode(r) for r in rows])
+
+
 # --------------------------------------------------------------------------- bad files
 
 

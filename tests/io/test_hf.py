@@ -288,6 +288,43 @@ def test_transformers5_folder_keeps_its_rope_theta(tmp_path):
     assert _rel(s.run(ids=ids)["logits"], ref) <= 1e-5
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("scaling, backend", [({"rope_type": "linear", "factor": 2.0}, "reference"),
+                                              (LLAMA3, "reference"), (LLAMA3, "wgpu")])
+def test_scaled_rope_folders_run_like_transformers(tmp_path, scaling, backend, request):
+    """linear and llama3 RoPE scaling (a transformers-5 folder, 40 positions, past the llama3
+    original context of 16): logits of transformers' own model; the scaling matters (the
+    same weights without it differ); the config round-trips through to_hf/from_hf."""
+    transformers = pytest.importorskip("transformers")
+    if backend == "wgpu":
+        request.getfixturevalue("gpu")
+    hcfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        rope_parameters={"rope_theta": 10000.0, **scaling}, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hcfg).eval()
+    model.save_pretrained(tmp_path)
+    got = hf.load_hf(tmp_path)
+    assert got.config.rope_scaling.rope_type == scaling["rope_type"]
+    assert LlamaConfig.from_hf(got.config.to_hf()) == got.config
+    ids = (np.arange(40, dtype=np.int32)[None] * 7) % 64
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids).long()).logits.numpy()
+    outs = []
+    for cfg in (got.config, LlamaConfig(**{**got.config.__dict__, "rope_scaling": None})):
+        m = llama_lm(cfg, 1, 40, loss=False)
+        s = mn.compile(m.graph, outputs={"logits": m.logits},
+                       **({"backend": backend} if backend == "reference" else {}))
+        s.set_params(got.params, strict=True)
+        outs.append(s.run(ids=ids)["logits"])
+    assert _rel(outs[0], ref) <= 1e-5
+    assert _rel(outs[1], ref) > 1e-3
+
+
 @pytest.mark.parametrize("config, theta", [
     ({"rope_theta": 5e5}, 5e5),                                          # transformers 4
     ({"rope_theta": 5e5, "rope_scaling": None}, 5e5),
@@ -303,10 +340,13 @@ def test_rope_theta_is_read_from_both_config_layouts(config, theta):
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
-     "rope_parameters.rope_type 'linear' is not supported"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}},
+     r"linear RoPE scaling needs \['factor'\]"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
-     "rope_parameters.rope_type 'llama3'"),
+     "llama3 RoPE scaling needs .*low_freq_factor"),
+    ({"rope_parameters": {**LLAMA3, "high_freq_factor": 0.5}}, "bad llama3 RoPE scaling"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": -2.0}}, "bad linear RoPE scaling"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "'longrope'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},
      "rope_scaling.rope_type 'dynamic' is not supported"),

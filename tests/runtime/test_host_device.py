@@ -1,5 +1,7 @@
 """compile(device=<a raw wgpu GPUDevice>): meganeura runs on a device the host application opened
-(a render loop's), on the host's queue, in order with the host's own submissions."""
+(a render loop's), on the host's queue, in order with the host's own submissions.  Every test
+runs for a wgpu-native host device and for a Dawn one (wgpudawn); the Dawn cases skip, naming
+why, where Dawn finds no adapter (it refuses Debian 12's lavapipe: they run on the H200)."""
 
 import numpy as np
 import pytest
@@ -8,14 +10,40 @@ import wgpu
 import meganeura as mn
 from meganeura import optim
 from meganeura.models.mlp import mlp_classifier
-from meganeura.runtime.device import Device, as_device
+from meganeura.runtime.device import Device, _describe_adapter, _good, as_device
+
+
+def _dawn_adapter():
+    """Dawn's adapter as an application asks for it, or a skip that says what is missing."""
+    wgpudawn = pytest.importorskip("wgpudawn", reason="Dawn host device: the optional package "
+                                   "wgpudawn (meganeura[dawn]) is not installed here")
+    try:
+        adapter = wgpudawn.gpu.request_adapter_sync(power_preference="high-performance")
+        found = _describe_adapter(adapter) if adapter is not None else "no adapter"
+    except Exception as e:
+        adapter, found = None, f"no adapter: {str(e).strip().splitlines()[0] if str(e) else e}"
+    if adapter is None or not _good(adapter):
+        pytest.skip(f"Dawn host device: Dawn found no Vulkan, Metal or D3D12 adapter here "
+                    f"({found}); Dawn refuses Mesa 22 lavapipe (GPU-NOTES.md), so this runs "
+                    f"on a real GPU (the H200 run)")
+    return wgpudawn, adapter
+
+
+@pytest.fixture(scope="module", params=["wgpu", "dawn"])
+def host(request):
+    """(implementation, its wgpu-py module, a device opened the way an application of that
+    implementation does it: default limits, no features)."""
+    if request.param == "dawn":
+        module, adapter = _dawn_adapter()
+    else:
+        module = wgpu
+        adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+    return request.param, module, adapter.request_device_sync(label="host")
 
 
 @pytest.fixture(scope="module")
-def host_device():
-    """A device opened the way a wgpu-py application does it (default limits, no features)."""
-    adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
-    return adapter.request_device_sync(label="host")
+def host_device(host):
+    return host[2]
 
 
 def _batch(seed=0, n=16):
@@ -31,11 +59,13 @@ def _session(device=None):
     return sess
 
 
-def test_raw_device_is_wrapped_once_with_its_own_limits(host_device, gpu):
+def test_raw_device_is_wrapped_once_with_its_own_limits(host, host_device, gpu):
     dev = as_device(host_device)
     assert isinstance(dev, Device) and dev.device is host_device
     assert dev.queue is host_device.queue and dev is as_device(host_device)
-    assert dev is not gpu and dev.implementation == "wgpu" and dev.backend_type == "Vulkan"
+    assert dev is not gpu and dev.implementation == host[0]
+    assert dev.backend_type.lower() == "vulkan"
+    assert dev.module is host[1]
     # the limits the host opened the device with, not the adapter's
     want = host_device.limits["max-storage-buffer-binding-size"]
     assert dev.limits["max_storage_buffer_binding_size"] == want
@@ -58,7 +88,7 @@ def test_training_on_the_host_device_matches_meganeura_own(host_device, gpu):
     assert any(pipes[0]) and pipes[0] == pipes[1]
 
 
-def test_host_submissions_are_ordered_with_the_steps(host_device):
+def test_host_submissions_are_ordered_with_the_steps(host, host_device):
     """The host overwrites a weight with a GPU copy submitted on the shared queue just before a
     step (the step must see it), then copies the updated weight out right after the step (it
     must see the step's update), never reading back in between."""
@@ -73,7 +103,8 @@ def test_host_submissions_are_ordered_with_the_steps(host_device):
 
     buf, off, size = sess.gpu_buffer(name)
     assert size == new.nbytes
-    u = wgpu.BufferUsage
+    mod = host[1]
+    u = mod.BufferUsage
     src = host_device.create_buffer_with_data(data=new.tobytes(), usage=u.COPY_SRC)
     dst = host_device.create_buffer(size=size, usage=u.COPY_DST | u.MAP_READ)
     enc = host_device.create_command_encoder()
@@ -83,7 +114,7 @@ def test_host_submissions_are_ordered_with_the_steps(host_device):
     enc = host_device.create_command_encoder()
     enc.copy_buffer_to_buffer(buf, off, dst, 0, size)
     host_device.queue.submit([enc.finish()])  # after the step
-    dst.map_sync(wgpu.MapMode.READ)
+    dst.map_sync(mod.MapMode.READ)
     got = np.frombuffer(dst.read_mapped(), np.float32).reshape(new.shape).copy()
     dst.unmap()
     np.testing.assert_allclose(r.loss, want_loss, rtol=1e-6)

@@ -5,7 +5,10 @@ An artifact is a folder:
   manifest.json       the Executable (compile/executable.py ``to_manifest``) plus the program's
                       interface: feeds per stream, value ranges, outputs, fingerprint, version
   kernels/NNN.wgsl    each distinct WGSL module once
-  weights.safetensors parameters, states and constants (their current values)
+  weights.safetensors parameters, states and constants (their current values); with
+                      ``weights="f16"`` the f32 parameters are stored as f16 (half the
+                      download) and upcast to f32 on load (listed in ``program.stored_f16``;
+                      states and constants stay exact)
 It is written to a temporary folder beside the target and renamed into place, so a reader never
 sees half an artifact.  Loading needs numpy, safetensors and a WebGPU implementation: no graph,
 no ops, no torch."""
@@ -30,12 +33,19 @@ MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 
 
-def export_session(sess, path: str | os.PathLike) -> Path:
-    """Write ``sess`` (a GPUSession) as an artifact folder at ``path`` (replaced if present)."""
+WEIGHT_FORMATS = ("f32", "f16")
+F16_MAX = float(np.finfo(np.float16).max)
+
+
+def export_session(sess, path: str | os.PathLike, weights: str = "f32") -> Path:
+    """Write ``sess`` (a GPUSession) as an artifact folder at ``path`` (replaced if present).
+    ``weights="f16"`` stores the f32 parameters as f16 (the program still computes in f32)."""
     from safetensors.numpy import save_file
 
     from .. import __version__
 
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"export: weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     manifest, modules = to_manifest(sess.executable)
     prog = sess.program
     manifest["program"] = {
@@ -50,6 +60,8 @@ def export_session(sess, path: str | os.PathLike) -> Path:
                         for n, rs in sess.feed_ranges.items()},
     }
     tensors = dict(sess.get_state())
+    halves = _to_f16(tensors, sess.param_names) if weights == "f16" else []
+    manifest["program"]["stored_f16"] = halves
     tensors.update({n: lf.data for n, lf in sess.executable.leaves.items()
                     if lf.kind == "constant"})
     target = Path(path)
@@ -67,6 +79,19 @@ def export_session(sess, path: str | os.PathLike) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _to_f16(tensors: dict[str, np.ndarray], params: list[str]) -> list[str]:
+    """Round the f32 parameters of ``tensors`` to f16 in place; their names.  A parameter
+    beyond f16's range would load as inf, so it is refused, by name."""
+    names = [n for n in params if tensors[n].dtype == np.float32]
+    for n in names:
+        big = float(np.abs(tensors[n]).max(initial=0.0))
+        if big > F16_MAX:
+            raise ValueError(f"export(weights='f16'): parameter {n!r} holds {big:g}, beyond "
+                             f"f16's range ({F16_MAX:g}); export it with weights='f32'")
+        tensors[n] = tensors[n].astype(np.float16)
+    return names
 
 
 def _types(feeds: Mapping[str, TensorType]) -> dict:
@@ -174,4 +199,15 @@ def _read_artifact(path: Path):
     missing = [n for n in manifest["program"]["persistent"] if n not in weights]
     if missing:
         raise CheckpointError(f"artifact {os.fspath(path)!r}: {WEIGHTS} lacks {missing[:5]}")
-    return manifest, modules, weights
+    return manifest, modules, _upcast(path, manifest, weights)
+
+
+def _upcast(path: Path, manifest: dict, weights: dict[str, np.ndarray]) -> dict:
+    """The f16-stored parameters (``program.stored_f16``) back as the f32 the program reads."""
+    for n in manifest["program"].get("stored_f16", []):
+        if weights.get(n) is None or weights[n].dtype != np.float16:
+            got = "absent" if weights.get(n) is None else str(weights[n].dtype)
+            raise CheckpointError(f"artifact {os.fspath(path)!r}: {WEIGHTS}: {n!r} should be "
+                                  f"stored as f16 (manifest stored_f16), it is {got}")
+        weights[n] = weights[n].astype(np.float32)
+    return weights

@@ -694,23 +694,39 @@ def as_device(device=None, backend: str | None = None) -> Device:
         return dev
 
 
-def _wrap_host_device(raw) -> Device:
-    """Describe a host-created wgpu-native ``GPUDevice``: its adapter, the features and limits
-    it was opened with (not the adapter's: the host chose them), refusing what meganeura cannot
-    run on (another implementation, an OpenGL/D3D11 adapter) with a ``DeviceError``."""
+def _host_implementation(raw):
+    """(implementation name, its wgpu-py module) of a host's raw GPUDevice: wgpu-native or
+    Dawn (wgpudawn, when installed); anything else is a ``DeviceError`` saying what is taken."""
     import wgpu
 
-    if not isinstance(raw, wgpu.GPUDevice):
-        raise DeviceError(
-            f"device= takes a wgpu GPUDevice (from adapter.request_device_sync()) or a "
-            f"meganeura Device (meganeura.runtime.device.get_device()), got {type(raw).__name__}"
-        )
     mod = type(raw).__module__
-    if not mod.startswith("wgpu.backends.wgpu_native"):
+    if isinstance(raw, wgpu.GPUDevice):
+        if mod.startswith("wgpu.backends.wgpu_native"):
+            return "wgpu", wgpu
+    elif mod.startswith("wgpudawn.backends.dawn"):
+        import wgpudawn
+
+        if isinstance(raw, wgpudawn.GPUDevice):
+            return "dawn", wgpudawn
+    else:
         raise DeviceError(
-            f"device=: a GPUDevice of implementation {mod!r} is not supported; meganeura runs "
-            f"host devices of wgpu-native (wgpu.gpu.request_adapter_sync().request_device_sync())"
+            f"device= takes a wgpu GPUDevice (from adapter.request_device_sync(), wgpu-native "
+            f"or Dawn's wgpudawn) or a meganeura Device (meganeura.runtime.device.get_device()), "
+            f"got {type(raw).__name__}"
         )
+    raise DeviceError(
+        f"device=: a GPUDevice of implementation {mod!r} is not supported; meganeura runs host "
+        f"devices of wgpu-native (wgpu.gpu.request_adapter_sync().request_device_sync()) and "
+        f"Dawn (the same through wgpudawn.gpu)"
+    )
+
+
+def _wrap_host_device(raw) -> Device:
+    """Describe a host-created ``GPUDevice`` (wgpu-native or Dawn): its adapter, the features
+    and limits it was opened with (not the adapter's: the host chose them), refusing what
+    meganeura cannot run on (another implementation, an OpenGL/D3D11 adapter) with a
+    ``DeviceError``."""
+    implementation, module = _host_implementation(raw)
     adapter = getattr(raw, "adapter", None)
     if adapter is None or not _good(adapter):
         where = _describe_adapter(adapter) if adapter is not None else "an unknown adapter"
@@ -718,7 +734,7 @@ def _wrap_host_device(raw) -> Device:
             f"device=: the host's GPUDevice runs on {where}; meganeura needs a Vulkan, Metal or "
             f"D3D12 adapter; {_INSTALL_HINT}"
         )
-    return _describe_device(wgpu, adapter, raw, "wgpu")
+    return _describe_device(module, adapter, raw, implementation)
 
 
 def clear_cache() -> None:

@@ -404,12 +404,13 @@ class GPUSession(Session):
             raise RuntimeError("export_trace: call profile() first")
         self._last_profile.export_trace(path)
 
-    def export(self, path) -> None:
+    def export(self, path, weights: str = "f32") -> None:
         """Write this compiled program with its current parameters as an artifact folder
-        that ``mn.load_program`` (or the browser runtime in web/) runs without the compiler."""
+        that ``mn.load_program`` (or the browser runtime in web/) runs without the compiler;
+        ``weights="f16"`` stores the parameters as f16 (upcast to f32 on load)."""
         from .artifact import export_session
 
-        export_session(self, path)
+        export_session(self, path, weights)
 
     def kernel_labels(self, inference: bool = False) -> list[str]:
         s = self.infer if inference else self.train
