@@ -42,7 +42,7 @@ def _grad_error(ours, ref, all_ref) -> float:
     return rel_l2(ours, ref)
 
 
-def gates(module, inputs: tuple, loss, targets: tuple, backend="reference", device=None,
+def gates(module, inputs: tuple, loss, targets: tuple, backend=None, device=None,
           fwd_tol=FWD_TOL, bwd_tol=BWD_TOL):
     """Import ``module`` with ``loss``, compute outputs, loss and every parameter gradient in
     one run, and compare them with PyTorch's; returns (worst forward, worst gradient error)
