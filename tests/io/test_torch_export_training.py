@@ -63,3 +63,23 @@ def test_imported_resnet18_trains_like_pytorch(gpu):
     for xb, yb in batches[3:]:
         losses.append(float(sess.step(x=xb, target=yb).loss))
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3]), losses
+
+
+@pytest.mark.gpu
+def test_example_imports_trains_and_matches_pytorch():
+    """examples/import_torch.py end to end (lavapipe in CI): the loss falls, the test accuracy
+    is a trained model's, and PyTorch computes the same logits with the trained weights."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "examples" / "import_torch.py"),
+                           "--epochs", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = re.search(r"first_loss=([\d.]+) last_loss=([\d.]+) accuracy=([\d.]+) "
+                  r"max_diff=([\d.e+-]+)", proc.stdout)
+    assert m, proc.stdout
+    first, last, acc, diff = (float(v) for v in m.groups())
+    assert last < 0.5 * first and acc > 0.75 and diff < 1e-4
