@@ -72,3 +72,13 @@ def test_export_failure_is_wrapped():
 
     with pytest.raises(mn.GraphBuildError, match="torch.export|unsupported"):
         mn.from_torch(DataDependent(), torch.randn(4))
+
+
+def test_core_imports_without_torch():
+    """torch is imported only when from_torch is called (the [torch] extra is optional)."""
+    import subprocess
+    import sys
+
+    code = "import sys, meganeura; assert 'torch' not in sys.modules; print(meganeura.from_torch)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
