@@ -65,6 +65,10 @@ def _case(name):
                                lambda o, y: F.mse_loss(o, y), (torch.randn(2, 8, 6, 6),)),
         "bert": lambda: (_bert(), (torch.randint(0, 50, (2, 8)),), _bert_loss,
                          (torch.randn(2, 8, 16),)),
+        # padding: the attention mask is an input, so HF's additive mask is built at run time
+        "bert_padded": lambda: (_bert(), (torch.randint(0, 50, (2, 8)),
+                                          torch.tensor([[1] * 8, [1] * 5 + [0] * 3])),
+                                _bert_loss, (torch.randn(2, 8, 16),)),
         "llama": lambda: (_llama(), (torch.randint(0, 50, (2, 8)),), _seq_ce,
                           (torch.randint(0, 50, (2, 8)),)),
     }
@@ -72,7 +76,7 @@ def _case(name):
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "resnet18", "mobilenet_v3_small", "nanogpt",
-                                  "unet_block", "bert", "llama"])
+                                  "unet_block", "bert", "bert_padded", "llama"])
 def test_reference_backend_matches_pytorch(name):
     module, inputs, loss, targets = _case(name)
     gates(module, inputs, loss, targets, backend="reference")

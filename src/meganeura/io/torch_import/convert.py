@@ -77,7 +77,7 @@ class Ctx:
 
     graph: Graph
     node: object = None
-    _consts: dict[int, Value] = field(default_factory=dict)
+    _consts: dict[int, tuple[Value, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def val(self):

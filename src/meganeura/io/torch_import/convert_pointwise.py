@@ -87,7 +87,7 @@ def _pow(cx, a, b):
 
 @aten("pow.Scalar")
 def _pow_scalar(cx, a, b):
-    return ops.exp(cx.v(b, cx.out_dtype) * math.log(a))
+    return float(a) ** cx.v(b, cx.out_dtype)
 
 
 @aten("maximum.default")

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ... import ops
-from ...dtypes import i32
+from ...dtypes import f32, i32
 from ...graph import Value
 from .convert import aten
 
@@ -141,6 +141,14 @@ def _pad(cx, x, pad, value=0.0):
 # ------------------------------------------------------------------ indexing
 
 
+def _take(x: Value, idx: Value, axis: int) -> Value:
+    """``take`` for any dtype: our row gather reads float tables, so booleans and integers
+    (masks, position ids; exact in f32 below 2^24) pass through f32 and back."""
+    if x.dtype.is_float:
+        return ops.take(x, idx, axis)
+    return ops.cast(ops.take(ops.cast(x, f32), idx, axis), x.dtype)
+
+
 def _index_value(cx, idx, n: int) -> Value:
     """An index argument as an i32 value with negative indices wrapped (ATen's rule)."""
     if isinstance(idx, torch.Tensor):
@@ -177,14 +185,14 @@ def _index(cx, x, indices):
         flat = term if flat is None else flat + term
     merged = ops.reshape(x, x.shape[:a] + (int(np.prod(dims, dtype=np.int64)),) +
                          x.shape[a + k:])
-    return ops.take(merged, flat, a)
+    return _take(merged, flat, a)
 
 
 @aten("index_select.default")
 def _index_select(cx, x, dim, index):
     x = cx.v(x)
     d = int(dim) % x.ndim
-    return ops.take(x, _index_value(cx, index, x.shape[d]), d)
+    return _take(x, _index_value(cx, index, x.shape[d]), d)
 
 
 @aten("gather.default")
@@ -200,7 +208,7 @@ def _gather(cx, x, dim, index, sparse_grad=False):
     lin = _index_value(cx, index, x.shape[d])
     lin = lin * int(strides[d]) if strides[d] != 1 else lin
     lin = lin + cx.graph.const(base.astype(np.int32))
-    return ops.take(ops.reshape(x, (x.size,)), lin, 0)
+    return _take(ops.reshape(x, (x.size,)), lin, 0)
 
 
 def _embedding_check(node):

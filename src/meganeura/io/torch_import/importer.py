@@ -63,16 +63,12 @@ class _WithLoss(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, loss, n_model_inputs: int):
         super().__init__()
         self.model = model
-        if isinstance(loss, torch.nn.Module):
-            self.loss = loss
-        else:
-            self._loss_fn = loss
+        self.loss = loss  # a Module registers as a submodule (its parameters are imported)
         self.n = n_model_inputs
 
     def forward(self, *args):
         out = self.model(*args[:self.n])
-        fn = getattr(self, "loss", None) or self._loss_fn
-        return out, fn(out, *args[self.n:])
+        return out, self.loss(out, *args[self.n:])
 
 
 def export_program(module, args: tuple, loss=None, n_model: int | None = None):
