@@ -22,3 +22,11 @@ from .graph import Graph, TensorType, Value  # noqa: F401
 from .runtime.artifact import load_program  # noqa: F401
 
 __version__ = "0.1.0"
+
+
+def from_torch(module, example_inputs, **kwargs):
+    """Import a ``torch.nn.Module`` through ``torch.export`` (needs the ``[torch]`` extra;
+    torch is imported only here).  See ``meganeura.io.torch_import.from_torch``."""
+    from .io.torch_import import from_torch as _from_torch
+
+    return _from_torch(module, example_inputs, **kwargs)
