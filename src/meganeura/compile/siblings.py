@@ -11,8 +11,8 @@ shape, axes and split when that is legal:
   earlier is then safe; a concat read through its buffer counts as produced by every kernel
   writing one of its inputs, which may write its slot);
 * neither writes an updated persistent value (the in-place rules look at those kernels
-  alone) and neither has a post pass (``rewrites.with_post_pass`` ran first: a post
-  pass saves a whole elementwise dispatch and pass over the input, so it wins);
+  alone).  A reduction with a post pass (``rewrites.with_post_pass`` ran first) joins too:
+  its post pass runs after the group's reduction, in the same workgroups, as it did alone;
 * the group binds at most ``max_bindings`` storage buffers (shared inputs bound once).
 
 A group of one stays the original ``ReduceKernel``: plans without sibling reductions are
@@ -68,7 +68,7 @@ def squeezed(d: ir.ReduceKernel) -> ir.ReduceKernel:
 
 def _candidate(k: LoweredKernel, updated: set[int]) -> bool:
     d = k.desc
-    return (isinstance(d, ir.ReduceKernel) and not d.post and len(k.outs) == 1
+    return (isinstance(d, ir.ReduceKernel) and len(k.outs) == 1 + len(d.post_outputs)
             and bool(d.prologue or d.inputs) and not any(v.id in updated for v in k.outs)
             and bool(squeezed(d).axes))
 
@@ -81,10 +81,14 @@ class _Group:
 
     def bindings(self, extra: LoweredKernel | None = None) -> int:
         ks = self.members + ([extra] if extra is not None else [])
-        ins = {(b.id, s) for k in ks for b, s in zip(k.ins, k.desc.inputs, strict=False)}
-        xs = {(b.id, s) for k in ks
-              for b, s in zip(k.ins[len(k.desc.inputs):], k.desc.extra, strict=True)}
-        return len(ins) + len(xs) + len(ks)
+        ins, xs = set(), set()
+        for k in ks:
+            d = squeezed(k.desc)
+            n_in, n_x = len(d.inputs), len(d.extra)
+            ins |= {(b.id, s) for b, s in zip(k.ins, d.inputs, strict=False)}
+            ins |= {(b.id, s) for b, s in zip(k.ins[n_in + n_x:], d.post_inputs, strict=True)}
+            xs |= {(b.id, s) for b, s in zip(k.ins[n_in:n_in + n_x], d.extra, strict=True)}
+        return len(ins) + len(xs) + sum(len(k.outs) for k in ks)
 
     def lowered(self) -> LoweredKernel:
         if len(self.members) == 1:
@@ -94,7 +98,7 @@ class _Group:
 
 def _multi(ks: list[LoweredKernel]) -> LoweredKernel:
     """One ``MultiReduceKernel`` for ``ks``: inputs and extras deduplicated (by value and
-    view), each member's operands renumbered."""
+    view), each member's operands renumbered (post inputs join the shared inputs)."""
     ins, ins_b, xs, xs_b, members = [], [], [], [], []
 
     def slot(bases, views, b, s):
@@ -109,12 +113,21 @@ def _multi(ks: list[LoweredKernel]) -> LoweredKernel:
         d = squeezed(k.desc)
         n_in = len(d.inputs)
         imap = {i: slot(ins_b, ins, k.ins[i], d.inputs[i]) for i in range(n_in)}
-        xmap = {i: slot(xs_b, xs, k.ins[n_in + i], d.extra[i]) for i in range(len(d.extra))}
+        n_x = len(d.extra)
+        xmap = {i: slot(xs_b, xs, k.ins[n_in + i], d.extra[i]) for i in range(n_x)}
         remap = {"in": imap, "x": xmap}
+        # the post pass reads its own inputs and the reduction's (``ri``): all shared inputs
+        pmap = {i: slot(ins_b, ins, k.ins[n_in + n_x + i], s)
+                for i, s in enumerate(d.post_inputs)}
+        post = tuple(ir.Instr(i.expr, tuple(("in", imap[j]) if kd == "ri" else
+                                            ("in", pmap[j]) if kd == "in" else (kd, j)
+                                            for kd, j in i.args), i.dtype, i.helpers)
+                     for i in d.post)
         # no prologue: the value reduced is input 0 (a split reduction's final pass)
         pro = d.prologue or (ir.Instr("{0}", (("in", 0),), d.inputs[0].dtype),)
         members.append(ir.ReduceMember(d.kind, _renumber(pro, remap),
-                                       _renumber(d.epilogue, remap), d.out_dtype))
+                                       _renumber(d.epilogue, remap), d.out_dtype, post,
+                                       tuple(d.post_outputs)))
     d0 = squeezed(ks[0].desc)
     desc = ir.MultiReduceKernel(tuple(d0.shape), tuple(d0.axes), tuple(ins), tuple(members),
                                 tuple(xs), d0.split, name=f"multi_reduce_{len(ks)}")
