@@ -154,3 +154,16 @@ def test_device_binding_cap_groups_the_post_pass_sum(gpu, monkeypatch):
     for name, v in ref.get_params().items():
         for s in (narrow, wide):
             np.testing.assert_allclose(s.get_params()[name], v, rtol=1e-4, atol=1e-6)
+
+
+def test_binding_cap_follows_gpu_limits_only():
+    """Portable targets (WebGPU's defaults) and CPU adapters keep 8; a GPU reporting 16 gets
+    16; a limit below WebGPU's minimum never lowers it."""
+    from meganeura.compile.pipeline import binding_cap
+    from meganeura.kernels.common import make_target
+
+    assert binding_cap(make_target(None)) == MAX_BINDINGS == 8
+    wide = make_target({"max_storage_buffers_per_shader_stage": 16})
+    assert binding_cap(wide) == 16
+    assert binding_cap(wide, is_cpu=True) == 8
+    assert binding_cap(make_target({"max_storage_buffers_per_shader_stage": 4})) == 8
