@@ -6,7 +6,8 @@ persistent tensors + inputs + the intermediate arena + fetched results, as the h
 ``--align``: the device's storage-buffer offset alignment (the H200 reports 16 to Dawn;
 lavapipe 32); default 256, WebGPU's largest, which every adapter accepts.
 ``--pipelines``: also count the distinct WGSL programs (pipelines) of the SGD training step,
-emitted for the H200's limits."""
+emitted for the H200's limits.  ``--max-bindings 16``: sibling-reduction groups as a device with
+16 storage buffers per stage gets them (the H200; default 8, what portable builds and CPUs get)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,12 @@ def distinct_pipelines(plan) -> int:
     return len({d.spec.wgsl for d in stream.dispatches})
 
 
-def peak_bytes(w, opt, align: int = 256, pipelines: bool = False):
+def peak_bytes(w, opt, align: int = 256, pipelines: bool = False, max_bindings: int = 8):
     prog = build_program(w.graph, w.loss, w.outputs if opt is None else {}, opt)
     low = run_pipeline(prog)
     inference = opt is None
     groups = find_leaf_groups(low.graph, any_rank=inference)
-    plan = make_plan(low, inference, groups=groups, align=align)
+    plan = make_plan(low, inference, groups=groups, align=align, max_bindings=max_bindings)
     leaves = low.graph.leaves.values()
     persistent = sum(lf.value.size * 4 for lf in leaves if lf.kind in ("param", "state"))
     inputs = sum(lf.value.size * 4 for lf in leaves if lf.kind == "input")
@@ -62,11 +63,13 @@ def main(argv=None):
     p.add_argument("--json")
     p.add_argument("--align", type=int, default=256)
     p.add_argument("--pipelines", action="store_true")
+    p.add_argument("--max-bindings", type=int, default=8)
     a = p.parse_args(argv)
     rows = {}
     for name in a.workloads.split(","):
         w = WORKLOADS[name](quick=False, variant="main")
-        rows[name] = {k: peak_bytes(w, o, a.align, a.pipelines and k == "train_sgd")
+        rows[name] = {k: peak_bytes(w, o, a.align, a.pipelines and k == "train_sgd",
+                                    a.max_bindings)
                       for k, o in (("infer", None), ("train_sgd", optim.SGD(lr=1e-4)),
                                    ("train_adamw", optim.AdamW(lr=1e-4)))}
         print(name, {k: (round(v[0] / 2**20, 1), *v[1:]) for k, v in rows[name].items()},

@@ -2,6 +2,8 @@
 group (same shape, axes and split; inputs ready; binding cap) and which must not (an input
 made later), and that grouped plans compute what the reference does."""
 
+import importlib
+
 import numpy as np
 
 import meganeura as mn
@@ -99,3 +101,69 @@ def test_medium_column_reduction_is_split(gpu):
     got = s.run(x=xs)
     np.testing.assert_allclose(got["c"], xs.astype(np.float64).sum(0), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(got["r"], xs.astype(np.float64).sum(1), rtol=1e-5, atol=1e-4)
+
+
+def test_shapes_differing_by_size_one_dims_group(gpu):
+    """Σx over (1, 40, 24) and Σx² over its (40, 24) reshape are siblings once size-1 dims
+    are squeezed; values match float64."""
+    g = mn.Graph("sq")
+    x = g.input("x", (1, 40, 24))
+    outs = {"a": x.sum(axis=(0, 1)) * 2.0, "b": (x.reshape((40, 24)) ** 2).sum(axis=0) * 2.0}
+    s = mn.compile(g, outputs=outs)
+    labels = s.kernel_labels(inference=True)
+    assert len(_multi(labels)) == 1 and not any(lbl.startswith("reduce") for lbl in labels), \
+        labels
+    xs = np.random.default_rng(0).normal(size=(1, 40, 24)).astype(np.float32)
+    got = s.run(x=xs)
+    x64 = xs.astype(np.float64)
+    np.testing.assert_allclose(got["a"], x64.sum(axis=(0, 1)) * 2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["b"], (x64[0] ** 2).sum(axis=0) * 2, rtol=1e-5, atol=1e-5)
+
+
+def test_device_binding_cap_groups_the_post_pass_sum(gpu, monkeypatch):
+    """Batch norm at 7x7: the third backward sum has a post pass and needs 9 bindings with
+    the other two (rstd bound as input and as epilogue extra), so it joins them only under a
+    16-buffer cap (the H200's); the grouped training step matches float64, as does the
+    default (8) plan, whose kernels stay as before."""
+    mc = importlib.import_module("meganeura.compile")  # (``mn.compile`` is the function)
+
+    g = mn.Graph("bn7")
+    x = g.input("x", (2, 4, 7, 7))
+    w = g.param("w", (4, 4, 3, 3))
+    y = nn.BatchNorm2d(4)(g, mn.ops.conv2d(x, w, padding=1))
+    loss = (y.relu() * y).mean()
+
+    def sess(backend=None, **kw):
+        s = mn.compile(g, loss=loss, outputs={}, optimizer=optim.SGD(lr=0.1), backend=backend,
+                       **kw)
+        s.set_params({"w": np.linspace(-0.3, 0.3, 144, dtype=np.float32).reshape(4, 4, 3, 3)})
+        return s
+
+    narrow = sess()
+    assert not any("=>" in lbl for lbl in _multi(narrow.kernel_labels()))
+    monkeypatch.setattr(mc, "binding_cap", lambda target, is_cpu=False: 16)
+    wide = sess()
+    assert any("=>" in lbl for lbl in _multi(wide.kernel_labels())), wide.kernel_labels()
+    assert len(wide.kernel_labels()) < len(narrow.kernel_labels())
+    ref = sess("reference", dtype=np.float64)
+    xs = np.random.default_rng(0).normal(size=(2, 4, 7, 7)).astype(np.float32)
+    for _ in range(2):
+        want = ref.step(x=xs).loss
+        for s in (narrow, wide):
+            np.testing.assert_allclose(s.step(x=xs).loss, want, rtol=1e-5)
+    for name, v in ref.get_params().items():
+        for s in (narrow, wide):
+            np.testing.assert_allclose(s.get_params()[name], v, rtol=1e-4, atol=1e-6)
+
+
+def test_binding_cap_follows_gpu_limits_only():
+    """Portable targets (WebGPU's defaults) and CPU adapters keep 8; a GPU reporting 16 gets
+    16; a limit below WebGPU's minimum never lowers it."""
+    from meganeura.compile.pipeline import binding_cap
+    from meganeura.kernels.common import make_target
+
+    assert binding_cap(make_target(None)) == MAX_BINDINGS == 8
+    wide = make_target({"max_storage_buffers_per_shader_stage": 16})
+    assert binding_cap(wide) == 16
+    assert binding_cap(wide, is_cpu=True) == 8
+    assert binding_cap(make_target({"max_storage_buffers_per_shader_stage": 4})) == 8

@@ -136,3 +136,64 @@ def test_bad_descriptions_raise(dev):
             "sum", (Instr("{0}", (IN1,), f32),)),)))
     with pytest.raises(LimitError, match="storage buffers"):
         codegen.emit(MultiReduceKernel((4, 8), (1,), (s,), (ReduceMember("sum", one),) * 8))
+
+
+def _post_members():
+    """sum(dy); sum(dy * x) whose post pass writes dy - r * x and (dy - r * x) * w (w read by
+    the post pass alone); max|x| whose post pass writes x / r."""
+    g = (Instr("({0} - {1} * {2})", (IN0, ("r", 0), IN1), f32),
+         Instr("({0} * {1})", (("t", 0), ("in", 2)), f32))
+    return (ReduceMember("sum", (Instr("{0}", (IN0,), f32),)),
+            ReduceMember("sum", (Instr("({0} * {1})", (IN0, IN1), f32),), post=g,
+                         post_outputs=(0, 1)),
+            ReduceMember("max", (Instr("abs({0})", (IN1,), f32),),
+                         post=(Instr("({0} / {1})", (IN1, ("r", 0)), f32),), post_outputs=(0,)))
+
+
+def _single_post(k: MultiReduceKernel, m: ReduceMember) -> ReduceKernel:
+    """``m`` as a ``ReduceKernel`` of its own: shared inputs 0 and 1 read as ``ri``, input 2
+    as its post input 0."""
+    post = tuple(Instr(i.expr, tuple(("in", 0) if a == ("in", 2) else
+                                     ("ri", a[1]) if a[0] == "in" else a for a in i.args),
+                       i.dtype) for i in m.post)
+    return ReduceKernel(k.shape, k.axes, m.kind, k.inputs[:2], m.prologue,
+                        post_inputs=k.inputs[2:] if m.post else (), post=post,
+                        post_outputs=m.post_outputs)
+
+
+@pytest.mark.parametrize("shape,axes", [
+    ((4, 8, 14, 14), (0, 2, 3)),  # batch norm backward at 14x14: lanes per output
+    ((7, 3, 5), (1,)),  # serial: one invocation per output
+])
+def test_post_pass_members_match_float64_and_single_kernels(run, rng, shape, axes):
+    """Members with a post pass (each after the group's reduction, all post inputs loaded
+    once) store what their own post-pass kernels store, bit for bit, and match float64."""
+    dy, x, w = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
+    out = _out(shape, axes)
+    k = MultiReduceKernel(shape, axes, (Strided.contiguous(f32, shape),) * 3, _post_members())
+    got = run(k, [dy, x, w], [(out, f32), (out, f32), (shape, f32), (shape, f32), (out, f32),
+                              (shape, f32)])
+    d64, x64, w64 = (a.astype(np.float64) for a in (dy, x, w))
+    s1, mx = (d64 * x64).sum(axis=axes, keepdims=True), np.abs(x64).max(axis=axes, keepdims=True)
+    refs = [d64.sum(axis=axes), s1, d64 - s1 * x64, (d64 - s1 * x64) * w64, mx, x64 / mx]
+    for j, (g, r) in enumerate(zip(got, refs, strict=True)):
+        full = np.broadcast_to(r, shape) if g.size == np.prod(shape) else r
+        assert_close(g, full.reshape(g.shape), 1e-5, 1e-3, what=f"output {j}")
+    at = 0
+    for j, m in enumerate(k.members):
+        outs = [(out, f32)] + [(shape, f32)] * len(m.post_outputs)
+        alone = run(_single_post(k, m), [dy, x] + ([w] if m.post else []), outs)
+        for q, a in enumerate(alone):
+            np.testing.assert_array_equal(got[at + q], a, err_msg=f"member {j} output {q}")
+        at += len(outs)
+
+
+def test_post_pass_member_needs_outputs_and_no_split(dev):
+    s = Strided.contiguous(f32, (4, 8))
+    one = (Instr("{0}", (IN0,), f32),)
+    with pytest.raises(CodegenError, match="post pass needs"):
+        codegen.emit(MultiReduceKernel((4, 8), (1,), (s,), (ReduceMember(
+            "sum", one, post=one, post_outputs=(0,)),), split=2))
+    with pytest.raises(CodegenError, match="post pass needs"):
+        codegen.emit(MultiReduceKernel((4, 8), (1,), (s,), (ReduceMember(
+            "sum", one, post=one),)))

@@ -19,7 +19,7 @@ from ..graph import Graph, Value
 from ..kernels.common import make_target
 from ..kernels.ir import PRECISIONS
 from ..program import Program, build_program
-from .pipeline import CompileOptions, Tuning, compile_program
+from .pipeline import CompileOptions, Tuning, binding_cap, compile_program
 from .tune import TuningCache, tune_mode
 
 _GPU_OPTIONS = ("fuse", "plan_memory", "group_params", "device", "share", "tune", "portable")
@@ -149,12 +149,13 @@ def _gpu_session(program, precision: str, backend, check_finite: bool, options: 
                 f"share: {grouped[:3]} live in a parameter group of the other session; "
                 "compile that session with group_params=False to share them")
     device = device or as_device(None, backend)
-    opts = CompileOptions(precision, options.get("fuse", True), options.get("plan_memory", True),
-                          options.get("group_params", True))
     portable = bool(options.get("portable", False))
     # portable: the limits every WebGPU device has; tuned configurations may assume more
     tuning = _tuning(device, False if portable else options.get("tune"))
     target = make_target(None) if portable else make_target(device)
+    opts = CompileOptions(precision, options.get("fuse", True), options.get("plan_memory", True),
+                          options.get("group_params", True),
+                          binding_cap(target, bool(getattr(device, "is_cpu", False))))
     exe = compile_program(program, target, opts, shares_tensors=share is not None,
                           tuning=tuning)
     sess = GPUSession(program, exe, device, check_finite, share)

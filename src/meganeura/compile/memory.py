@@ -33,7 +33,7 @@ from ..ops.lowering import View
 from ..program import Program
 from .executable import Loc
 from .rewrites import rewrite_kernels
-from .schedule import ALIGN, LoweredKernel, Schedule, schedule
+from .schedule import ALIGN, MAX_BINDINGS, LoweredKernel, Schedule, schedule
 
 # -- the plan ---------------------------------------------------------------------------------
 
@@ -390,6 +390,7 @@ class _Request:
     plan_memory: bool
     groups: LeafGroups
     align: int
+    max_bindings: int = MAX_BINDINGS
 
     @property
     def graph(self) -> Graph:
@@ -426,11 +427,13 @@ class _Candidate:
 
 def make_plan(program: Program, inference: bool, fuse: bool = True,
               plan_memory: bool = True, groups: LeafGroups = NO_GROUPS,
-              align: int = ALIGN) -> Plan:
+              align: int = ALIGN, max_bindings: int = MAX_BINDINGS) -> Plan:
     """Schedule, fuse and place every tensor of ``program`` (training step or inference run).
     ``groups``: persistent tensors stored together (``find_leaf_groups``), shared by every plan
     of a session.  ``align``: the device's storage-buffer offset alignment in bytes (every
-    binding starts at a multiple of it; the default suits every adapter).
+    binding starts at a multiple of it; the default suits every adapter).  ``max_bindings``:
+    the device's storage buffers per shader stage, which caps how many sibling reductions
+    share one dispatch (``siblings.py``); the default (8) is WebGPU's guaranteed limit.
 
     Parameters of a group are bound as their own range of the group's buffer where their
     offset allows (``align``), so kernels reading them carry no parameter offset and identical
@@ -443,7 +446,8 @@ def make_plan(program: Program, inference: bool, fuse: bool = True,
     concat buffer alive from the first such value on; when that raises the peak (gradients
     produced while activations are still live), the plan without it is kept
     (``_smaller_arena``)."""
-    req = _Request(program, inference, fuse, plan_memory, groups, align)
+    req = _Request(program, inference, fuse, plan_memory, groups, align,
+                   max(MAX_BINDINGS, int(max_bindings)))
     candidates = _candidates(req, own_ranges=True)
     if any(binds_overlapping_group_ranges(c) for c in candidates):
         candidates = _candidates(req, own_ranges=False)
@@ -514,7 +518,7 @@ def _candidate(req: _Request, own_ranges: bool, alias: bool) -> _Candidate:
     kernels = rewrite_kernels(sched.kernels, post_passes=req.fuse,
                               merges=req.fuse and not req.inference,
                               updated={base_id[v.id] for v in req.updates.values()},
-                              keep=set(base_id.values()))
+                              keep=set(base_id.values()), max_bindings=req.max_bindings)
     fetch_bases = {name: sched.resolve(v)
                    for name, v in list(req.fetch_values.items()) + list(req.updates.items())}
     c = _Candidate(req, own_ranges, sched, kernels, concat_ranges, fetch_bases)

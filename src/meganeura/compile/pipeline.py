@@ -28,6 +28,7 @@ class CompileOptions:
     fuse: bool = True
     plan_memory: bool = True
     group_params: bool = True
+    max_bindings: int = 8  # storage buffers per sibling-reduction group (``binding_cap``)
 
 
 @dataclass
@@ -48,6 +49,16 @@ def binding_alignment(target: Target) -> int:
     return a if a >= 4 and a & (a - 1) == 0 and a <= 256 else 256
 
 
+def binding_cap(target: Target, is_cpu: bool = False) -> int:
+    """Storage buffers a sibling-reduction group may bind (``siblings.py``): the device's
+    ``max_storage_buffers_per_shader_stage`` on a GPU (the H200: 16), WebGPU's guaranteed 8
+    on a CPU adapter (lavapipe reports 32, but a CPU gains little from fewer dispatches, and
+    CI's plans stay those of a portable build) and for ``portable`` targets (the defaults)."""
+    if is_cpu:
+        return 8
+    return max(8, int(target.lim("max_storage_buffers_per_shader_stage") or 8))
+
+
 def compile_program(program: Program, target: Target, options: CompileOptions,
                     shares_tensors: bool = False, tuning: Tuning | None = None) -> Executable:
     """Every stage after the Program, in order.  ``shares_tensors``: the session shares
@@ -61,7 +72,8 @@ def compile_program(program: Program, target: Target, options: CompileOptions,
     align = binding_alignment(target)
 
     def stream(inference: bool, tag: str):
-        plan = make_plan(lowered, inference, options.fuse, options.plan_memory, groups, align)
+        plan = make_plan(lowered, inference, options.fuse, options.plan_memory, groups, align,
+                         options.max_bindings)
         if tuning is not None:
             plan = tune_plan(plan, target, tuning.mode, tuning.device_key, tuning.cache,
                              tuning.timer, tuning.report)

@@ -23,10 +23,13 @@ from .schedule import MAX_BINDINGS, LoweredKernel, _contiguous
 
 
 def rewrite_kernels(kernels: list[LoweredKernel], *, post_passes: bool, merges: bool,
-                    updated: set[int], keep: set[int]) -> list[LoweredKernel]:
+                    updated: set[int], keep: set[int],
+                    max_bindings: int = MAX_BINDINGS) -> list[LoweredKernel]:
     """``kernels`` with the post-pass rule (``post_passes``; never into a kernel writing an
     ``updated`` value, which the in-place rules look at alone) and then the merge rule
-    (``merges``; never for kernels writing a ``keep`` value: fetched results and updates)."""
+    (``merges``; never for kernels writing a ``keep`` value: fetched results and updates).
+    ``max_bindings`` (the device's storage buffers per stage) caps sibling-reduction groups
+    only: the other rules keep WebGPU's 8 so that their kernels stay the same everywhere."""
     if post_passes:  # an elementwise pass reading a reduction broadcast back: in its workgroups
         kernels = merge_adjacent(kernels, lambda a, b: with_post_pass(a, b, updated))
     # neighbouring elementwise kernels over one shape: one dispatch.  (Training steps only:
@@ -36,7 +39,7 @@ def rewrite_kernels(kernels: list[LoweredKernel], *, post_passes: bool, merges: 
     if post_passes:  # sibling reductions (same shape and axes): one dispatch (siblings.py)
         from .siblings import group_sibling_reductions
 
-        kernels = group_sibling_reductions(kernels, updated)
+        kernels = group_sibling_reductions(kernels, updated, max_bindings)
     return kernels
 # Longest reduced extent whose elementwise pass runs in the reduction's workgroups: the pass
 # has only the reduction's parallelism (one workgroup per row for a norm over the hidden

@@ -11,8 +11,8 @@ shape, axes and split when that is legal:
   earlier is then safe; a concat read through its buffer counts as produced by every kernel
   writing one of its inputs, which may write its slot);
 * neither writes an updated persistent value (the in-place rules look at those kernels
-  alone) and neither has a post pass (``rewrites.with_post_pass`` ran first: a post
-  pass saves a whole elementwise dispatch and pass over the input, so it wins);
+  alone).  A reduction with a post pass (``rewrites.with_post_pass`` ran first) joins too:
+  its post pass runs after the group's reduction, in the same workgroups, as it did alone;
 * the group binds at most ``max_bindings`` storage buffers (shared inputs bound once).
 
 A group of one stays the original ``ReduceKernel``: plans without sibling reductions are
@@ -21,21 +21,56 @@ unchanged.  Split reductions group twice: their partial kernels, then their fina
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..kernels import ir
+from ..kernels.common import bcast_strides
+from ..kernels.reduce import _extra_strides
 from .schedule import MAX_BINDINGS, LoweredKernel
 
 MAX_MEMBERS = 6  # keeps each invocation's accumulators (UNROLL per member) in registers
 
 
 def _key(d: ir.ReduceKernel) -> tuple:
-    nd = len(d.shape)
-    return tuple(d.shape), tuple(sorted(a % nd for a in d.axes)) if nd else (), d.split
+    """Iteration shape, reduced axes and split with size-1 dims squeezed (``squeezed``): a
+    bias gradient over (1500, 384) and a LayerNorm one over (1, 1500, 384) are siblings."""
+    d = squeezed(d)
+    return tuple(d.shape), tuple(d.axes), d.split
+
+
+def squeezed(d: ir.ReduceKernel) -> ir.ReduceKernel:
+    """``d`` over its iteration shape without size-1 dims (the same elements in the same
+    order; each operand's view re-expressed over the squeezed shape).  ``d`` itself when it
+    has none, so that groups of same-shaped members are emitted as before."""
+    shape = tuple(int(n) for n in d.shape)
+    nd = len(shape)
+    axes = sorted({a % nd for a in d.axes}) if nd else []
+    if 1 not in shape:
+        return d if list(d.axes) == axes else dataclasses.replace(d, axes=tuple(axes))
+    keep = [i for i, n in enumerate(shape) if n != 1]
+    out_shape = tuple(n for i, n in enumerate(shape) if i not in axes)
+    keep_out = [i for i, n in enumerate(out_shape) if n != 1]
+
+    def over(s: ir.Strided, strides, dims: list[int], of: tuple[int, ...]) -> ir.Strided:
+        return ir.Strided(s.dtype, tuple(of[i] for i in dims), tuple(strides[i] for i in dims),
+                          s.offset, s.extent)
+
+    full = [over(s, bcast_strides(s, shape, f"{d.name} input"), keep, shape)
+            for s in d.inputs + d.post_inputs]
+    extra = tuple(over(s, _extra_strides(s, shape, axes, out_shape, f"{d.name} extra"),
+                       keep_out, out_shape) for s in d.extra)
+    return dataclasses.replace(
+        d, shape=tuple(shape[i] for i in keep), axes=tuple(keep.index(a) for a in axes
+                                                            if a in keep),
+        inputs=tuple(full[:len(d.inputs)]), post_inputs=tuple(full[len(d.inputs):]),
+        extra=extra)
 
 
 def _candidate(k: LoweredKernel, updated: set[int]) -> bool:
     d = k.desc
-    return (isinstance(d, ir.ReduceKernel) and not d.post and len(k.outs) == 1
-            and bool(d.prologue or d.inputs) and not any(v.id in updated for v in k.outs))
+    return (isinstance(d, ir.ReduceKernel) and len(k.outs) == 1 + len(d.post_outputs)
+            and bool(d.prologue or d.inputs) and not any(v.id in updated for v in k.outs)
+            and bool(squeezed(d).axes))
 
 
 class _Group:
@@ -46,10 +81,14 @@ class _Group:
 
     def bindings(self, extra: LoweredKernel | None = None) -> int:
         ks = self.members + ([extra] if extra is not None else [])
-        ins = {(b.id, s) for k in ks for b, s in zip(k.ins, k.desc.inputs, strict=False)}
-        xs = {(b.id, s) for k in ks
-              for b, s in zip(k.ins[len(k.desc.inputs):], k.desc.extra, strict=True)}
-        return len(ins) + len(xs) + len(ks)
+        ins, xs = set(), set()
+        for k in ks:
+            d = squeezed(k.desc)
+            n_in, n_x = len(d.inputs), len(d.extra)
+            ins |= {(b.id, s) for b, s in zip(k.ins, d.inputs, strict=False)}
+            ins |= {(b.id, s) for b, s in zip(k.ins[n_in + n_x:], d.post_inputs, strict=True)}
+            xs |= {(b.id, s) for b, s in zip(k.ins[n_in:n_in + n_x], d.extra, strict=True)}
+        return len(ins) + len(xs) + sum(len(k.outs) for k in ks)
 
     def lowered(self) -> LoweredKernel:
         if len(self.members) == 1:
@@ -59,7 +98,7 @@ class _Group:
 
 def _multi(ks: list[LoweredKernel]) -> LoweredKernel:
     """One ``MultiReduceKernel`` for ``ks``: inputs and extras deduplicated (by value and
-    view), each member's operands renumbered."""
+    view), each member's operands renumbered (post inputs join the shared inputs)."""
     ins, ins_b, xs, xs_b, members = [], [], [], [], []
 
     def slot(bases, views, b, s):
@@ -71,16 +110,25 @@ def _multi(ks: list[LoweredKernel]) -> LoweredKernel:
         return len(views) - 1
 
     for k in ks:
-        d = k.desc
+        d = squeezed(k.desc)
         n_in = len(d.inputs)
         imap = {i: slot(ins_b, ins, k.ins[i], d.inputs[i]) for i in range(n_in)}
-        xmap = {i: slot(xs_b, xs, k.ins[n_in + i], d.extra[i]) for i in range(len(d.extra))}
+        n_x = len(d.extra)
+        xmap = {i: slot(xs_b, xs, k.ins[n_in + i], d.extra[i]) for i in range(n_x)}
         remap = {"in": imap, "x": xmap}
+        # the post pass reads its own inputs and the reduction's (``ri``): all shared inputs
+        pmap = {i: slot(ins_b, ins, k.ins[n_in + n_x + i], s)
+                for i, s in enumerate(d.post_inputs)}
+        post = tuple(ir.Instr(i.expr, tuple(("in", imap[j]) if kd == "ri" else
+                                            ("in", pmap[j]) if kd == "in" else (kd, j)
+                                            for kd, j in i.args), i.dtype, i.helpers)
+                     for i in d.post)
         # no prologue: the value reduced is input 0 (a split reduction's final pass)
         pro = d.prologue or (ir.Instr("{0}", (("in", 0),), d.inputs[0].dtype),)
         members.append(ir.ReduceMember(d.kind, _renumber(pro, remap),
-                                       _renumber(d.epilogue, remap), d.out_dtype))
-    d0 = ks[0].desc
+                                       _renumber(d.epilogue, remap), d.out_dtype, post,
+                                       tuple(d.post_outputs)))
+    d0 = squeezed(ks[0].desc)
     desc = ir.MultiReduceKernel(tuple(d0.shape), tuple(d0.axes), tuple(ins), tuple(members),
                                 tuple(xs), d0.split, name=f"multi_reduce_{len(ks)}")
     return LoweredKernel(desc, ins_b + xs_b, [v for k in ks for v in k.outs], _label(ks))

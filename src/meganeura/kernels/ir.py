@@ -111,12 +111,16 @@ class ReduceMember:
     """One reduction of a ``MultiReduceKernel``: its ``kind``, ``prologue`` (instrs over the
     shared ``("in", i)`` inputs; the value reduced is the last one), ``epilogue`` (over
     ``("acc", 0)`` and the shared ``("x", i)`` extra inputs) and stored dtype, as in
-    ``ReduceKernel``."""
+    ``ReduceKernel``.  ``post``/``post_outputs``: the member's elementwise pass over the
+    iteration shape after the group's reduction, as ``ReduceKernel.post`` but reading
+    ``("in", i)`` from the kernel's shared inputs (no split)."""
 
     kind: str
     prologue: tuple[Instr, ...]
     epilogue: tuple[Instr, ...] = ()
     out_dtype: DType | None = None
+    post: tuple[Instr, ...] = ()
+    post_outputs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,8 @@ class MultiReduceKernel:
     element's coordinates are computed and every input loaded once, then every member's
     prologue folds it into its own accumulator.  ``split`` as in ``ReduceKernel`` (partial
     mode: no epilogues, outputs ``(split, *out)`` in the accumulator dtype).  Bindings:
-    inputs, extra, then one contiguous output per member."""
+    inputs, extra, then per member its contiguous output followed by its post outputs
+    (contiguous over ``shape``)."""
 
     shape: tuple[int, ...]
     axes: tuple[int, ...]

@@ -82,6 +82,8 @@ class _Multi:
         if not k.members:
             raise CodegenError(f"kernel {name!r} has no members")
         self.val_t, self.acc_t, self.out_t = [], [], []
+        self.post_dts = [[m.post[i].dtype for i in m.post_outputs] for m in k.members]
+        self.has_post = any(self.post_dts)
         for j, m in enumerate(k.members):
             if m.kind not in ("sum", "max", "min"):
                 raise CodegenError(f"kernel {name!r} member {j}: unknown reduction {m.kind!r}")
@@ -92,6 +94,10 @@ class _Multi:
             if self.split > 1 and m.epilogue:
                 raise CodegenError(f"kernel {name!r} member {j}: a split (partial) "
                                    "reduction has no epilogue")
+            if (m.post_outputs or m.post) and (self.split > 1 or not m.post
+                                               or not m.post_outputs):
+                raise CodegenError(f"kernel {name!r} member {j}: a post pass needs instrs, "
+                                   "outputs and no split")
             val = m.prologue[-1].dtype
             acc = acc_dtype(val)
             out = acc if self.split > 1 else (
@@ -105,10 +111,13 @@ class _Multi:
         self.n_in, self.n_x = len(k.inputs), len(k.extra)
         if self.split > 1 and k.extra:
             raise CodegenError(f"kernel {name!r}: a split (partial) reduction has no extras")
-        bind_dtypes = ([s.dtype for s in k.inputs] + [s.dtype for s in k.extra]
-                       + list(self.out_t))
+        bind_dtypes = [s.dtype for s in k.inputs] + [s.dtype for s in k.extra]
+        self.out_b = []  # binding of each member's output (its post outputs follow it)
+        for j, dt in enumerate(self.out_t):
+            self.out_b.append(len(bind_dtypes))
+            bind_dtypes += [dt] + self.post_dts[j]
         check_bindings(name, len(bind_dtypes), t)
-        instrs = [i for m in k.members for i in m.prologue + m.epilogue]
+        instrs = [i for m in k.members for i in m.prologue + m.epilogue + m.post]
         self.uses_f16 = check_dtypes(name, bind_dtypes + [i.dtype for i in instrs], t)
         self.bd = Bindings(bind_dtypes, alias)
         self.used = sorted({i for m in k.members
@@ -117,9 +126,13 @@ class _Multi:
         self.used_x = sorted({i for m in k.members
                               for i in _used(m.epilogue, "x", self.n_x,
                                              "epilogue reads extra input", name)})
+        self.used_p = sorted({i for m in k.members
+                              for i in _used(m.post, "in", self.n_in, "post pass reads input",
+                                             name)})
+        self.used_all = sorted(set(self.used) | set(self.used_p))
         self.full = {i: bcast_strides(k.inputs[i], shape, f"{name} input {i}")
-                     for i in self.used}
-        for i in self.used:
+                     for i in self.used_all}
+        for i in self.used_all:
             check_extent(name, f"input {i}", k.inputs[i], shape, self.full[i], t)
         self.xst = {i: _extra_strides(k.extra[i], shape, self.axes, self.out_shape,
                                       f"{name} extra {i}") for i in self.used_x}
@@ -127,21 +140,28 @@ class _Multi:
             check_extent(name, f"extra input {i}", k.extra[i], self.out_shape, self.xst[i], t)
         for dt in self.out_t:
             check_binding_size(name, "output", self.out_total * self.split, dt, t)
+        for dt in (d for dts in self.post_dts for d in dts):
+            check_binding_size(name, "post output", prod(shape), dt, t)
 
     def _merge(self) -> None:
-        """Kept dims merged over the inputs' kept part, the extras and the outputs; reduced
-        dims over the inputs."""
-        used, kept, axes, full = self.used, self.kept, self.axes, self.full
+        """Kept dims merged over the inputs' kept part, the extras, the outputs and the post
+        outputs (contiguous over ``shape``); reduced dims over the inputs and post outputs."""
+        used, kept, axes, full = self.used_all, self.kept, self.axes, self.full
+        post_out = [contiguous_strides(self.shape)] if self.has_post else []
         self.kshape, kstr = merge_dims(
             self.out_shape,
             [contiguous_strides(self.out_shape)]
-            + [tuple(full[i][d] for d in kept) for i in used]
+            + [tuple(s[d] for d in kept) for s in [full[i] for i in used] + post_out]
             + [self.xst[i] for i in self.used_x])
-        self.kin = dict(zip(used, kstr[1:1 + len(used)], strict=True))
-        self.kx = dict(zip(self.used_x, kstr[1 + len(used):], strict=True))
+        nu, npo = len(used), len(post_out)
+        self.kin = dict(zip(used, kstr[1:1 + nu], strict=True))
+        self.kpost = kstr[1 + nu] if npo else None
+        self.kx = dict(zip(self.used_x, kstr[1 + nu + npo:], strict=True))
         self.rshape, rstr = merge_dims(tuple(self.shape[d] for d in axes),
-                                       [tuple(full[i][d] for d in axes) for i in used])
-        self.rin = dict(zip(used, rstr, strict=True))
+                                       [tuple(s[d] for d in axes)
+                                        for s in [full[i] for i in used] + post_out])
+        self.rin = dict(zip(used, rstr[:nu], strict=True))
+        self.rpost = rstr[nu] if npo else None
 
     def _layout(self) -> None:
         """Workgroup shape from the first member's first input (as ``reduce`` chooses it)."""
@@ -272,7 +292,9 @@ class _Multi:
             body.append(f"{ind}}}")
             body.append(f"{ind}workgroupBarrier();")
             s //= 2
-        body.append(f"{ind}if (y == 0u && valid) {{")
+        # every lane of an output reads the totals when a post pass follows (after the last
+        # barrier nothing writes ``red``); otherwise only lane 0, which stores them
+        body.append(f"{ind}if ({'valid' if self.has_post else 'y == 0u && valid'}) {{")
         return [f"{i2}let total{j} = red{j}[x];" for j in range(len(members))]
 
     def _store(self, L: list[str], i2: str) -> None:
@@ -287,11 +309,52 @@ class _Multi:
                 L.append(f"{i2}let e{i} = {e};")
                 xnames[i] = (f"e{i}", k.extra[i].dtype)
         oidx = f"cb * {u(self.out_total)} + o" if self.split > 1 else "o"
+        results = []
         for j, m in enumerate(k.members):
             v, vdt = self._result(L, i2, j, m, xnames)
-            out_b = self.n_in + self.n_x + j
-            L.append(f"{i2}{self.bd.name(out_b)}[{oidx}] = "
-                     f"{store_value(v, vdt, self.out_t[j])};")
+            results.append((v, vdt))
+            store = f"{self.bd.name(self.out_b[j])}[{oidx}] = {store_value(v, vdt, self.out_t[j])};"
+            L.append(f"{i2}if (y == 0u) {{ {store} }}" if self.has_post and self.ty > 1
+                     else f"{i2}{store}")
+        if self.has_post:
+            self._post_pass(L, i2, results)
+
+    def _post_pass(self, L: list[str], ind: str, results) -> None:
+        """Each invocation of an output walks its share of the reduced elements again: every
+        post input loaded once, then each member's post instrs (``("r", 0)`` its stored
+        result) and stores (``ReduceKernel``'s post pass, all members in one loop)."""
+        k, bd, i2 = self.k, self.bd, ind + "    "
+        kc = coords_code("o", self.kshape, "kq", L, ind)
+        for i in self.used_p:
+            L.append(f"{ind}let qbase{i} = {index_code(kc, self.kin[i], k.inputs[i].offset)};")
+        L.append(f"{ind}let obase = {index_code(kc, self.kpost, 0)};")
+        start = "y" if self.ty > 1 else "0u"
+        L.append(f"{ind}for (var rp: u32 = {start}; rp < {u(self.red_total)}; "
+                 f"rp = rp + {u(self.ty)}) {{")
+        rc = coords_code("rp", self.rshape, "rq", L, i2)
+        names = {}
+        for i in self.used_p:
+            idx = _rel(f"qbase{i}", rc, self.rin[i])
+            L.append(f"{i2}let z{i} = {load(bd.name(i), idx, k.inputs[i].dtype)};")
+            names[("in", i)] = (f"z{i}", k.inputs[i].dtype)
+        oidx = _rel("obase", rc, self.rpost)
+        for j, m in enumerate(k.members):
+            if not m.post:
+                continue
+
+            def arg(a, j=j):
+                if a == ("r", 0):
+                    return results[j]
+                if a in names:
+                    return names[a]
+                raise CodegenError(f"kernel {self.name!r} member {j}: post operand {a!r}")
+
+            res = emit_instrs(m.post, arg, f"s{j}_", L, i2, self.helpers)
+            for q, ins in enumerate(m.post_outputs):
+                v, vdt = res[ins]
+                L.append(f"{i2}{bd.name(self.out_b[j] + 1 + q)}[{oidx}] = "
+                         f"{store_value(v, vdt, m.post[ins].dtype)};")
+        L.append(f"{ind}}}")
 
     def _result(self, L: list[str], i2: str, j: int, m, xnames) -> tuple[str, DType]:
         """The value member ``j`` stores (``reduce``'s rules: unrounded accumulator without
@@ -335,7 +398,8 @@ class _Multi:
                 "workgroup_size": self.wg, "workgroup_storage": self.shared_bytes,
                 "binding_dtypes": tuple(self.bd.dtypes), "reduced": self.red_total,
                 "outputs": self.out_total, "split": self.split,
-                "members": len(self.k.members)}
+                "members": len(self.k.members),
+                "post_members": sum(bool(m.post) for m in self.k.members)}
         return KernelSpec(name=self.name, wgsl=module_source(lines, self.helpers, self.wg, body),
                           n_bindings=self.bd.n, workgroups=self.grid.workgroups, meta=meta)
 
