@@ -155,7 +155,7 @@ def _gpu_session(program, precision: str, backend, check_finite: bool, options: 
     target = make_target(None) if portable else make_target(device)
     opts = CompileOptions(precision, options.get("fuse", True), options.get("plan_memory", True),
                           options.get("group_params", True),
-                          binding_cap(target, bool(getattr(device, "is_cpu", False))))
+                          binding_cap(target))
     exe = compile_program(program, target, opts, shares_tensors=share is not None,
                           tuning=tuning)
     sess = GPUSession(program, exe, device, check_finite, share)
