@@ -197,3 +197,22 @@ def test_post_pass_member_needs_outputs_and_no_split(dev):
     with pytest.raises(CodegenError, match="post pass needs"):
         codegen.emit(MultiReduceKernel((4, 8), (1,), (s,), (ReduceMember(
             "sum", one, post=one),)))
+
+
+def test_member_without_prologue_and_post_reading_any_input(run, rng):
+    """The shared generator's generalizations: a member with no prologue reduces input 0 (as a
+    ``ReduceKernel`` without one does), and a ``ReduceKernel``'s post pass may read, as
+    ``("ri", i)``, an input its prologue does not read."""
+    shape = (6, 40)
+    a, b = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    full = Strided.contiguous(f32, shape)
+    members = (ReduceMember("max", ()), ReduceMember("sum", (Instr("{0}", (IN1,), f32),)))
+    k = MultiReduceKernel(shape, (1,), (full, full), members)
+    mx, sb = run(k, [a, b], [((6,), f32)] * 2)
+    np.testing.assert_array_equal(mx, a.max(1))
+    assert_close(sb, b.astype(np.float64).sum(1), 1e-5, 1e-5, what="sum(b)")
+    solo = ReduceKernel(shape, (1,), "max", (full, full), (), post=(
+        Instr("({0} - {1})", (("ri", 1), ("r", 0)), f32),), post_outputs=(0,))
+    r, y = run(solo, [a, b], [((6,), f32), (shape, f32)])
+    np.testing.assert_array_equal(r, a.max(1))
+    np.testing.assert_array_equal(y, b - a.max(1, keepdims=True))

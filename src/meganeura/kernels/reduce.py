@@ -14,9 +14,16 @@ deterministic (no atomics).
 
 Reduced axes may be any subset (need not be last or contiguous); they are iterated through a
 linear index decomposed over the (merged) reduced dims.  f16 and f32 accumulate in f32.
+
+One generator (``_Reduce``) serves both reduction families: a ``MultiReduceKernel``
+(``kernels/multi_reduce.py``: sibling reductions sharing their loads) and a ``ReduceKernel``,
+which is its one-member case with another binding order — so a change to the loop, the lane
+tree or the post pass reaches both, and a member stores bit for bit what its own kernel would.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from ..dtypes import DType, bool_
 from .archetypes import kernel_family
@@ -48,7 +55,14 @@ from .common import (
     store_value,
     u,
 )
-from .ir import KernelSpec, ReduceKernel, Strided, contiguous_strides
+from .ir import (
+    KernelSpec,
+    MultiReduceKernel,
+    ReduceKernel,
+    ReduceMember,
+    Strided,
+    contiguous_strides,
+)
 
 SERIAL_MAX = 16  # reduced extents up to this are folded by one invocation per output
 UNROLL = 4  # independent partial accumulators per invocation (memory-level parallelism)
@@ -90,16 +104,41 @@ def _used(instrs, kind: str, n: int, what: str, name: str) -> list[int]:
 
 
 class _Reduce:
-    """One reduction being generated: the analysis (axes, dtypes, operand strides merged over
-    the kept and the reduced dims, workgroup layout) as attributes, the WGSL in steps."""
+    """One reduction dispatch being generated, for both families: a ``MultiReduceKernel`` as
+    is, a ``ReduceKernel`` as its one-member view (``emit``).  One accumulator per member;
+    each reduced element's coordinates are computed and every input loaded once.  The
+    analysis (axes, dtypes, strides merged over the kept and the reduced dims, workgroup
+    layout) is kept as attributes, the WGSL is written in steps.
 
-    def __init__(self, k: ReduceKernel, t, alias):
-        self.k, self.t, self.name = k, t, k.name
+    ``n_front``: how many inputs are bound before the extras (the rest follow them): the
+    binding order of a ``ReduceKernel`` (inputs, extra, post inputs, out, post outputs) as
+    data; a ``MultiReduceKernel`` binds all its inputs first."""
+
+    def __init__(self, k: MultiReduceKernel, t, alias, n_front: int | None = None,
+                 archetype: str = "multi_reduce"):
+        self.k, self.t, self.name, self.archetype = k, t, k.name, archetype
+        self.n_front = len(k.inputs) if n_front is None else n_front
         self._axes()
-        self._dtypes(alias)
-        self._operands()
+        self._members()
+        self._operands(alias)
         self._merge()
         self._layout()
+
+    def _who(self, j: int) -> str:
+        """The subject of an error about member ``j`` (a ``ReduceKernel`` has no members)."""
+        solo = self.archetype == "reduce"
+        return f"kernel {self.name!r}" + ("" if solo else f" member {j}")
+
+    def _label(self, i: int) -> str:
+        """Input ``i`` as its description names it (a ``ReduceKernel``'s post inputs are
+        appended to its inputs in the view)."""
+        return f"input {i}" if i < self.n_front else f"post input {i - self.n_front}"
+
+    def _reads(self, m) -> list[int]:
+        """The inputs member ``m``'s prologue reads; without a prologue it reduces input 0."""
+        if not m.prologue:
+            return [0]
+        return _used(m.prologue, "in", len(self.k.inputs), "prologue reads input", self.name)
 
     def _axes(self) -> None:
         k, name = self.k, self.name
@@ -110,122 +149,125 @@ class _Reduce:
         axes = self.axes = tuple(sorted({a % nd for a in k.axes}))
         if len(axes) != len(k.axes):
             raise CodegenError(f"kernel {name!r}: repeated axes {k.axes}")
-        if k.kind not in ("sum", "max", "min"):
-            raise CodegenError(f"kernel {name!r}: unknown reduction {k.kind!r}")
         self.kept = [d for d in range(nd) if d not in axes]
         self.out_shape = tuple(shape[d] for d in self.kept)
-        self.rshape_full = tuple(shape[d] for d in axes)
         self.out_total = prod(self.out_shape)
-        self.red_total = prod(self.rshape_full)
-        if self.red_total == 0 and k.kind != "sum":
-            raise CodegenError(f"kernel {name!r}: {k.kind} over an empty axis")
+        self.red_total = prod(shape[d] for d in axes)
+        self.split = max(1, int(k.split or 1))
 
-    def _dtypes(self, alias) -> None:
-        k, name = self.k, self.name
-        if not k.prologue and not k.inputs:
-            raise CodegenError(f"kernel {name!r} has neither inputs nor a prologue")
-        # the value reduced
-        self.val_dtype = k.prologue[-1].dtype if k.prologue else k.inputs[0].dtype
-        self.acc_t = acc_dtype(self.val_dtype)
-        res_dtype = k.epilogue[-1].dtype if k.epilogue else self.val_dtype
-        self.out_dtype: DType = k.out_dtype or res_dtype
-        self.split = max(1, int(getattr(k, "split", 1) or 1))
-        if self.split > 1:
-            self.out_dtype = self.acc_t  # partial results stay in the accumulator type
-        self.n_in, self.n_x = len(k.inputs), len(k.extra)
-        self.n_po = len(k.post_outputs)
-        if self.n_po and (self.split > 1 or not k.post):
-            raise CodegenError(f"kernel {name!r}: a post pass needs instrs and no split")
-        self.post_dts = [k.post[i].dtype for i in k.post_outputs]
-        bind_dtypes = ([s.dtype for s in k.inputs] + [s.dtype for s in k.extra]
-                       + [s.dtype for s in k.post_inputs] + [self.out_dtype] + self.post_dts)
-        check_bindings(name, len(bind_dtypes), self.t)
-        all_dtypes = bind_dtypes + [i.dtype for i in k.prologue + k.epilogue + k.post]
-        self.uses_f16 = check_dtypes(name, all_dtypes, self.t)
-        self.bd = Bindings(bind_dtypes, alias)
-        self.out_b = self.n_in + self.n_x + len(k.post_inputs)  # binding of the reduced output
+    def _members(self) -> None:
+        """Per member: the reduced value's dtype, its accumulator and stored dtypes."""
+        k = self.k
+        if not k.members:
+            raise CodegenError(f"kernel {self.name!r} has no members")
+        self.val_t, self.acc_t, self.out_t = [], [], []
+        self.post_dts = [[m.post[i].dtype for i in m.post_outputs] for m in k.members]
+        self.has_post = any(self.post_dts)
+        for j, m in enumerate(k.members):
+            who = self._who(j)
+            if m.kind not in ("sum", "max", "min"):
+                raise CodegenError(f"{who}: unknown reduction {m.kind!r}")
+            if not m.prologue and not k.inputs:
+                raise CodegenError(f"{who} has neither inputs nor a prologue")
+            if self.red_total == 0 and m.kind != "sum":
+                raise CodegenError(f"{who}: {m.kind} over an empty axis")
+            if self.split > 1 and (m.epilogue or k.extra):
+                raise CodegenError(f"{who}: a split (partial) reduction has no epilogue")
+            if (m.post_outputs or m.post) and (self.split > 1 or not m.post
+                                               or not m.post_outputs):
+                raise CodegenError(f"{who}: a post pass needs instrs, outputs and no split")
+            val = m.prologue[-1].dtype if m.prologue else k.inputs[0].dtype
+            acc = acc_dtype(val)
+            out = acc if self.split > 1 else (
+                m.out_dtype or (m.epilogue[-1].dtype if m.epilogue else val))
+            self.val_t.append(val)
+            self.acc_t.append(acc)
+            self.out_t.append(out)
 
-    def _operands(self) -> None:
+    def _operands(self, alias) -> None:
         k, name, t, shape = self.k, self.name, self.t, self.shape
-        used = self.used = (_used(k.prologue, "in", self.n_in, "prologue reads input", name)
-                            if k.prologue else [0])
-        used_x = self.used_x = _used(k.epilogue, "x", self.n_x, "epilogue reads extra input",
-                                     name)
-        self.full = {i: bcast_strides(k.inputs[i], shape, f"{name} input {i}") for i in used}
-        for i in used:
-            check_extent(name, f"input {i}", k.inputs[i], shape, self.full[i], t)
+        self.n_in, self.n_x, nf = len(k.inputs), len(k.extra), self.n_front
+        ins = [s.dtype for s in k.inputs]
+        bind_dtypes = ins[:nf] + [s.dtype for s in k.extra] + ins[nf:]
+        self.in_b = [i if i < nf else i + self.n_x for i in range(self.n_in)]  # input bindings
+        self.out_b = []  # binding of each member's output (its post outputs follow it)
+        for j, dt in enumerate(self.out_t):
+            self.out_b.append(len(bind_dtypes))
+            bind_dtypes += [dt] + self.post_dts[j]
+        check_bindings(name, len(bind_dtypes), t)
+        instrs = [i for m in k.members for i in m.prologue + m.epilogue + m.post]
+        self.uses_f16 = check_dtypes(name, bind_dtypes + [i.dtype for i in instrs], t)
+        self.bd = Bindings(bind_dtypes, alias)
+        self.used = sorted({i for m in k.members for i in self._reads(m)})
+        self.used_x = sorted({i for m in k.members
+                              for i in _used(m.epilogue, "x", self.n_x,
+                                             "epilogue reads extra input", name)})
+        self.used_p = sorted({i for m in k.members
+                              for i in _used(m.post, "in", self.n_in, "post pass reads input",
+                                             name)})
+        self.used_all = sorted(set(self.used) | set(self.used_p))
+        self.full = {i: bcast_strides(k.inputs[i], shape, f"{name} {self._label(i)}")
+                     for i in self.used_all}
+        for i in self.used_all:
+            check_extent(name, self._label(i), k.inputs[i], shape, self.full[i], t)
         self.xst = {i: _extra_strides(k.extra[i], shape, self.axes, self.out_shape,
-                                      f"{name} extra {i}") for i in used_x}
-        for i in used_x:
+                                      f"{name} extra {i}") for i in self.used_x}
+        for i in self.used_x:
             check_extent(name, f"extra input {i}", k.extra[i], self.out_shape, self.xst[i], t)
-        check_binding_size(name, "output", self.out_total * self.split, self.out_dtype, t)
-        used_p = self.used_p = _used(k.post, "in", len(k.post_inputs), "post pass reads input",
-                                     name)
-        self.pfull = {i: bcast_strides(k.post_inputs[i], shape, f"{name} post input {i}")
-                      for i in used_p}
-        for i in used_p:
-            check_extent(name, f"post input {i}", k.post_inputs[i], shape, self.pfull[i], t)
-        for dt in self.post_dts:
+        for dt in self.out_t:
+            check_binding_size(name, "output", self.out_total * self.split, dt, t)
+        for dt in (d for dts in self.post_dts for d in dts):
             check_binding_size(name, "post output", prod(shape), dt, t)
 
     def _merge(self) -> None:
-        """Kept dims merged over inputs (kept part), extras, post operands and the contiguous
-        output; reduced dims over inputs and post operands."""
-        used, used_x, used_p, kept, axes = self.used, self.used_x, self.used_p, self.kept, self.axes
-        full, pfull = self.full, self.pfull
-        full_out = contiguous_strides(self.shape)  # the post outputs' layout
-        post_out = [full_out] if self.n_po else []
+        """Kept dims merged over the inputs' kept part, the extras, the outputs and the post
+        outputs (contiguous over ``shape``); reduced dims over the inputs and post outputs."""
+        used, kept, axes, full = self.used_all, self.kept, self.axes, self.full
+        post_out = [contiguous_strides(self.shape)] if self.has_post else []
         self.kshape, kstr = merge_dims(
             self.out_shape,
             [contiguous_strides(self.out_shape)]
-            + [tuple(full[i][d] for d in kept) for i in used]
-            + [self.xst[i] for i in used_x]
-            + [tuple(s[d] for d in kept) for s in [pfull[i] for i in used_p] + post_out],
-        )
-        nu, nx = len(used), len(used_x)
-        self.kin = dict(zip(used, kstr[1 : 1 + nu], strict=False))
-        self.kx = dict(zip(used_x, kstr[1 + nu : 1 + nu + nx], strict=False))
-        self.kpost = kstr[1 + nu + nx:]
-        self.rshape, rstr = merge_dims(
-            self.rshape_full,
-            [tuple(s[d] for d in axes) for s in [full[i] for i in used]
-             + [pfull[i] for i in used_p] + post_out],
-        )
-        self.rin = dict(zip(used, rstr, strict=False))
-        self.rpost = rstr[nu:]
+            + [tuple(s[d] for d in kept) for s in [full[i] for i in used] + post_out]
+            + [self.xst[i] for i in self.used_x])
+        nu, npo = len(used), len(post_out)
+        self.kin = dict(zip(used, kstr[1:1 + nu], strict=True))
+        self.kpost = kstr[1 + nu] if npo else None
+        self.kx = dict(zip(self.used_x, kstr[1 + nu + npo:], strict=True))
+        self.rshape, rstr = merge_dims(tuple(self.shape[d] for d in axes),
+                                       [tuple(s[d] for d in axes)
+                                        for s in [full[i] for i in used] + post_out])
+        self.rin = dict(zip(used, rstr[:nu], strict=True))
+        self.rpost = rstr[nu] if npo else None
 
     def _layout(self) -> None:
-        """Workgroup shape: are the kept (output) dims the fast-moving ones in memory?"""
-        k, t, name = self.k, self.t, self.name
-        main = self.used[0] if self.used else None
+        """Workgroup shape: are the kept (output) dims the fast-moving ones in memory, for the
+        first input the first member reads?"""
+        t, name = self.t, self.name
+        first = self._reads(self.k.members[0])
+        main = first[0] if first else None
         kin, rin = self.kin, self.rin
         kept_contig = bool(main is not None and self.kshape and kin[main] and kin[main][-1] == 1
                            and not (self.rshape and rin[main][-1] == 1))
         max_threads = min(MAX_THREADS, t.lim("max_compute_invocations_per_workgroup"))
-        if self.split > 1:
-            if k.epilogue or k.extra:
-                raise CodegenError(f"kernel {name!r}: a split (partial) reduction has no "
-                                   "epilogue")
-            self.split = min(self.split, max(self.red_total, 1))
+        self.split = min(self.split, max(self.red_total, 1))
         self.chunk = -(-self.red_total // self.split)
         self.tx, self.ty = choose_layout(self.rshape, kept_contig, self.chunk, self.out_total,
                                          max_threads)
         self.wg = self.tx * self.ty
         check_invocations(name, self.wg, t)
-        self.shared_bytes = self.wg * 4 if self.ty > 1 else 0
+        self.shared_bytes = self.wg * 4 * len(self.k.members) if self.ty > 1 else 0
         check_workgroup_storage(name, self.shared_bytes, t)
         self.owgs = -(-max(self.out_total, 1) // self.tx)
         self.grid = make_grid(name, self.owgs * self.split, t)
 
     # -- WGSL ----------------------------------------------------------------------------------
     def _head(self, body: list[str], ind: str) -> tuple[str, str]:
-        """Which outputs and which share of the reduced range this invocation owns, the
-        accumulator and the inputs' bases; returns the (start, end) of its range."""
-        tx, ty, split, k = self.tx, self.ty, self.split, self.k
+        """Outputs and share of the reduced range of this invocation, one accumulator per
+        member, the inputs' bases; returns the (start, end) of its range."""
+        tx, ty, split = self.tx, self.ty, self.split
         body.append(f"{ind}let wg = {self.grid.wg_expr};")
         if split > 1:
-            body.append(f"{ind}let cb = wg / {u(self.owgs)};")
-            body.append(f"{ind}let wo = wg % {u(self.owgs)};")
+            body += [f"{ind}let cb = wg / {u(self.owgs)};", f"{ind}let wo = wg % {u(self.owgs)};"]
         else:
             body.append(f"{ind}let wo = wg;")
         if tx > 1:
@@ -235,185 +277,201 @@ class _Reduce:
             body += [f"{ind}let x = 0u;", f"{ind}let y = lid;", f"{ind}let o = wo;"]
         live = f"o < {u(self.out_total)}" + (f" && cb < {u(split)}" if split > 1 else "")
         body.append(f"{ind}let valid = {live};")
-        body.append(f"{ind}var acc: {self.acc_t.wgsl} = {identity(k.kind, self.acc_t)};")
+        for j, m in enumerate(self.k.members):
+            a = self.acc_t[j]
+            body.append(f"{ind}var acc{j}: {a.wgsl} = {identity(m.kind, a)};")
         body.append(f"{ind}if (valid) {{")
         i2 = ind * 2
         kc = coords_code("o", self.kshape, "k", body, i2)
         for i in self.used:
-            body.append(f"{i2}let base{i} = {index_code(kc, self.kin[i], k.inputs[i].offset)};")
+            base = index_code(kc, self.kin[i], self.k.inputs[i].offset)
+            body.append(f"{i2}let base{i} = {base};")
         if split > 1:
             body.append(f"{i2}let r0 = cb * {u(self.chunk)};")
             body.append(f"{i2}let r1 = min(r0 + {u(self.chunk)}, {u(self.red_total)});")
             return ("r0 + y" if ty > 1 else "r0"), "r1"
         return ("y" if ty > 1 else "0u"), u(self.red_total)
 
-    def _fold(self, body: list[str], r: str, tag: str, target: str) -> None:
-        """The loads + prologue of reduced element ``r`` folded into ``target``."""
-        k, i3, acc_t = self.k, "            ", self.acc_t
+    def _fold(self, body: list[str], r: str, tag: str, slot: str) -> None:
+        """Reduced element ``r``: its coordinates and each input once, then every member's
+        prologue (none: input 0) folded into that member's accumulator ``acc{j}{slot}``."""
+        k, i3 = self.k, "            "
         rc = coords_code(r, self.rshape, f"rr{tag}", body, i3)
         names = {}
         for i in self.used:
             idx = _rel(f"base{i}", rc, self.rin[i])
-            body.append(f"{i3}let v{i}{tag} = {load(self.bd.name(i), idx, k.inputs[i].dtype)};")
+            load_v = load(self.bd.name(self.in_b[i]), idx, k.inputs[i].dtype)
+            body.append(f"{i3}let v{i}{tag} = {load_v};")
             names[i] = (f"v{i}{tag}", k.inputs[i].dtype)
 
         def parg(a):
-            kind, i = a
-            if kind != "in":
+            if a[0] != "in":
                 raise CodegenError(f"kernel {self.name!r}: prologue operand {a!r} "
                                    "(use ('in', i))")
-            return names[i]
+            return names[a[1]]
 
-        if k.prologue:
-            val, vdt = emit_instrs(k.prologue, parg, f"p{tag}_", body, i3, self.helpers)[-1]
-        else:
-            val, vdt = names[0]
-        if vdt is bool_:
-            v = f"select(0u, 1u, {val})"
-        else:
-            v = convert(val, vdt, acc_t) if vdt is not acc_t else val
-        body.append(f"{i3}{target} = {combine(k.kind, target, v)};")
+        for j, m in enumerate(k.members):
+            if m.prologue:
+                val, vdt = emit_instrs(m.prologue, parg, f"m{j}p{tag}_", body, i3,
+                                       self.helpers)[-1]
+            else:
+                val, vdt = names[0]
+            acc_t = self.acc_t[j]
+            if vdt is bool_:
+                v = f"select(0u, 1u, {val})"
+            else:
+                v = convert(val, vdt, acc_t) if vdt is not acc_t else val
+            target = f"acc{j}{slot}"
+            body.append(f"{i3}{target} = {combine(m.kind, target, v)};")
 
     def _accumulate(self, body: list[str], start: str, end: str) -> None:
-        """The serial loop: ``UNROLL`` independent accumulators while whole groups remain,
-        then one at a time; the partial accumulators are combined in a fixed tree."""
-        i2, i3, ty, kind = "        ", "            ", self.ty, self.k.kind
+        """The serial loop (``UNROLL`` independent accumulators per member while whole groups
+        remain, then one at a time) and each member's fixed pairwise tree over them."""
+        i2, ty, members = "        ", self.ty, self.k.members
         per_thread = -(-self.chunk // ty)
         unroll = UNROLL if per_thread >= 2 * UNROLL else 1
         body.append(f"{i2}var r: u32 = {start};")
         if unroll > 1:
-            for j in range(1, unroll):
-                body.append(f"{i2}var acc{j}: {self.acc_t.wgsl} = {identity(kind, self.acc_t)};")
+            for j, m in enumerate(members):
+                a = self.acc_t[j]
+                for s in range(1, unroll):
+                    body.append(f"{i2}var acc{j}_{s}: {a.wgsl} = {identity(m.kind, a)};")
             last = f"r + {u((unroll - 1) * ty)}" if ty > 1 else f"r + {u(unroll - 1)}"
             body.append(f"{i2}for (; {last} < {end}; r = r + {u(unroll * ty)}) {{")
-            for j in range(unroll):
-                rj = "r" if j == 0 else f"(r + {u(j * ty)})"
-                body.append(f"{i3}let ru{j} = {rj};")
-                self._fold(body, f"ru{j}", f"u{j}", "acc" if j == 0 else f"acc{j}")
+            for s in range(unroll):
+                rs = "r" if s == 0 else f"(r + {u(s * ty)})"
+                body.append(f"            let ru{s} = {rs};")
+                self._fold(body, f"ru{s}", f"u{s}", "" if s == 0 else f"_{s}")
             body.append(f"{i2}}}")
         body.append(f"{i2}for (; r < {end}; r = r + {u(ty)}) {{")
-        self._fold(body, "r", "", "acc")
+        self._fold(body, "r", "", "")
         body.append(f"{i2}}}")
         if unroll > 1:
-            parts = ["acc"] + [f"acc{j}" for j in range(1, unroll)]
-            while len(parts) > 1:  # fixed pairwise tree: deterministic
-                parts = [combine(kind, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
-            body.append(f"{i2}acc = {parts[0]};")
+            for j, m in enumerate(members):
+                parts = [f"acc{j}"] + [f"acc{j}_{s}" for s in range(1, unroll)]
+                while len(parts) > 1:  # fixed pairwise tree: deterministic
+                    parts = [combine(m.kind, parts[i], parts[i + 1])
+                             for i in range(0, len(parts), 2)]
+                body.append(f"{i2}acc{j} = {parts[0]};")
         body.append("    }")
 
     def _lanes(self, body: list[str], ind: str) -> list[str]:
-        """Combine the ``TY`` lanes of each output in workgroup memory (a fixed tree); returns
-        the first line of the store block (the total)."""
-        tx, ty, kind, i2 = self.tx, self.ty, self.k.kind, ind * 2
+        """Each member's ``TY`` lanes combined in its own workgroup array, all members in the
+        same tree steps (one barrier per step); returns the store block's first lines."""
+        tx, ty, i2, members = self.tx, self.ty, ind * 2, self.k.members
         if ty == 1:
             body.append(f"{ind}if (valid) {{")
-            return [f"{i2}let total = acc;"]
-        body.append(f"{ind}red[lid] = acc;")
+            return [f"{i2}let total{j} = acc{j};" for j in range(len(members))]
+        for j in range(len(members)):
+            body.append(f"{ind}red{j}[lid] = acc{j};")
         body.append(f"{ind}workgroupBarrier();")
         s = ty // 2
         while s >= 1:
             body.append(f"{ind}if (y < {u(s)}) {{")
-            body.append(f"{i2}red[lid] = {combine(kind, 'red[lid]', f'red[lid + {u(s * tx)}]')};")
+            for j, m in enumerate(members):
+                body.append(f"{i2}red{j}[lid] = "
+                            f"{combine(m.kind, f'red{j}[lid]', f'red{j}[lid + {u(s * tx)}]')};")
             body.append(f"{ind}}}")
             body.append(f"{ind}workgroupBarrier();")
             s //= 2
-        # every lane of an output reads the total when a post pass follows (after the last
-        # barrier nothing writes ``red``); otherwise only lane 0, which stores it
-        body.append(f"{ind}if ({'valid' if self.n_po else 'y == 0u && valid'}) {{")
-        return [f"{i2}let total = red[x];"]
+        # every lane of an output reads the totals when a post pass follows (after the last
+        # barrier nothing writes ``red``); otherwise only lane 0, which stores them
+        body.append(f"{ind}if ({'valid' if self.has_post else 'y == 0u && valid'}) {{")
+        return [f"{i2}let total{j} = red{j}[x];" for j in range(len(members))]
 
-    def _epilogue(self, L: list[str], i2: str) -> tuple[str, DType]:
-        """The value stored: the epilogue over ``("acc", 0)`` (the reduced value in the
-        prologue's dtype) and the extra inputs at this output."""
-        k, val_dtype = self.k, self.val_dtype
-        if val_dtype is bool_:
-            L.append(f"{i2}let accv: bool = total != 0u;")
-        else:
-            L.append(f"{i2}let accv: {val_dtype.wgsl} = {convert('total', self.acc_t, val_dtype)};")
-        xnames = {}
-        if self.used_x:
+    def _extras(self, L: list[str], i2: str) -> dict:
+        """The extra inputs at this output, loaded once (where the first epilogue needs them)."""
+        if self.xnames is None:
+            k, self.xnames = self.k, {}
             kc2 = coords_code("o", self.kshape, "ko", L, i2)
             for i in self.used_x:
-                idx = index_code(kc2, self.kx[i], k.extra[i].offset)
-                e = load(self.bd.name(self.n_in + i), idx, k.extra[i].dtype)
+                e = load(self.bd.name(self.n_front + i),
+                         index_code(kc2, self.kx[i], k.extra[i].offset), k.extra[i].dtype)
                 L.append(f"{i2}let e{i} = {e};")
-                xnames[i] = (f"e{i}", k.extra[i].dtype)
-
-        def earg(a):
-            kind, i = a
-            if kind == "acc":
-                return "accv", val_dtype
-            if kind == "x":
-                return xnames[i]
-            raise CodegenError(f"kernel {self.name!r}: epilogue operand {a!r}")
-
-        if k.epilogue:
-            return emit_instrs(k.epilogue, earg, "q", L, i2, self.helpers)[-1]
-        if val_dtype is not bool_ or self.split > 1:
-            return "total", self.acc_t  # no epilogue: store from the accumulator, unrounded
-        return "accv", val_dtype
+                self.xnames[i] = (f"e{i}", k.extra[i].dtype)
+        return self.xnames
 
     def _store(self, L: list[str], i2: str) -> None:
-        out_v, out_vdt = self._epilogue(L, i2)
+        """Each member's epilogue (over its total and the extras at this output) and store."""
         oidx = f"cb * {u(self.out_total)} + o" if self.split > 1 else "o"
-        store = (f"{self.bd.name(self.out_b)}[{oidx}] = "
-                 f"{store_value(out_v, out_vdt, self.out_dtype)};")
-        if self.n_po and self.ty > 1:
-            L.append(f"{i2}if (y == 0u) {{ {store} }}")
-        else:
-            L.append(f"{i2}{store}")
-        if self.n_po:
-            self._post_pass(L, i2, (out_v, out_vdt), "y" if self.ty > 1 else "0u")
+        results, self.xnames = [], None
+        for j, m in enumerate(self.k.members):
+            v, vdt = self._result(L, i2, j, m)
+            results.append((v, vdt))
+            store = f"{self.bd.name(self.out_b[j])}[{oidx}] = {store_value(v, vdt, self.out_t[j])};"
+            L.append(f"{i2}if (y == 0u) {{ {store} }}" if self.has_post and self.ty > 1
+                     else f"{i2}{store}")
+        if self.has_post:
+            self._post_pass(L, i2, results)
 
-    def _post_pass(self, L: list[str], ind: str, result, start: str) -> None:
-        """Each invocation of an output walks its share of the reduced elements again,
-        computing the post instrs (inputs at the full shape, ``("ri", i)`` the reduction's own
-        input ``i``, ``("r", 0)`` the result) and storing them."""
+    def _result(self, L: list[str], i2: str, j: int, m) -> tuple[str, DType]:
+        """The value member ``j`` stores: its epilogue over ``("acc", 0)`` (the total in the
+        prologue's dtype) and the extras; without one the accumulator, unrounded."""
+        val_t, acc_t = self.val_t[j], self.acc_t[j]
+        if val_t is bool_:
+            L.append(f"{i2}let accv{j}: bool = total{j} != 0u;")
+        else:
+            L.append(f"{i2}let accv{j}: {val_t.wgsl} = {convert(f'total{j}', acc_t, val_t)};")
+        xnames = self._extras(L, i2) if self.used_x and any(
+            kd == "x" for ins in m.epilogue for kd, _ in ins.args) else {}
+
+        def earg(a):
+            if a[0] == "acc":
+                return f"accv{j}", val_t
+            if a[0] == "x":
+                return xnames[a[1]]
+            raise CodegenError(f"kernel {self.name!r}: epilogue operand {a!r}")
+
+        if m.epilogue:
+            return emit_instrs(m.epilogue, earg, f"q{j}_", L, i2, self.helpers)[-1]
+        if val_t is not bool_ or self.split > 1:
+            return f"total{j}", acc_t
+        return f"accv{j}", val_t
+
+    def _post_pass(self, L: list[str], ind: str, results) -> None:
+        """Each invocation of an output walks its share of the reduced elements again: every
+        post input loaded once, then each member's post instrs (``("r", 0)`` its stored
+        result) and stores."""
         k, bd, i2 = self.k, self.bd, ind + "    "
         kc = coords_code("o", self.kshape, "kq", L, ind)
-        used_p = self.used_p
-        used_ri = sorted({i for ins in k.post for kind, i in ins.args if kind == "ri"})
-        for i in used_ri:
-            if i not in self.kin:
-                raise CodegenError(f"kernel {k.name!r}: post pass reads reduction input {i}, "
-                                   "which the prologue does not read")
+        for i in self.used_p:
             L.append(f"{ind}let qbase{i} = {index_code(kc, self.kin[i], k.inputs[i].offset)};")
-        for i, st in zip(used_p, self.kpost, strict=False):
-            L.append(f"{ind}let pbase{i} = {index_code(kc, st, k.post_inputs[i].offset)};")
-        L.append(f"{ind}let obase = {index_code(kc, self.kpost[len(used_p)], 0)};")
+        L.append(f"{ind}let obase = {index_code(kc, self.kpost, 0)};")
+        start = "y" if self.ty > 1 else "0u"
         L.append(f"{ind}for (var rp: u32 = {start}; rp < {u(self.red_total)}; "
                  f"rp = rp + {u(self.ty)}) {{")
         rc = coords_code("rp", self.rshape, "rq", L, i2)
         names = {}
-        for i, st in zip(used_p, self.rpost, strict=False):
-            binding = bd.name(self.n_in + self.n_x + i)
-            L.append(f"{i2}let w{i} = "
-                     f"{load(binding, _rel(f'pbase{i}', rc, st), k.post_inputs[i].dtype)};")
-            names[("in", i)] = (f"w{i}", k.post_inputs[i].dtype)
-        for i in used_ri:
+        # the inputs the reduction loop did not read first (any order is equivalent; this one
+        # is the order the single-reduction emitter always used)
+        for i in sorted(self.used_p, key=lambda i: (i in self.used, i)):
             idx = _rel(f"qbase{i}", rc, self.rin[i])
-            L.append(f"{i2}let z{i} = {load(bd.name(i), idx, k.inputs[i].dtype)};")
-            names[("ri", i)] = (f"z{i}", k.inputs[i].dtype)
+            L.append(f"{i2}let z{i} = {load(bd.name(self.in_b[i]), idx, k.inputs[i].dtype)};")
+            names[("in", i)] = (f"z{i}", k.inputs[i].dtype)
+        oidx = _rel("obase", rc, self.rpost)
+        for j, m in enumerate(k.members):
+            if not m.post:
+                continue
 
-        def arg(a):
-            if a[0] == "r":
-                return result
-            if a in names:
-                return names[a]
-            raise CodegenError(f"kernel {k.name!r}: post operand {a!r}")
+            def arg(a, j=j):
+                if a == ("r", 0):
+                    return results[j]
+                if a in names:
+                    return names[a]
+                raise CodegenError(f"{self._who(j)}: post operand {a!r}")
 
-        res = emit_instrs(k.post, arg, "s", L, i2, self.helpers)
-        oidx = _rel("obase", rc, self.rpost[len(used_p)])
-        for j, ins in enumerate(k.post_outputs):
-            v, vdt = res[ins]
-            L.append(f"{i2}{bd.name(self.out_b + 1 + j)}[{oidx}] = "
-                     f"{store_value(v, vdt, k.post[ins].dtype)};")
+            res = emit_instrs(m.post, arg, f"s{j}_", L, i2, self.helpers)
+            for q, ins in enumerate(m.post_outputs):
+                v, vdt = res[ins]
+                L.append(f"{i2}{bd.name(self.out_b[j] + 1 + q)}[{oidx}] = "
+                         f"{store_value(v, vdt, m.post[ins].dtype)};")
         L.append(f"{ind}}}")
 
     def spec(self) -> KernelSpec:
         ind = "    "
         self.helpers: set[str] = set()
-        if self.acc_t.is_float and self.k.kind != "sum":
+        if any(a.is_float and m.kind != "sum" for a, m in zip(self.acc_t, self.k.members,
+                                                               strict=True)):
             self.helpers.add("mn_inf")  # the identity of max/min
         body: list[str] = []
         start, end = self._head(body, ind)
@@ -423,17 +481,37 @@ class _Reduce:
         body += store_lines + [f"{ind}}}"]
         lines = module_header(self.uses_f16) + self.bd.decls()
         if self.ty > 1:
-            lines.append(f"var<workgroup> red: array<{self.acc_t.wgsl}, {self.wg}>;")
-        meta = {"archetype": "reduce", "layout": (self.tx, self.ty), "workgroup_size": self.wg,
-                "workgroup_storage": self.shared_bytes, "binding_dtypes": tuple(self.bd.dtypes),
-                "reduced": self.red_total, "outputs": self.out_total, "split": self.split}
+            lines += [f"var<workgroup> red{j}: array<{a.wgsl}, {self.wg}>;"
+                      for j, a in enumerate(self.acc_t)]
+        meta = {"archetype": self.archetype, "layout": (self.tx, self.ty),
+                "workgroup_size": self.wg, "workgroup_storage": self.shared_bytes,
+                "binding_dtypes": tuple(self.bd.dtypes), "reduced": self.red_total,
+                "outputs": self.out_total, "split": self.split,
+                "members": len(self.k.members),
+                "post_members": sum(bool(m.post) for m in self.k.members)}
         return KernelSpec(name=self.name, wgsl=module_source(lines, self.helpers, self.wg, body),
                           n_bindings=self.bd.n, workgroups=self.grid.workgroups, meta=meta)
 
 
+def _as_member(k: ReduceKernel) -> MultiReduceKernel:
+    """``k`` as a one-member multi-reduction: its post inputs appended to its inputs (the
+    post pass's ``("in", i)`` renumbered after them, ``("ri", i)`` read as ``("in", i)``)."""
+    n_in = len(k.inputs)
+    _used(k.post, "in", len(k.post_inputs), "post pass reads input", k.name)
+    _used(k.post, "ri", n_in, "post pass reads reduction input", k.name)
+    shift = {"in": n_in, "ri": 0}
+    post = tuple(replace(ins, args=tuple(("in", i + shift[kd]) if kd in shift else (kd, i)
+                                         for kd, i in ins.args)) for ins in k.post)
+    member = ReduceMember(k.kind, k.prologue, k.epilogue, k.out_dtype, post, k.post_outputs)
+    return MultiReduceKernel(k.shape, k.axes, k.inputs + k.post_inputs, (member,), k.extra,
+                             k.split, k.name)
+
+
 @kernel_family("reduce", ReduceKernel)
 def emit(k: ReduceKernel, limits=None, features=None, alias=None) -> KernelSpec:
-    return _Reduce(k, make_target(limits, features), alias).spec()
+    """A ``ReduceKernel`` is generated as its one-member view, bound in its own order."""
+    return _Reduce(_as_member(k), make_target(limits, features), alias,
+                   n_front=len(k.inputs), archetype="reduce").spec()
 
 
 def split_plan(k: ReduceKernel, limits=None, features=None, target_workgroups: int = 256,
@@ -446,8 +524,6 @@ def split_plan(k: ReduceKernel, limits=None, features=None, target_workgroups: i
     ``(partial, final, temp)`` with ``temp = (shape, dtype)`` of the partials buffer the
     planner must allocate — bindings: partial = inputs…, temp; final = temp, extra…, out — or
     None when one dispatch is enough.  Results stay deterministic (fixed chunking and order)."""
-    from dataclasses import replace
-
     t = make_target(limits, features)
     shape = tuple(int(n) for n in k.shape)
     nd = len(shape)
