@@ -315,6 +315,39 @@ def test_the_core_imports_without_torch_and_init_says_what_to_install():
 
 
 @pytest.mark.gpu
+def test_a_batch_norm_gradient_session_compiles_only_its_training_stream(gpu, monkeypatch):
+    """A graph with state updates (batch-norm running statistics) steps in its training
+    stream; the inference stream of the same gradient program was compiled for nothing (a
+    second plan, emit and pipeline set) until it was left out.  One rank, in process."""
+    import dataclasses
+
+    from meganeura import distributed as dist_mn
+    from meganeura import optim
+    from meganeura.errors import FeedError
+    from meganeura.models.resnet import PRESETS, resnet
+
+    monkeypatch.setenv("MEGANEURA_DP_SHARE_ADAPTER", "1")
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(k, v)
+    ctx = dist_mn.init(timeout=30)
+    try:
+        m = resnet(dataclasses.replace(PRESETS["resnet18-tiny"], image_size=16), 2)
+        dp = dist_mn.DataParallel(ctx, m.graph, m.loss, optim.SGD(lr=0.1))
+        assert dp.grad.train is not None and dp.grad.infer is None
+        assert dp.grad.executable.infer is None
+        rng = np.random.default_rng(0)
+        feeds = {"x": rng.standard_normal(m.x.shape, np.float32), "y": np.array([1, 3], np.int32)}
+        before = dp.get_state()["bn1.running_mean"].copy()
+        assert np.isfinite(dp.step(**feeds).loss)
+        assert not np.array_equal(dp.get_state()["bn1.running_mean"], before)
+        with pytest.raises(FeedError, match="compiled to train only"):
+            dp.grad.run(**feeds)
+    finally:
+        ctx.close()
+
+
+@pytest.mark.gpu
 def test_more_local_ranks_than_adapters_is_an_error_unless_shared(gpu):
     from meganeura.errors import DeviceError
     from meganeura.runtime.device import get_device_at

@@ -441,13 +441,15 @@ class DataParallel:
             self.acc = compile_built(accumulation_program(graph, loss), precision, None,
                                      check_finite, **opts)
         gp = gradient_program(graph, loss, accumulated=self.acc is not None)
-        self.grad = compile_built(gp, precision, None, check_finite, share=self.acc, **opts)
+        # only the stream a step runs: a graph with its own state updates (running statistics)
+        # steps in its training stream and needs no inference stream
+        self.grad = compile_built(gp, precision, None, check_finite, share=self.acc,
+                                  inference=not gp.training, **opts)
         self.param_names = list(gp.grads)
         scale = 1.0 / (self.ctx.world_size * self.accumulate)
         self.update = compile_built(update_program(graph, self.param_names, optimizer, scale),
                                     precision, None, check_finite, device=self.ctx.device,
                                     share=self.grad)
-        # a graph with its own state updates (running statistics) compiles a training stream
         self._stream = self.grad.train if self.grad.train is not None else self.grad.infer
         self._feeds = self.grad.train_feeds if self.grad.train is not None \
             else self.grad.infer_feeds

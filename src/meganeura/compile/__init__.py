@@ -75,11 +75,13 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
 
 
 def compile_built(program: Program, precision: str = "strict", backend: str | None = None,
-                  check_finite: bool = True, **options):
+                  check_finite: bool = True, *, inference: bool = True, **options):
     """A Session for a Program built by the caller instead of by ``build_program``: e.g.
     ``meganeura.distributed``'s optimizer update, whose gradients are fed inputs (no loss to
     differentiate), and its gradient step, whose gradients are fetched results.  Options
-    as for ``compile``."""
+    as for ``compile``.  ``inference=False``: the session of a training program only steps,
+    so its inference stream (a second plan and emit of the whole graph) is not compiled and
+    ``run()`` raises; the GPU backends only (the reference backend compiles nothing)."""
     if not isinstance(program, Program):
         raise GraphBuildError(f"compile_built: expected a Program, got "
                               f"{type(program).__name__}")
@@ -90,7 +92,7 @@ def compile_built(program: Program, precision: str = "strict", backend: str | No
 
             return ReferenceSession(program, dtype=options.get("dtype", np.float32),
                                     check_finite=check_finite, share=options.get("share"))
-        return _gpu_session(program, precision, backend, check_finite, options)
+        return _gpu_session(program, precision, backend, check_finite, options, inference)
 
 
 @contextlib.contextmanager
@@ -129,7 +131,8 @@ def _check_options(precision: str, backend, options: dict) -> None:
                                   f"{options['dtype']!r}")
 
 
-def _gpu_session(program, precision: str, backend, check_finite: bool, options: dict):
+def _gpu_session(program, precision: str, backend, check_finite: bool, options: dict,
+                 inference: bool = True):
     from ..runtime.device import as_device
     from ..runtime.session import GPUSession
 
@@ -155,7 +158,7 @@ def _gpu_session(program, precision: str, backend, check_finite: bool, options: 
     target = make_target(None) if portable else make_target(device)
     opts = CompileOptions(precision, options.get("fuse", True), options.get("plan_memory", True),
                           options.get("group_params", True),
-                          binding_cap(target))
+                          binding_cap(target), inference)
     exe = compile_program(program, target, opts, shares_tensors=share is not None,
                           tuning=tuning)
     sess = GPUSession(program, exe, device, check_finite, share)

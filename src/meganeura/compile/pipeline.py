@@ -29,6 +29,7 @@ class CompileOptions:
     plan_memory: bool = True
     group_params: bool = True
     max_bindings: int = 8  # storage buffers per sibling-reduction group (``binding_cap``)
+    inference: bool = True  # False: a training program's session only steps (no infer stream)
 
 
 @dataclass
@@ -78,7 +79,10 @@ def compile_program(program: Program, target: Target, options: CompileOptions,
         return emit_stream(plan, target, options.precision, tag)
 
     train = stream(False, "train") if program.training or program.loss is not None else None
-    infer = stream(True, "infer") if program.outputs else None
+    # a session that only steps (``inference=False``: distributed's gradient program) skips
+    # the inference stream; a program without training stream always gets one
+    want_infer = options.inference or train is None
+    infer = stream(True, "infer") if program.outputs and want_infer else None
     if tuning is not None and tuning.cache is not None:
         tuning.cache.save()
     leaves = {name: PinnedTensor(name, lf.kind, lf.value.type,

@@ -339,6 +339,9 @@ class GPUSession(Session):
         return self._submit(self.train, feeds)
 
     def _run(self, feeds):
+        if self.infer is None:
+            raise FeedError("run(): this session was compiled to train only (compile_built("
+                            "inference=False)); it has no inference stream")
         return self._submit(self.infer, feeds)()
 
     def gpu_buffer(self, name: str) -> tuple:

@@ -39,8 +39,9 @@ def _rsub(cx, a, b, alpha=1):
 
 @aten("mul.Tensor", "mul.Scalar")
 def _mul(cx, a, b):
+    """On booleans ATen's mul is a logical and (``torch.isclose`` decomposes into one)."""
     x, y = cx.pair(a, b)
-    return x * y
+    return ops.logical_and(x, y) if x.dtype is bool_ else x * y
 
 
 @aten("div.Tensor", "div.Scalar")
@@ -100,20 +101,29 @@ def _minimum(cx, a, b):
     return ops.minimum(*cx.pair(a, b))
 
 
+def _clamp_values(cx, y, lo, hi, inclusive: bool):
+    """``min(max(y, lo), hi)`` as two selects, so that the gradient at the bounds is
+    PyTorch's: ``clamp`` passes it where ``lo <= y <= hi`` (``inclusive``), ``hardtanh`` only
+    where ``lo < y < hi``.  (``maximum``/``minimum`` would split it in halves at ties.)"""
+    if lo is not None:
+        y, lo = cx.pair(y, lo)
+        y = ops.where(y < lo if inclusive else y <= lo, lo, y)
+    if hi is not None:
+        y, hi = cx.pair(y, hi)
+        y = ops.where(y > hi if inclusive else y >= hi, hi, y)
+    return y
+
+
 @aten("clamp.default", "clamp.Tensor", "clamp_min.default", "clamp_max.default",
       "hardtanh.default")
 def _clamp(cx, x, lo=None, hi=None):
     name = cx.node.target.__name__
     if name.startswith("clamp_max"):
         lo, hi = None, lo
-    if name.startswith("hardtanh") and lo is None:
+    hardtanh = name.startswith("hardtanh")
+    if hardtanh and lo is None:
         lo, hi = -1.0, 1.0
-    y = cx.v(x, cx.out_dtype)
-    if lo is not None:
-        y = ops.maximum(*cx.pair(y, lo))
-    if hi is not None:
-        y = ops.minimum(*cx.pair(y, hi))
-    return y
+    return _clamp_values(cx, cx.v(x, cx.out_dtype), lo, hi, inclusive=not hardtanh)
 
 
 @aten("where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar")
@@ -167,6 +177,7 @@ _UNARY = {
     "sign": ops.sign, "floor": ops.floor, "silu": ops.silu,
     "log1p": lambda x: ops.log(x + 1.0),
     "log2": lambda x: ops.log(x) * (1.0 / math.log(2.0)),
+    "log10": lambda x: ops.log(x) * (1.0 / math.log(10.0)),
     "exp2": lambda x: ops.exp(x * math.log(2.0)),
     "ceil": lambda x: -ops.floor(-x),
     "trunc": _trunc,
@@ -199,7 +210,9 @@ def _leaky_relu(cx, x, slope=0.01):
 @aten("elu.default")
 def _elu(cx, x, alpha=1.0, scale=1.0, input_scale=1.0):
     y = cx.v(x, cx.out_dtype)
-    neg = ops.expm1(ops.minimum(y, 0.0) * float(input_scale)) * float(alpha)
+    # a select, not minimum(y, 0): the gradient at 0 is the negative branch's whole (ATen's
+    # rule), where minimum would halve it
+    neg = ops.expm1(ops.where(y > 0, 0.0, y) * float(input_scale)) * float(alpha)
     return ops.where(y > 0, y, neg) * float(scale)
 
 
