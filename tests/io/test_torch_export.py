@@ -133,3 +133,13 @@ def test_output_names_follow_the_output_structure():
 def test_tied_weights_are_one_parameter():
     imp = mn.from_torch(tm.NanoGPT(), torch.zeros(2, 8, dtype=torch.int64))
     assert "wte.weight" in imp.params and "lm_head.weight" not in imp.graph.params
+
+
+def test_sdpa_becomes_our_fused_attention_every_time():
+    """``scaled_dot_product_attention`` is kept whole by the decomposition and becomes one
+    ``attention`` op per call (the flash kernel), not bmm + softmax; also on a second import in
+    the same process (a directly called ``OpOverloadPacket.__getattr__`` once broke that)."""
+    for _ in range(2):
+        imp = mn.from_torch(tm.NanoGPT(), torch.zeros(2, 8, dtype=torch.int64))
+        ops_used = [n.op for n in imp.graph.nodes]
+        assert ops_used.count("attention") == 2 and "softmax" not in ops_used, ops_used

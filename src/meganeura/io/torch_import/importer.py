@@ -79,10 +79,11 @@ def export_program(module, args: tuple, loss=None, n_model: int | None = None):
     except Exception as e:  # torch's own message says what in the module could not be traced
         raise GraphBuildError(f"from_torch: torch.export.export failed: "
                               f"{type(e).__name__}: {e}") from e
-    table = torch.export.default_decompositions()
-    for name in _KEEP:
-        table.pop(getattr(torch.ops.aten, name.split(".")[0]).__getattr__(name.split(".")[1]),
-                  None)
+    # getattr, never OpOverloadPacket.__getattr__ called directly: that builds a second
+    # OpOverload object and installs it on the packet, after which export no longer recognised
+    # SDPA as kept and decomposed it into bmm + softmax (our fused attention was never used)
+    keep = {getattr(getattr(torch.ops.aten, n.split(".")[0]), n.split(".")[1]) for n in _KEEP}
+    table = {k: v for k, v in torch.export.default_decompositions().items() if k not in keep}
     return ep.run_decompositions(table)
 
 
