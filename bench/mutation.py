@@ -55,14 +55,13 @@ class Target:
 TARGETS = {
     t.name: t
     for t in (
-        Target("reduce", "src/meganeura/kernels/reduce.py", ("tests/kernels/test_reduce.py",),
-               sample=25),
+        Target("reduce", "src/meganeura/kernels/reduce.py",
+               ("tests/kernels/test_reduce.py", "tests/kernels/test_multi_reduce.py")),
         Target("pointwise", "src/meganeura/kernels/pointwise.py",
                ("tests/kernels/test_pointwise.py",)),
-        Target("checkpoint", "src/meganeura/checkpoint.py", ("tests/test_checkpoint.py",),
-               sample=40),
+        Target("checkpoint", "src/meganeura/checkpoint.py", ("tests/test_checkpoint.py",)),
         Target("elementwise_vjps", "src/meganeura/ops/elementwise.py",
-               ("tests/ops/test_elementwise.py",), vjps_only=True, sample=25),
+               ("tests/ops/test_elementwise.py",), vjps_only=True),
     )
 }
 

@@ -247,3 +247,58 @@ def test_a_writer_owned_by_another_user_counts_as_alive(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "kill", kill)
     save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
     assert other.exists()
+
+
+def test_stored_checksums_are_the_plain_crc32_of_the_little_endian_bytes(tmp_path):
+    """The checksum table is a file format: any tool (or an older or newer meganeura) must be
+    able to write and check it as zlib's CRC-32 of each tensor's stored bytes, 8 hex digits.
+    Big-endian input is stored little-endian and checksummed as stored."""
+    import zlib
+
+    from meganeura.checkpoint import read_metadata
+
+    w = np.arange(4, 16, dtype=">f4").reshape(3, 4)
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, {"w": w, "step": TENSORS["step"]}, "fp", 1)
+    table = json.loads(read_metadata(path)["crc32"])
+    expect = {"w": zlib.crc32(w.astype("<f4").tobytes()),
+              "step": zlib.crc32(np.float32(7.0).tobytes())}
+    assert any(c & 1 for c in expect.values())  # a low bit to lose, were it masked away
+    assert table == {k: f"{c:08x}" for k, c in expect.items()}
+
+
+def test_an_absurd_step_is_quoted_cut_to_40_characters(tmp_path):
+    """A corrupt step may be megabytes of junk: the message quotes its first 40 characters."""
+    path = _foreign(tmp_path / "s.safetensors", TENSORS, step="12345678" * 1000)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, EXPECTED, "fp")
+    assert f"bad step '{('12345678' * 5)}' (expected" in str(info.value)
+
+
+def test_a_temp_name_in_use_by_another_writer_is_never_opened(tmp_path, monkeypatch):
+    """Temp files are created exclusively (O_EXCL): when the random name is already taken (by
+    another thread's save of the same target), the writer draws another name and leaves that
+    file alone instead of writing into it and renaming it away."""
+    import secrets
+
+    import meganeura.checkpoint as ck
+
+    base = "ck.safetensors"
+    taken = tmp_path / f".tmp-{base}-{os.getpid()}-aaaaaaaa"
+    taken.write_bytes(b"another writer's data")
+    names = iter(["aaaaaaaa", "bbbbbbbb"])
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(names))
+    monkeypatch.setattr(ck, "_ACTIVE", {str(taken)})  # being written by another thread
+    save_checkpoint(tmp_path / base, TENSORS, "fp", 1)
+    assert taken.read_bytes() == b"another writer's data"
+    assert load_checkpoint(tmp_path / base, EXPECTED, "fp")[1] == 1
+    assert next(names, None) is None  # the second name was drawn
+
+
+def test_a_stale_temp_name_that_cannot_be_removed_does_not_stop_a_save(tmp_path):
+    """Cleaning up is best effort: a dead writer's temp name that cannot be unlinked (here a
+    directory of that name) is left where it is and the save goes on."""
+    stuck = tmp_path / f".tmp-ck.safetensors-{os.getppid() + 10**7}-deadbeef"
+    stuck.mkdir()
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    assert stuck.is_dir() and load_checkpoint(tmp_path / "ck.safetensors", EXPECTED, "fp")
