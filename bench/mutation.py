@@ -81,29 +81,44 @@ EXCLUDE_OPERATORS = (
 
 # Survivors judged equivalent (no valid input tells them apart from the original): target,
 # operator and a piece of the mutated line (so line moves keep them valid), and why.
+_ONE_INPUT = "a unary op has one input, so inputs[-1] is inputs[0]"
 EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("elementwise_vjps", "core/NumberReplacer", "c[ -1]",
      "a one-output op gets one cotangent, so c[-1] is c[0]"),
-    ("elementwise_vjps", "core/NumberReplacer", "cos(n.inputs[ -1])",
-     "a unary op has one input, so inputs[-1] is inputs[0]"),
+    *(("elementwise_vjps", "core/NumberReplacer", piece, _ONE_INPUT) for piece in (
+        "cos(n.inputs[ -1])", "sin(n.inputs[ -1])", "sign(n.inputs[ -1])",
+        "zeros_like(n.inputs[ -1])", "square(n.inputs[ -1])", "exp(n.inputs[ -1])",
+        "c[0] / n.inputs[ -1]", "c[0] * 2 * n.inputs[ -1]", "x = n.inputs[ -1]",
+        "src = n.inputs[ -1].dtype")),
     ("elementwise_vjps", "core/ReplaceAndWithOr", "src.is_float or n.out.dtype.is_float",
      "autodiff only passes cotangents between float values, so a cast from or to an integer "
      "type never has its VJP result used"),
-    ("reduce", "core/NumberReplacer", "kstr[1 + nu : 2 + nu + nx]",
-     "zip (strict=False) stops at len(used_x): the longer slice's extra entry is never read"),
-    ("reduce", "core/ReplaceFalseWithTrue", "kstr[1 + nu : 1 + nu + nx], strict=True",
-     "the slice has exactly len(used_x) entries"),
+    ("reduce", "core/ReplaceTrueWithFalse", "kstr[1 + nu + npo:], strict=False",
+     "merge_dims returns one stride tuple per operand: the tail has exactly len(used_x)"),
     ("reduce", "core/NumberReplacer", "if unroll > 0:",
      "with unroll = 1 the 'unrolled' loop is the plain loop (one accumulator, step TY), the "
      "remainder loop then runs zero times and the combine is acc = acc"),
+    ("reduce", "core/NumberReplacer", "for s in range( 0, unroll):",
+     "also declares acc{j}_0, which nothing reads"),
+    ("reduce", "core/NumberReplacer", "= {parts[ -1]};",
+     "after the pairwise tree one part is left: parts[-1] is parts[0]"),
     ("reduce", "core/NumberReplacer", "if split > 0:",
      "with split = 1 every workgroup index is below owgs: cb = 0 (read only when split > 1) "
      "and wo = wg, as in the other branch"),
     ("reduce", "core/AddNot", "64 if not out_total >= 64",
      "serial layout width only: each invocation folds one output alone (same order) and "
      "invocations past the last output are masked, so results are bit-identical"),
-    ("reduce", "core/NumberReplacer", "max( 0, int(getattr(k, \"split\", 1) or 1))",
+    ("reduce", "core/NumberReplacer", "max( 0, int(k.split or 1))",
      "`split or 1` is already >= 1 for every valid (non-negative) split"),
+    ("reduce", "core/NumberReplacer", "tuple( 0 if d in axes else n",
+     "an extra in keepdims form has size 1 on the reduced dims, whose strides the next line "
+     "drops: broadcasting them to 0 instead of 1 changes nothing kept"),
+    ("reduce", "core/ReplaceBinaryOperator_Mul_Div", "spec.workgroups[1] / spec.workgroups[2]",
+     "make_grid uses a third dimension only past m² workgroups (m >= 65,535 in WebGPU); "
+     "then m·m/gz >= m is still >= target / 2 and no split is planned either way"),
+    ("reduce", "core/NumberReplacer", "if split < 1:",
+     "unreachable: past the check above both terms of the min are >= 2 (red_total >= "
+     "2·min_chunk, and wgs < target / 2 makes ceil(target / wgs) >= 3)"),
     ("pointwise", "core/ReplaceFalseWithTrue", "zip(used, mstrides[1:], strict=True)",
      "merge_dims returns one stride tuple per operand: the two always have equal length"),
     ("pointwise", "core/NumberReplacer", "s.offset == -1 else",

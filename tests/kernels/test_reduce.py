@@ -334,3 +334,61 @@ def test_split_rule(dev):
     assert partial.split == 86 and tshape == (86, 3) and tdt is f32  # ceil(256 / 3)
     partial, _, _ = split_plan(_plain((3, 4096), (1,), "sum"), dev)
     assert partial.split == 4  # 4096 // 1024 chunks, not 86
+
+
+def test_split_rule_boundaries(dev):
+    """The split rule's edges: exactly half the target workgroups stays one dispatch (127
+    splits into ceil(256 / 127) = 3); exactly 2 · min_chunk reduced elements split in 2;
+    an already split kernel, or one whose accumulator is wider than its values (f16: the
+    epilogue would see f32), is never split again."""
+    assert split_plan(_plain((128, 4096), (1,), "sum"), dev) is None
+    assert split_plan(_plain((127, 4096), (1,), "sum"), dev)[0].split == 3
+    assert split_plan(_plain((3, 2048), (1,), "sum"), dev)[0].split == 2
+    assert split_plan(_plain((3, 2047), (1,), "sum"), dev) is None
+    presplit = ReduceKernel((3, 300_000), (1,), "sum",
+                            (Strided.contiguous(f32, (3, 300_000)),), (), split=2)
+    assert split_plan(presplit, dev) is None
+    assert split_plan(_plain((3, 300_000), (1,), "sum", f16), dev) is None
+
+
+def test_layout_choice():
+    """Outputs side by side (TX > 1) as soon as there are two of them and the kept dim is the
+    contiguous one; rows (TX = 1) when the reduced dim is."""
+    assert codegen.emit(_plain((300, 2), (0,), "sum")).meta["layout"] == (2, 128)
+    assert codegen.emit(_plain((300, 1), (0,), "sum")).meta["layout"] == (1, 256)
+    assert codegen.emit(_plain((2, 300), (1,), "sum")).meta["layout"] == (1, 256)
+
+
+@pytest.mark.parametrize("n,unrolled", [(1792, False), (1793, True), (2048, True)])
+def test_unroll_rule(run, rng, n, unrolled):
+    """UNROLL independent accumulators once an invocation folds at least 2 · UNROLL elements
+    (ceil(n / 256) per invocation of a 256-wide row: 7, 8, 8); the sums stay right either way."""
+    k = _plain((4, n), (1,), "sum")
+    spec = codegen.emit(k)
+    assert spec.meta["layout"] == (1, 256)
+    assert ("acc0_3" in spec.wgsl) == unrolled
+    x = rng.standard_normal((4, n)).astype(np.float32)
+    (y,) = run(k, [x], [((4,), f32)])
+    assert_close(y, x.astype(np.float64).sum(1), 1e-5, 1e-5, what=f"sum of {n}")
+
+
+def test_empty_reduced_axis(run):
+    """A sum over an empty axis is 0 (one dispatch, never split); max and min have no value
+    there and are refused."""
+    k = _plain((3, 0), (1,), "sum")
+    assert codegen.emit(k).meta["split"] == 1
+    (y,) = run(k, [np.zeros((3, 0), np.float32)], [((3,), f32)])
+    np.testing.assert_array_equal(y, np.zeros(3, np.float32))
+    for kind in ("max", "min"):
+        with pytest.raises(CodegenError, match=f"{kind} over an empty axis"):
+            codegen.emit(_plain((3, 0), (1,), kind))
+
+
+def test_an_extra_input_past_its_binding_is_refused():
+    x = Strided.contiguous(f32, (6, 40))
+    short = Strided(f32, (6,), (1,), 0, 5)  # 6 outputs read from a 5-element binding
+    k = ReduceKernel((6, 40), (1,), "sum", (x,), (),
+                     (Instr("({0} + {1})", (("acc", 0), ("x", 0)), f32),), (short,), name="r")
+    with pytest.raises(CodegenError, match="extra input 0 reads element 5 but its binding "
+                                           "holds 5"):
+        codegen.emit(k)
