@@ -108,6 +108,14 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("reduce", "core/AddNot", "64 if not out_total >= 64",
      "serial layout width only: each invocation folds one output alone (same order) and "
      "invocations past the last output are masked, so results are bit-identical"),
+    ("reduce", "core/ReplaceComparisonOperator_GtE_Gt", "64 if out_total > 64",
+     "at out_total = 64 the other branch gives pow2ceil(64) = 64"),
+    ("reduce", "core/NumberReplacer", "if self.has_post and self.ty > 2",
+     "with TY = 2 and a post pass both lanes of an output read the same total after the last "
+     "barrier: lane 1 stores the identical value again"),
+    ("reduce", "core/ReplaceComparisonOperator_Gt_GtE", "val_t is not bool_ or self.split >= 1",
+     "a bool sum without epilogue then stores the u32 total, which store_value converts to "
+     "bool as `total != 0`: the same expression accv holds"),
     ("reduce", "core/NumberReplacer", "max( 0, int(k.split or 1))",
      "`split or 1` is already >= 1 for every valid (non-negative) split"),
     ("reduce", "core/NumberReplacer", "tuple( 0 if d in axes else n",

@@ -9,7 +9,7 @@ from meganeura import kernels as codegen
 from meganeura.dtypes import bool_, f16, f32, i32
 from meganeura.errors import LimitError
 from meganeura.kernels import CodegenError, Instr, ReduceKernel, Strided
-from meganeura.kernels.reduce import split_plan
+from meganeura.kernels.reduce import choose_layout, split_plan
 
 from ._util import assert_close, view_of
 
@@ -357,6 +357,32 @@ def test_layout_choice():
     assert codegen.emit(_plain((300, 2), (0,), "sum")).meta["layout"] == (2, 128)
     assert codegen.emit(_plain((300, 1), (0,), "sum")).meta["layout"] == (1, 256)
     assert codegen.emit(_plain((2, 300), (1,), "sum")).meta["layout"] == (1, 256)
+    # up to SERIAL_MAX = 16 reduced elements: one invocation per output, no lanes to combine
+    assert choose_layout((16,), False, 16, 5, 256) == (8, 1)
+    assert choose_layout((17,), False, 17, 5, 256) == (1, 32)
+
+
+def test_two_lanes_per_output_get_their_workgroup_array(run, rng):
+    """A 64-invocation cap leaves 32 columns two lanes each (TY = 2): the smallest layout that
+    combines lanes still declares (and reports, for the limit check) its workgroup array."""
+    k = _plain((300, 64), (0,), "sum")
+    spec = codegen.emit(k, {"max_compute_invocations_per_workgroup": 64})
+    assert spec.meta["layout"] == (32, 2) and spec.meta["workgroup_storage"] == 32 * 2 * 4
+    x = rng.standard_normal((300, 64)).astype(np.float32)
+    (y,) = run(k, [x], [((64,), f32)])
+    assert_close(y, x.astype(np.float64).sum(0), 1e-5, 1e-5, what="column sums")
+
+
+def test_a_post_input_past_its_binding_is_named_as_a_post_input():
+    """Errors name a ReduceKernel's post inputs as such (the generator appends them to the
+    inputs, so the numbering would otherwise run on)."""
+    x = Strided.contiguous(f32, (4, 8))
+    desc = ReduceKernel((4, 8), (1,), "sum", (x,), (),
+                        post_inputs=(Strided(f32, (4, 8), (8, 1), 0, 31),),
+                        post=(Instr("({0} * {1})", (("in", 0), ("r", 0)), f32),),
+                        post_outputs=(0,), name="r")
+    with pytest.raises(CodegenError, match="'r': post input 0 reads element 31"):
+        codegen.emit(desc)
 
 
 @pytest.mark.parametrize("n,unrolled", [(1792, False), (1793, True), (2048, True)])
