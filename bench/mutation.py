@@ -118,9 +118,12 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "bool as `total != 0`: the same expression accv holds"),
     ("reduce", "core/NumberReplacer", "max( 0, int(k.split or 1))",
      "`split or 1` is already >= 1 for every valid (non-negative) split"),
-    ("reduce", "core/NumberReplacer", "tuple( 0 if d in axes else n",
+    ("reduce", "core/NumberReplacer", "if d in axes else n for d, n in enumerate(shape)",
      "an extra in keepdims form has size 1 on the reduced dims, whose strides the next line "
-     "drops: broadcasting them to 0 instead of 1 changes nothing kept"),
+     "drops: broadcasting them to 0 or 2 instead of 1 changes nothing kept"),
+    ("reduce", "core/NumberReplacer", "red_total < 1 * min_chunk",
+     "below 2·min_chunk reduced elements red_total // min_chunk <= 1, so the `split < 2` "
+     "check returns None anyway"),
     ("reduce", "core/ReplaceBinaryOperator_Mul_Div", "spec.workgroups[1] / spec.workgroups[2]",
      "make_grid uses a third dimension only past m² workgroups (m >= 65,535 in WebGPU); "
      "then m·m/gz >= m is still >= target / 2 and no split is planned either way"),

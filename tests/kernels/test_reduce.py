@@ -392,7 +392,7 @@ def test_unroll_rule(run, rng, n, unrolled):
     k = _plain((4, n), (1,), "sum")
     spec = codegen.emit(k)
     assert spec.meta["layout"] == (1, 256)
-    assert ("acc0_3" in spec.wgsl) == unrolled
+    assert ("acc0_1" in spec.wgsl) == unrolled and ("acc0_3" in spec.wgsl) == unrolled
     x = rng.standard_normal((4, n)).astype(np.float32)
     (y,) = run(k, [x], [((4,), f32)])
     assert_close(y, x.astype(np.float64).sum(1), 1e-5, 1e-5, what=f"sum of {n}")
@@ -408,6 +408,24 @@ def test_empty_reduced_axis(run):
     for kind in ("max", "min"):
         with pytest.raises(CodegenError, match=f"{kind} over an empty axis"):
             codegen.emit(_plain((3, 0), (1,), kind))
+
+
+def test_an_epilogue_may_ignore_the_total(run, rng):
+    """The epilogue's operands are any of its own: one reading only an extra input still gets
+    that input loaded."""
+    m = rng.standard_normal(6).astype(np.float32)
+    k = ReduceKernel((6, 40), (1,), "sum", (Strided.contiguous(f32, (6, 40)),), (),
+                     (Instr("({0} * 2.0)", (("x", 0),), f32),), (Strided.contiguous(f32, (6,)),),
+                     name="extra_only")
+    (y,) = run(k, [np.ones((6, 40), np.float32), m], [((6,), f32)])
+    np.testing.assert_array_equal(y, m * 2)
+
+
+def test_a_member_needs_an_input_or_a_prologue():
+    with pytest.raises(CodegenError, match="'r' has neither inputs nor a prologue"):
+        codegen.emit(ReduceKernel((4,), (0,), "sum", (), (), name="r"))
+    k = ReduceKernel((4,), (0,), "sum", (), (Instr("1.0", (), f32),), name="ones")
+    assert codegen.emit(k).meta["reduced"] == 4
 
 
 def test_an_extra_input_past_its_binding_is_refused():
