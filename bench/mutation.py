@@ -130,6 +130,14 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("reduce", "core/NumberReplacer", "if split < 1:",
      "unreachable: past the check above both terms of the min are >= 2 (red_total >= "
      "2·min_chunk, and wgs < target / 2 makes ceil(target / wgs) >= 3)"),
+    ("reduce", "core/NumberReplacer", "spec.workgroups[ 2] * spec.workgroups[2]",
+     "workgroups[1] > 1 only past 65,535 workgroups; then gx alone is still >= target / 2 "
+     "and no split is planned either way"),
+    ("checkpoint", "core/ReplaceBinaryOperator_BitOr_BitAnd", "Mapping[str, str] & None",
+     "an annotation: never evaluated (from __future__ import annotations)"),
+    ("checkpoint", "core/NumberReplacer", 'getattr(os, "O_BINARY", 1)',
+     "O_BINARY exists only on Windows; on Linux and macOS the default 1 is O_WRONLY, "
+     "already in the flags"),
     ("pointwise", "core/ReplaceFalseWithTrue", "zip(used, mstrides[1:], strict=True)",
      "merge_dims returns one stride tuple per operand: the two always have equal length"),
     ("pointwise", "core/NumberReplacer", "s.offset == -1 else",

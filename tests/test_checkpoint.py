@@ -302,3 +302,61 @@ def test_a_stale_temp_name_that_cannot_be_removed_does_not_stop_a_save(tmp_path)
     stuck.mkdir()
     save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
     assert stuck.is_dir() and load_checkpoint(tmp_path / "ck.safetensors", EXPECTED, "fp")
+
+
+def test_extra_metadata_values_must_be_strings_too(tmp_path):
+    with pytest.raises(CheckpointError, match="must map str to str"):
+        save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1, extra={"cli.epoch": 2})
+    assert not os.listdir(tmp_path)
+
+
+def test_temp_names_carry_the_pid_and_32_random_bits(tmp_path, monkeypatch):
+    """``.tmp-<target>-<pid>-<8 hex digits>``: what the stale-temp cleanup of every version
+    parses, and 32 random bits keep concurrent saves of one process apart."""
+    import re
+
+    seen, real_replace = [], os.replace
+    monkeypatch.setattr(os, "replace", lambda s, d: (seen.append(os.path.basename(s)),
+                                                     real_replace(s, d)))
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    [name] = seen
+    assert re.fullmatch(rf"\.tmp-ck\.safetensors-{os.getpid()}-[0-9a-f]{{8}}", name), name
+
+
+def test_a_directory_that_cannot_be_opened_for_fsync_does_not_fail_the_save(tmp_path,
+                                                                              monkeypatch):
+    """Syncing the directory is best effort (some systems cannot open a directory): the file
+    itself is already durable, so the save succeeds."""
+    real_open = os.open
+
+    def no_dirs(path, flags, *a):
+        if os.path.isdir(path):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_dirs)
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    assert load_checkpoint(tmp_path / "ck.safetensors", EXPECTED, "fp")[1] == 1
+
+
+def test_on_windows_other_writers_are_never_signalled(tmp_path, monkeypatch):
+    """On Windows ``os.kill(pid, 0)`` would terminate the process: the cleanup does not probe
+    there, it tries to unlink (which the OS refuses for a file still open)."""
+    import meganeura.checkpoint as ck
+
+    other = tmp_path / f".tmp-ck.safetensors-{os.getppid()}-0badf00d"
+    other.write_bytes(b"x")
+
+    class WindowsOs:  # the checkpoint module's view of ``os`` only (pytest keeps the real one)
+        name = "nt"
+
+        def __getattr__(self, attr):
+            return getattr(os, attr)
+
+        @staticmethod
+        def kill(pid, sig):
+            raise AssertionError(f"os.kill({pid}, {sig}) on Windows")
+
+    monkeypatch.setattr(ck, "os", WindowsOs())
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    assert not other.exists()  # unlinkable here: the writer was not holding it open

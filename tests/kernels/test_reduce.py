@@ -360,6 +360,7 @@ def test_layout_choice():
     # up to SERIAL_MAX = 16 reduced elements: one invocation per output, no lanes to combine
     assert choose_layout((16,), False, 16, 5, 256) == (8, 1)
     assert choose_layout((17,), False, 17, 5, 256) == (1, 32)
+    assert codegen.emit(_plain((300, 5), (1,), "sum")).meta["workgroup_storage"] == 0
 
 
 def test_two_lanes_per_output_get_their_workgroup_array(run, rng):
