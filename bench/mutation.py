@@ -133,6 +133,15 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("reduce", "core/NumberReplacer", "spec.workgroups[ 2] * spec.workgroups[2]",
      "workgroups[1] > 1 only past 65,535 workgroups; then gx alone is still >= target / 2 "
      "and no split is planned either way"),
+    ("reduce", "core/ReplaceBinaryOperator_BitOr_BitAnd", "n_front: int & None = None",
+     "an annotation: never evaluated (from __future__ import annotations)"),
+    ("reduce", "core/ReplaceComparisonOperator_Gt_GtE", "if tx >= 1:",
+     "with TX = 1 the general form gives x = lid % 1u = 0, y = lid / 1u = lid, o = wo"),
+    ("reduce", "core/NumberReplacer", "self.tx, self.ty, ind * ",
+     "indentation of the generated WGSL only"),
+    ("reduce", "core/NumberReplacer", "rin[main][- 0] == 1",
+     "kept and reduced strides both 1 only in a self-overlapping view; with one reduced dim "
+     "[0] is [-1], and the clause picks a layout (speed), not a result"),
     ("checkpoint", "core/ReplaceBinaryOperator_BitOr_BitAnd", "Mapping[str, str] & None",
      "an annotation: never evaluated (from __future__ import annotations)"),
     ("checkpoint", "core/NumberReplacer", 'getattr(os, "O_BINARY", 1)',

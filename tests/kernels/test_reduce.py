@@ -364,14 +364,49 @@ def test_layout_choice():
 
 
 def test_two_lanes_per_output_get_their_workgroup_array(run, rng):
-    """A 64-invocation cap leaves 32 columns two lanes each (TY = 2): the smallest layout that
-    combines lanes still declares (and reports, for the limit check) its workgroup array."""
-    k = _plain((300, 64), (0,), "sum")
-    spec = codegen.emit(k, {"max_compute_invocations_per_workgroup": 64})
+    """A 64-invocation cap leaves 32 columns two lanes each (TY = 2, unrolled): the smallest
+    layout that combines lanes declares (and reports, for the limit check) its workgroup array,
+    starts lane 1 at row 1 and stops its unrolled loop before the last rows.  The view is the
+    top of a larger buffer, so a read past its rows would add the 1e3s below it."""
+    base = rng.standard_normal((310, 64)).astype(np.float32)
+    base[300:] = 1e3
+    v = base[:300]
+    k = ReduceKernel(v.shape, (0,), "sum", (view_of(base, v),), ())
+    cap = {**run.dev.limits, "max_compute_invocations_per_workgroup": 64}
+    spec = codegen.emit(k, cap)
     assert spec.meta["layout"] == (32, 2) and spec.meta["workgroup_storage"] == 32 * 2 * 4
-    x = rng.standard_normal((300, 64)).astype(np.float32)
-    (y,) = run(k, [x], [((64,), f32)])
-    assert_close(y, x.astype(np.float64).sum(0), 1e-5, 1e-5, what="column sums")
+    assert "acc0_3" in spec.wgsl
+    (y,) = run(k, [base], [((64,), f32)], limits=cap)
+    assert_close(y, v.astype(np.float64).sum(0), 1e-5, 1e-5, what="column sums")
+
+
+def test_negative_axes_down_to_minus_rank():
+    a = codegen.emit(_plain((3, 40), (-2,), "sum"))
+    b = codegen.emit(_plain((3, 40), (0,), "sum"))
+    assert a.wgsl == b.wgsl
+    with pytest.raises(CodegenError, match="out of range"):
+        codegen.emit(_plain((3, 40), (-3,), "sum"))
+
+
+def test_without_prologue_input_0_is_reduced_whatever_follows():
+    """No prologue: input 0 is the value; later inputs (a post pass's) have their own dtypes."""
+    k = ReduceKernel((4, 8), (1,), "sum", (Strided.contiguous(f32, (4, 8)),), (),
+                     post_inputs=(Strided.contiguous(i32, (4, 8)),),
+                     post=(Instr("(f32({0}) * {1})", (("in", 0), ("r", 0)), f32),),
+                     post_outputs=(0,), name="r")
+    assert codegen.emit(k).meta["binding_dtypes"] == (f32, i32, f32, f32)
+
+
+def test_a_post_output_larger_than_a_binding_is_refused():
+    """The post output has the input's full shape: here 1 KiB where a binding holds 512 bytes
+    (the input is a broadcast row of 256 bytes, the reduced output 16)."""
+    row = Strided(f32, (4, 64), (0, 1), 0, 64)
+    k = ReduceKernel((4, 64), (1,), "sum", (row,), (),
+                     post=(Instr("({0} * {1})", (("ri", 0), ("r", 0)), f32),),
+                     post_outputs=(0,), name="r")
+    codegen.emit(k, {"max_storage_buffer_binding_size": 1024})
+    with pytest.raises(LimitError, match="post output"):
+        codegen.emit(k, {"max_storage_buffer_binding_size": 512})
 
 
 def test_a_post_input_past_its_binding_is_named_as_a_post_input():
