@@ -90,6 +90,9 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
         "zeros_like(n.inputs[ -1])", "square(n.inputs[ -1])", "exp(n.inputs[ -1])",
         "c[0] / n.inputs[ -1]", "c[0] * 2 * n.inputs[ -1]", "x = n.inputs[ -1]",
         "src = n.inputs[ -1].dtype")),
+    *(("elementwise_vjps", "core/ReplaceAndWithOr", f"if f{x} or {x}.dtype.is_float",
+        "a broadcasting binary op's operands share its dtype (coerce_pair): with integer "
+        "operands its output is integer, and autodiff never calls its VJP") for x in "ab"),
     ("elementwise_vjps", "core/ReplaceAndWithOr", "src.is_float or n.out.dtype.is_float",
      "autodiff only passes cotangents between float values, so a cast from or to an integer "
      "type never has its VJP result used"),
@@ -142,6 +145,13 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("reduce", "core/NumberReplacer", "rin[main][- 0] == 1",
      "kept and reduced strides both 1 only in a self-overlapping view; with one reduced dim "
      "[0] is [-1], and the clause picks a layout (speed), not a result"),
+    ("reduce", "core/ReplaceComparisonOperator_Gt_GtE", "if unroll >= 1:",
+     "with unroll = 1 the 'unrolled' loop is the plain loop (one accumulator, step TY), the "
+     "remainder loop then runs zero times and the combine is acc = acc"),
+    ("checkpoint", "core/ExceptionReplacer", "-except CheckpointError:",
+     "nothing inside that try (safe_open, metadata, get_tensor) raises CheckpointError"),
+    ("reduce", "core/ReplaceBinaryOperator_FloorDiv_Div", "s = ty / 2",
+     "TY is a power of two, so every halving is a whole float, and u() prints int(s)"),
     ("checkpoint", "core/ReplaceBinaryOperator_BitOr_BitAnd", "Mapping[str, str] & None",
      "an annotation: never evaluated (from __future__ import annotations)"),
     ("checkpoint", "core/NumberReplacer", 'getattr(os, "O_BINARY", 1)',
@@ -158,9 +168,15 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
 
 
 def _equivalent(target: str, op: str, diff: str) -> str | None:
-    added = [ln[1:] for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("++")]
+    """The reason of the first ``EQUIVALENT`` entry matching this mutant: its piece found in
+    a line the mutation added, or (a piece starting with ``-``) in the line it replaced, for
+    mutants whose new text is not unique (``except CosmicRayTestingException:``)."""
+    lines = diff.splitlines()
+    added = [ln[1:] for ln in lines if ln.startswith("+") and not ln.startswith("++")]
+    removed = [ln[1:] for ln in lines if ln.startswith("-") and not ln.startswith("--")]
     for t, o, piece, why in EQUIVALENT:
-        if t == target and o == op and any(piece in ln for ln in added):
+        where, text = (removed, piece[1:]) if piece.startswith("-") else (added, piece)
+        if t == target and o == op and any(text in ln for ln in where):
             return why
     return None
 

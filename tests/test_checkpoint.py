@@ -323,20 +323,45 @@ def test_temp_names_carry_the_pid_and_32_random_bits(tmp_path, monkeypatch):
     assert re.fullmatch(rf"\.tmp-ck\.safetensors-{os.getpid()}-[0-9a-f]{{8}}", name), name
 
 
-def test_a_directory_that_cannot_be_opened_for_fsync_does_not_fail_the_save(tmp_path,
-                                                                              monkeypatch):
-    """Syncing the directory is best effort (some systems cannot open a directory): the file
-    itself is already durable, so the save succeeds."""
-    real_open = os.open
+@pytest.mark.parametrize("refuses", ["open", "fsync", "listdir"])
+def test_a_directory_that_cannot_be_synced_or_listed_does_not_fail_the_save(tmp_path, monkeypatch,
+                                                                           refuses):
+    """Syncing the directory and sweeping stale temp files are best effort (some systems cannot
+    open or fsync a directory; a directory may be writable but not readable): the file itself
+    is durable, so the save succeeds."""
+    real = {"open": os.open, "fsync": os.fsync}
+
+    def fail(*a):
+        raise PermissionError(13, "Permission denied")
 
     def no_dirs(path, flags, *a):
-        if os.path.isdir(path):
-            raise PermissionError(13, "Permission denied", path)
-        return real_open(path, flags, *a)
+        return fail() if os.path.isdir(path) else real["open"](path, flags, *a)
 
-    monkeypatch.setattr(os, "open", no_dirs)
+    def no_dir_fsync(fd):
+        return fail() if stat.S_ISDIR(os.fstat(fd).st_mode) else real["fsync"](fd)
+
+    monkeypatch.setattr(os, refuses, {"open": no_dirs, "fsync": no_dir_fsync,
+                                      "listdir": fail}[refuses])
     save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    monkeypatch.undo()
     assert load_checkpoint(tmp_path / "ck.safetensors", EXPECTED, "fp")[1] == 1
+    assert os.listdir(tmp_path) == ["ck.safetensors"]
+
+
+def test_a_truncated_file_is_reported_as_corrupt(tmp_path):
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, TENSORS, "fp", 1)
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(CheckpointError, match="is corrupt or truncated"):
+        read_checkpoint(path)
+
+
+def test_a_scalars_list_naming_other_tensors_changes_nothing(tmp_path):
+    """Only listed tensors of one element become rank 0; a wrong list (a missing name, a
+    matrix) leaves the tensors as stored, for the shape check to judge."""
+    path = _foreign(tmp_path / "s.safetensors", TENSORS, scalars="step,w,gone")
+    tensors, _ = read_checkpoint(path)
+    assert tensors["step"].shape == () and tensors["w"].shape == (3, 4)
 
 
 def test_on_windows_other_writers_are_never_signalled(tmp_path, monkeypatch):

@@ -380,6 +380,20 @@ def test_two_lanes_per_output_get_their_workgroup_array(run, rng):
     assert_close(y, v.astype(np.float64).sum(0), 1e-5, 1e-5, what="column sums")
 
 
+def test_post_pass_with_two_lanes_per_output(run, rng):
+    """TY = 2 (a 64-invocation cap, 32 columns): both lanes of a column walk its rows again in
+    the post pass, lane 1 from row 1."""
+    x = rng.standard_normal((300, 64)).astype(np.float32)
+    full = Strided.contiguous(f32, (300, 64))
+    k = ReduceKernel((300, 64), (0,), "max", (full,), (),
+                     post=(Instr("({0} - {1})", (("ri", 0), ("r", 0)), f32),), post_outputs=(0,))
+    cap = {**run.dev.limits, "max_compute_invocations_per_workgroup": 64}
+    assert codegen.emit(k, cap).meta["layout"] == (32, 2)
+    m, d = run(k, [x], [((64,), f32), ((300, 64), f32)], limits=cap)
+    np.testing.assert_array_equal(m, x.max(0))
+    np.testing.assert_array_equal(d, x - x.max(0))
+
+
 def test_negative_axes_down_to_minus_rank():
     a = codegen.emit(_plain((3, 40), (-2,), "sum"))
     b = codegen.emit(_plain((3, 40), (0,), "sum"))
