@@ -77,6 +77,13 @@ def test_unary_forward_at_zero(name):
     check_forward(build, twin, np.array([-1.5, 0.0, 2.0, -0.0]))
 
 
+@pytest.mark.parametrize("name", ["abs", "sign", "relu"])
+def test_unary_gradient_at_zero(name):
+    """The kinks at 0 take PyTorch's subgradient (abs: sign(0) = 0; relu: 0), both zeros."""
+    build, twin, _ = UNARY[name]
+    check_op(build, twin, np.array([-1.5, 0.0, 2.0, -0.0]), fd=False)
+
+
 @pytest.mark.parametrize("name", ["sigmoid", "tanh", "exp", "sin", "silu", "gelu_none",
                                   "gelu_tanh", "erf", "rsqrt", "reciprocal", "log", "abs"])
 def test_unary_second_order(name, rng):
