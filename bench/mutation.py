@@ -93,6 +93,9 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     *(("elementwise_vjps", "core/ReplaceAndWithOr", f"if f{x} or {x}.dtype.is_float",
         "a broadcasting binary op's operands share its dtype (coerce_pair): with integer "
         "operands its output is integer, and autodiff never calls its VJP") for x in "ab"),
+    ("elementwise_vjps", "core/NumberReplacer", "safe = where(zero_base, 2.0, a)",
+     "any positive base keeps log finite where masked: the outer where discards that value "
+     "and its VJP sends 0 back (0 · log 2 = 0); 1.0 is one choice of many"),
     ("elementwise_vjps", "core/ReplaceAndWithOr", "src.is_float or n.out.dtype.is_float",
      "autodiff only passes cotangents between float values, so a cast from or to an integer "
      "type never has its VJP result used"),
