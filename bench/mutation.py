@@ -311,6 +311,7 @@ def run_target(t: Target, workdir: Path, timeout: float, sample: int | None,
         if retest:
             _reset_survivors(tree, session)
     cfg.write_text(_config(t, timeout, sock))
+    sock.unlink(missing_ok=True)  # a stale socket would pass for a ready server
     server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "serve",
                                "--socket", str(sock)])
     try:
@@ -327,6 +328,9 @@ def run_target(t: Target, workdir: Path, timeout: float, sample: int | None,
         start = time.time()
         try:
             _cr("cosmic-ray", "exec", str(cfg), str(session), cwd=tree)
+            if server.poll() is not None:  # every later mutant would have counted as killed
+                raise RuntimeError(f"fork server died ({server.returncode}) during the run: "
+                                   f"discard {session} and run again")
         finally:
             (home / "exec_seconds").write_text(
                 str(time.time() - start + _float(home / "exec_seconds")))
@@ -336,9 +340,15 @@ def run_target(t: Target, workdir: Path, timeout: float, sample: int | None,
 
 
 def _wait_for_socket(sock: Path, server: subprocess.Popen) -> None:
+    """Until the server accepts connections (it binds before it listens)."""
     for _ in range(600):
         if sock.exists():
-            return
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                    c.connect(str(sock))  # an empty request: the server ignores it
+                return
+            except OSError:
+                pass
         if server.poll() is not None:
             raise RuntimeError(f"fork server exited with {server.returncode}")
         time.sleep(0.1)
@@ -371,12 +381,19 @@ def serve(sock: Path) -> None:
         while True:
             conn, _ = srv.accept()
             with conn:
-                req = json.loads(conn.makefile().readline())
+                line = conn.makefile().readline()
+                if not line:  # _wait_for_socket's probe
+                    continue
+                req = json.loads(line)
                 pid = os.fork()
                 if pid == 0:
                     srv.close()
                     _child(req)
-                conn.sendall(f"{_await_child(pid, conn)}\n".encode())
+                code = _await_child(pid, conn)
+                try:
+                    conn.sendall(f"{code}\n".encode())
+                except OSError:  # the client timed out and is gone: serve the next one
+                    pass
     finally:
         sock.unlink(missing_ok=True)
 
