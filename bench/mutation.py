@@ -155,6 +155,15 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "nothing inside that try (safe_open, metadata, get_tensor) raises CheckpointError"),
     ("reduce", "core/ReplaceBinaryOperator_FloorDiv_Div", "s = ty / 2",
      "TY is a power of two, so every halving is a whole float, and u() prints int(s)"),
+    ("reduce", "core/NumberReplacer", "if kept_contig and out_total > 0:",
+     "one output: TX = pow2ceil(1) = 1 and TY = min(max_threads, pow2ceil(red_total)), the "
+     "rows layout the other branch returns"),
+    ("reduce", "core/AddNot", "if not self.has_post and self.ty > 1",
+     "without a post pass the store block already runs for y == 0 only; with one, every lane "
+     "of an output stores the same total"),
+    ("reduce", "core/ReplaceBinaryOperator_Mul_Div", "spec.workgroups[0] / spec.workgroups[1]",
+     "workgroups[1] > 1 only past 65,535 workgroups, and gx / gy < 128 only past ~3.4e7 "
+     "(over 10^9 outputs, more than any binding holds)"),
     ("checkpoint", "core/ReplaceBinaryOperator_BitOr_BitAnd", "Mapping[str, str] & None",
      "an annotation: never evaluated (from __future__ import annotations)"),
     ("checkpoint", "core/NumberReplacer", 'getattr(os, "O_BINARY", 1)',

@@ -349,6 +349,10 @@ def test_split_rule_boundaries(dev):
                             (Strided.contiguous(f32, (3, 300_000)),), (), split=2)
     assert split_plan(presplit, dev) is None
     assert split_plan(_plain((3, 300_000), (1,), "sum", f16), dev) is None
+    # without a prologue input 0 is the value, whatever dtype a later (unread) input has
+    two = ReduceKernel((3, 300_000), (1,), "sum", (Strided.contiguous(f32, (3, 300_000)),
+                                                    Strided.contiguous(f16, (3,))), ())
+    assert split_plan(two, dev)[0].split == 86
 
 
 def test_layout_choice():
