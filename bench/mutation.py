@@ -164,6 +164,12 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("reduce", "core/ReplaceBinaryOperator_Mul_Div", "spec.workgroups[0] / spec.workgroups[1]",
      "workgroups[1] > 1 only past 65,535 workgroups, and gx / gy < 128 only past ~3.4e7 "
      "(over 10^9 outputs, more than any binding holds)"),
+    ("reduce", "core/ReplaceTrueWithFalse", "kstr[1:1 + nu], strict=False",
+     "merge_dims returns one stride tuple per operand: the slice has exactly len(used)"),
+    ("reduce", "core/ReplaceComparisonOperator_Gt_GtE", "if self.ty >= 1:",
+     "also declares the workgroup arrays for a serial layout, which never touches them"),
+    ("reduce", "core/NumberReplacer", 'getattr(k, "split", 2)',
+     "the default is never used: every ReduceKernel has a split field"),
     ("checkpoint", "core/ReplaceBinaryOperator_BitOr_BitAnd", "Mapping[str, str] & None",
      "an annotation: never evaluated (from __future__ import annotations)"),
     ("checkpoint", "core/NumberReplacer", 'getattr(os, "O_BINARY", 1)',

@@ -365,6 +365,7 @@ def test_layout_choice():
     assert choose_layout((16,), False, 16, 5, 256) == (8, 1)
     assert choose_layout((17,), False, 17, 5, 256) == (1, 32)
     assert codegen.emit(_plain((300, 5), (1,), "sum")).meta["workgroup_storage"] == 0
+    assert choose_layout((5,), False, 5, 100, 256) == (64, 1)  # serial: 64 outputs a group
 
 
 def test_two_lanes_per_output_get_their_workgroup_array(run, rng):
@@ -396,6 +397,22 @@ def test_post_pass_with_two_lanes_per_output(run, rng):
     m, d = run(k, [x], [((64,), f32), ((300, 64), f32)], limits=cap)
     np.testing.assert_array_equal(m, x.max(0))
     np.testing.assert_array_equal(d, x - x.max(0))
+
+
+def test_a_split_of_two_and_its_partials(run, dev, rng):
+    """The smallest split (2 chunks) stores each chunk's partials in its own row; a split
+    larger than the reduced extent is clamped to it; the partials buffer is checked against
+    the binding limit as split × outputs (here 32 KiB where a binding holds 16)."""
+    x = rng.standard_normal((3, 2048)).astype(np.float32)
+    y, split = _run_split(run, dev, _plain((3, 2048), (1,), "sum"), [x], [], (3,))
+    assert split == 2
+    assert_close(y, x.astype(np.float64).sum(1), 1e-5, 1e-5, what="split of 2")
+    one = ReduceKernel((3, 1), (1,), "sum", (Strided.contiguous(f32, (3, 1)),), (), split=4)
+    assert codegen.emit(one).meta["split"] == 1
+    row = Strided(f32, (4096, 2048), (0, 1), 0, 2048)  # 8 KiB read, 32 KiB of partials
+    k = ReduceKernel((4096, 2048), (1,), "sum", (row,), (), split=2, name="p")
+    with pytest.raises(LimitError, match="'p'.*output"):
+        codegen.emit(k, {"max_storage_buffer_binding_size": 16384})
 
 
 def test_negative_axes_down_to_minus_rank():
