@@ -170,6 +170,11 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "also declares the workgroup arrays for a serial layout, which never touches them"),
     ("reduce", "core/NumberReplacer", 'getattr(k, "split", 2)',
      "the default is never used: every ReduceKernel has a split field"),
+    ("reduce", "core/ReplaceComparisonOperator_Gt_GtE", 'return ("y" if ty >= 1 else "0u")',
+     "with TY = 1, y is 0 in every invocation (lid / TX with lid < TX, or lid of a 1-wide "
+     "workgroup)"),
+    ("reduce", "core/NumberReplacer", 'rs = "r" if s == -1 else',
+     "s = 0 then emits `(r + 0u)`, the same index"),
     ("checkpoint", "core/ReplaceBinaryOperator_BitOr_BitAnd", "Mapping[str, str] & None",
      "an annotation: never evaluated (from __future__ import annotations)"),
     ("checkpoint", "core/NumberReplacer", 'getattr(os, "O_BINARY", 1)',

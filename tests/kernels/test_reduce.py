@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from meganeura import kernels as codegen
-from meganeura.dtypes import bool_, f16, f32, i32
+from meganeura.dtypes import bool_, f16, f32, i32, u32
 from meganeura.errors import LimitError
 from meganeura.kernels import CodegenError, Instr, ReduceKernel, Strided
 from meganeura.kernels.reduce import choose_layout, split_plan
@@ -366,6 +366,8 @@ def test_layout_choice():
     assert choose_layout((17,), False, 17, 5, 256) == (1, 32)
     assert codegen.emit(_plain((300, 5), (1,), "sum")).meta["workgroup_storage"] == 0
     assert choose_layout((5,), False, 5, 100, 256) == (64, 1)  # serial: 64 outputs a group
+    # kept dims split by the reduced one: the last kept stride decides
+    assert codegen.emit(_plain((4, 300, 8), (1,), "sum")).meta["layout"] == (32, 8)
 
 
 def test_two_lanes_per_output_get_their_workgroup_array(run, rng):
@@ -407,6 +409,10 @@ def test_a_split_of_two_and_its_partials(run, dev, rng):
     y, split = _run_split(run, dev, _plain((3, 2048), (1,), "sum"), [x], [], (3,))
     assert split == 2
     assert_close(y, x.astype(np.float64).sum(1), 1e-5, 1e-5, what="split of 2")
+    b = rng.random((3, 64)) < 0.5  # a count split in 2: each chunk's partial count (u32)
+    kb = ReduceKernel((3, 64), (1,), "sum", (Strided.contiguous(bool_, (3, 64)),), (), split=2)
+    (parts,) = run(kb, [b], [((2, 3), u32)])
+    np.testing.assert_array_equal(parts, [b[:, :32].sum(1), b[:, 32:].sum(1)])
     one = ReduceKernel((3, 1), (1,), "sum", (Strided.contiguous(f32, (3, 1)),), (), split=4)
     assert codegen.emit(one).meta["split"] == 1
     row = Strided(f32, (4096, 2048), (0, 1), 0, 2048)  # 8 KiB read, 32 KiB of partials
