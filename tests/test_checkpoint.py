@@ -385,3 +385,16 @@ def test_on_windows_other_writers_are_never_signalled(tmp_path, monkeypatch):
     monkeypatch.setattr(ck, "os", WindowsOs())
     save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
     assert not other.exists()  # unlinkable here: the writer was not holding it open
+
+
+def test_the_stale_temp_sweep_looks_past_other_files(tmp_path, monkeypatch):
+    """Unrelated files and live writers' temps listed first do not end the sweep."""
+    stale = tmp_path / f".tmp-ck.safetensors-{os.getppid() + 10**7}-deadbeef"
+    live = tmp_path / f".tmp-ck.safetensors-{os.getppid()}-0badf00d"
+    for p in (stale, live, tmp_path / "notes.txt"):
+        p.write_bytes(b"x")
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda d: sorted(real(d), key=lambda n: n == stale.name))
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == sorted(["ck.safetensors", live.name, "notes.txt"])
