@@ -5,7 +5,7 @@ mutant at a time, and the narrow test file that owns the module runs against eac
 mutant the tests still pass on ("survived") is either a missing test or an equivalent mutant.
 
   pip install -e ".[mutation]"            # cosmic-ray, pinned
-  nice -n 15 python bench/mutation.py run                     # all modules (hours on 2 cores)
+  nice -n 15 python bench/mutation.py run                     # all modules (~1 h on 2 cores)
   nice -n 15 python bench/mutation.py run --modules checkpoint
   nice -n 15 python bench/mutation.py retest    # after writing tests: rerun the survivors only
   python bench/mutation.py report [--diffs]                   # counts + survivors (markdown)
