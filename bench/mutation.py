@@ -5,7 +5,7 @@ mutant at a time, and the narrow test file that owns the module runs against eac
 mutant the tests still pass on ("survived") is either a missing test or an equivalent mutant.
 
   pip install -e ".[mutation]"            # cosmic-ray, pinned
-  nice -n 15 python bench/mutation.py run                     # all modules (hours on 2 cores)
+  nice -n 15 python bench/mutation.py run                     # all modules (~1 h on 2 cores)
   nice -n 15 python bench/mutation.py run --modules checkpoint
   nice -n 15 python bench/mutation.py retest    # after writing tests: rerun the survivors only
   python bench/mutation.py report [--diffs]                   # counts + survivors (markdown)
@@ -55,14 +55,13 @@ class Target:
 TARGETS = {
     t.name: t
     for t in (
-        Target("reduce", "src/meganeura/kernels/reduce.py", ("tests/kernels/test_reduce.py",),
-               sample=25),
+        Target("reduce", "src/meganeura/kernels/reduce.py",
+               ("tests/kernels/test_reduce.py", "tests/kernels/test_multi_reduce.py")),
         Target("pointwise", "src/meganeura/kernels/pointwise.py",
                ("tests/kernels/test_pointwise.py",)),
-        Target("checkpoint", "src/meganeura/checkpoint.py", ("tests/test_checkpoint.py",),
-               sample=40),
+        Target("checkpoint", "src/meganeura/checkpoint.py", ("tests/test_checkpoint.py",)),
         Target("elementwise_vjps", "src/meganeura/ops/elementwise.py",
-               ("tests/ops/test_elementwise.py",), vjps_only=True, sample=25),
+               ("tests/ops/test_elementwise.py",), vjps_only=True),
     )
 }
 
@@ -82,29 +81,105 @@ EXCLUDE_OPERATORS = (
 
 # Survivors judged equivalent (no valid input tells them apart from the original): target,
 # operator and a piece of the mutated line (so line moves keep them valid), and why.
+_ONE_INPUT = "a unary op has one input, so inputs[-1] is inputs[0]"
 EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("elementwise_vjps", "core/NumberReplacer", "c[ -1]",
      "a one-output op gets one cotangent, so c[-1] is c[0]"),
-    ("elementwise_vjps", "core/NumberReplacer", "cos(n.inputs[ -1])",
-     "a unary op has one input, so inputs[-1] is inputs[0]"),
+    *(("elementwise_vjps", "core/NumberReplacer", piece, _ONE_INPUT) for piece in (
+        "cos(n.inputs[ -1])", "sin(n.inputs[ -1])", "sign(n.inputs[ -1])",
+        "zeros_like(n.inputs[ -1])", "square(n.inputs[ -1])", "exp(n.inputs[ -1])",
+        "c[0] / n.inputs[ -1]", "c[0] * 2 * n.inputs[ -1]", "x = n.inputs[ -1]",
+        "src = n.inputs[ -1].dtype")),
+    *(("elementwise_vjps", "core/ReplaceAndWithOr", f"if f{x} or {x}.dtype.is_float",
+        "a broadcasting binary op's operands share its dtype (coerce_pair): with integer "
+        "operands its output is integer, and autodiff never calls its VJP") for x in "ab"),
+    ("elementwise_vjps", "core/NumberReplacer", "safe = where(zero_base, 2.0, a)",
+     "any positive base keeps log finite where masked: the outer where discards that value "
+     "and its VJP sends 0 back (0 · log 2 = 0); 1.0 is one choice of many"),
     ("elementwise_vjps", "core/ReplaceAndWithOr", "src.is_float or n.out.dtype.is_float",
      "autodiff only passes cotangents between float values, so a cast from or to an integer "
      "type never has its VJP result used"),
-    ("reduce", "core/NumberReplacer", "kstr[1 + nu : 2 + nu + nx]",
-     "zip (strict=False) stops at len(used_x): the longer slice's extra entry is never read"),
-    ("reduce", "core/ReplaceFalseWithTrue", "kstr[1 + nu : 1 + nu + nx], strict=True",
-     "the slice has exactly len(used_x) entries"),
+    ("reduce", "core/ReplaceTrueWithFalse", "kstr[1 + nu + npo:], strict=False",
+     "merge_dims returns one stride tuple per operand: the tail has exactly len(used_x)"),
     ("reduce", "core/NumberReplacer", "if unroll > 0:",
      "with unroll = 1 the 'unrolled' loop is the plain loop (one accumulator, step TY), the "
      "remainder loop then runs zero times and the combine is acc = acc"),
+    ("reduce", "core/NumberReplacer", "for s in range( 0, unroll):",
+     "also declares acc{j}_0, which nothing reads"),
+    ("reduce", "core/NumberReplacer", "= {parts[ -1]};",
+     "after the pairwise tree one part is left: parts[-1] is parts[0]"),
     ("reduce", "core/NumberReplacer", "if split > 0:",
      "with split = 1 every workgroup index is below owgs: cb = 0 (read only when split > 1) "
      "and wo = wg, as in the other branch"),
     ("reduce", "core/AddNot", "64 if not out_total >= 64",
      "serial layout width only: each invocation folds one output alone (same order) and "
      "invocations past the last output are masked, so results are bit-identical"),
-    ("reduce", "core/NumberReplacer", "max( 0, int(getattr(k, \"split\", 1) or 1))",
+    ("reduce", "core/ReplaceComparisonOperator_GtE_Gt", "64 if out_total > 64",
+     "at out_total = 64 the other branch gives pow2ceil(64) = 64"),
+    ("reduce", "core/NumberReplacer", "if self.has_post and self.ty > 2",
+     "with TY = 2 and a post pass both lanes of an output read the same total after the last "
+     "barrier: lane 1 stores the identical value again"),
+    ("reduce", "core/ReplaceComparisonOperator_Gt_GtE", "val_t is not bool_ or self.split >= 1",
+     "a bool sum without epilogue then stores the u32 total, which store_value converts to "
+     "bool as `total != 0`: the same expression accv holds"),
+    ("reduce", "core/NumberReplacer", "max( 0, int(k.split or 1))",
      "`split or 1` is already >= 1 for every valid (non-negative) split"),
+    ("reduce", "core/NumberReplacer", "if d in axes else n for d, n in enumerate(shape)",
+     "an extra in keepdims form has size 1 on the reduced dims, whose strides the next line "
+     "drops: broadcasting them to 0 or 2 instead of 1 changes nothing kept"),
+    ("reduce", "core/NumberReplacer", "red_total < 1 * min_chunk",
+     "below 2·min_chunk reduced elements red_total // min_chunk <= 1, so the `split < 2` "
+     "check returns None anyway"),
+    ("reduce", "core/ReplaceBinaryOperator_Mul_Div", "spec.workgroups[1] / spec.workgroups[2]",
+     "make_grid uses a third dimension only past m² workgroups (m >= 65,535 in WebGPU); "
+     "then m·m/gz >= m is still >= target / 2 and no split is planned either way"),
+    ("reduce", "core/NumberReplacer", "if split < 1:",
+     "unreachable: past the check above both terms of the min are >= 2 (red_total >= "
+     "2·min_chunk, and wgs < target / 2 makes ceil(target / wgs) >= 3)"),
+    ("reduce", "core/NumberReplacer", "spec.workgroups[ 2] * spec.workgroups[2]",
+     "workgroups[1] > 1 only past 65,535 workgroups; then gx alone is still >= target / 2 "
+     "and no split is planned either way"),
+    ("reduce", "core/ReplaceBinaryOperator_BitOr_BitAnd", "n_front: int & None = None",
+     "an annotation: never evaluated (from __future__ import annotations)"),
+    ("reduce", "core/ReplaceComparisonOperator_Gt_GtE", "if tx >= 1:",
+     "with TX = 1 the general form gives x = lid % 1u = 0, y = lid / 1u = lid, o = wo"),
+    ("reduce", "core/NumberReplacer", "self.tx, self.ty, ind * ",
+     "indentation of the generated WGSL only"),
+    ("reduce", "core/NumberReplacer", "rin[main][- 0] == 1",
+     "kept and reduced strides both 1 only in a self-overlapping view; with one reduced dim "
+     "[0] is [-1], and the clause picks a layout (speed), not a result"),
+    ("reduce", "core/ReplaceComparisonOperator_Gt_GtE", "if unroll >= 1:",
+     "with unroll = 1 the 'unrolled' loop is the plain loop (one accumulator, step TY), the "
+     "remainder loop then runs zero times and the combine is acc = acc"),
+    ("checkpoint", "core/ExceptionReplacer", "-except CheckpointError:",
+     "nothing inside that try (safe_open, metadata, get_tensor) raises CheckpointError"),
+    ("reduce", "core/ReplaceBinaryOperator_FloorDiv_Div", "s = ty / 2",
+     "TY is a power of two, so every halving is a whole float, and u() prints int(s)"),
+    ("reduce", "core/NumberReplacer", "if kept_contig and out_total > 0:",
+     "one output: TX = pow2ceil(1) = 1 and TY = min(max_threads, pow2ceil(red_total)), the "
+     "rows layout the other branch returns"),
+    ("reduce", "core/AddNot", "if not self.has_post and self.ty > 1",
+     "without a post pass the store block already runs for y == 0 only; with one, every lane "
+     "of an output stores the same total"),
+    ("reduce", "core/ReplaceBinaryOperator_Mul_Div", "spec.workgroups[0] / spec.workgroups[1]",
+     "workgroups[1] > 1 only past 65,535 workgroups, and gx / gy < 128 only past ~3.4e7 "
+     "(over 10^9 outputs, more than any binding holds)"),
+    ("reduce", "core/ReplaceTrueWithFalse", "kstr[1:1 + nu], strict=False",
+     "merge_dims returns one stride tuple per operand: the slice has exactly len(used)"),
+    ("reduce", "core/ReplaceComparisonOperator_Gt_GtE", "if self.ty >= 1:",
+     "also declares the workgroup arrays for a serial layout, which never touches them"),
+    ("reduce", "core/NumberReplacer", 'getattr(k, "split", 2)',
+     "the default is never used: every ReduceKernel has a split field"),
+    ("reduce", "core/ReplaceComparisonOperator_Gt_GtE", 'return ("y" if ty >= 1 else "0u")',
+     "with TY = 1, y is 0 in every invocation (lid / TX with lid < TX, or lid of a 1-wide "
+     "workgroup)"),
+    ("reduce", "core/NumberReplacer", 'rs = "r" if s == -1 else',
+     "s = 0 then emits `(r + 0u)`, the same index"),
+    ("checkpoint", "core/ReplaceBinaryOperator_BitOr_BitAnd", "Mapping[str, str] & None",
+     "an annotation: never evaluated (from __future__ import annotations)"),
+    ("checkpoint", "core/NumberReplacer", 'getattr(os, "O_BINARY", 1)',
+     "O_BINARY exists only on Windows; on Linux and macOS the default 1 is O_WRONLY, "
+     "already in the flags"),
     ("pointwise", "core/ReplaceFalseWithTrue", "zip(used, mstrides[1:], strict=True)",
      "merge_dims returns one stride tuple per operand: the two always have equal length"),
     ("pointwise", "core/NumberReplacer", "s.offset == -1 else",
@@ -116,9 +191,15 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
 
 
 def _equivalent(target: str, op: str, diff: str) -> str | None:
-    added = [ln[1:] for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("++")]
+    """The reason of the first ``EQUIVALENT`` entry matching this mutant: its piece found in
+    a line the mutation added, or (a piece starting with ``-``) in the line it replaced, for
+    mutants whose new text is not unique (``except CosmicRayTestingException:``)."""
+    lines = diff.splitlines()
+    added = [ln[1:] for ln in lines if ln.startswith("+") and not ln.startswith("++")]
+    removed = [ln[1:] for ln in lines if ln.startswith("-") and not ln.startswith("--")]
     for t, o, piece, why in EQUIVALENT:
-        if t == target and o == op and any(piece in ln for ln in added):
+        where, text = (removed, piece[1:]) if piece.startswith("-") else (added, piece)
+        if t == target and o == op and any(text in ln for ln in where):
             return why
     return None
 
@@ -250,6 +331,7 @@ def run_target(t: Target, workdir: Path, timeout: float, sample: int | None,
         if retest:
             _reset_survivors(tree, session)
     cfg.write_text(_config(t, timeout, sock))
+    sock.unlink(missing_ok=True)  # a stale socket would pass for a ready server
     server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "serve",
                                "--socket", str(sock)])
     try:
@@ -266,6 +348,9 @@ def run_target(t: Target, workdir: Path, timeout: float, sample: int | None,
         start = time.time()
         try:
             _cr("cosmic-ray", "exec", str(cfg), str(session), cwd=tree)
+            if server.poll() is not None:  # every later mutant would have counted as killed
+                raise RuntimeError(f"fork server died ({server.returncode}) during the run: "
+                                   f"discard {session} and run again")
         finally:
             (home / "exec_seconds").write_text(
                 str(time.time() - start + _float(home / "exec_seconds")))
@@ -275,9 +360,15 @@ def run_target(t: Target, workdir: Path, timeout: float, sample: int | None,
 
 
 def _wait_for_socket(sock: Path, server: subprocess.Popen) -> None:
+    """Until the server accepts connections (it binds before it listens)."""
     for _ in range(600):
         if sock.exists():
-            return
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                    c.connect(str(sock))  # an empty request: the server ignores it
+                return
+            except OSError:
+                pass
         if server.poll() is not None:
             raise RuntimeError(f"fork server exited with {server.returncode}")
         time.sleep(0.1)
@@ -306,16 +397,26 @@ def serve(sock: Path) -> None:
     srv.bind(str(sock))
     srv.listen(1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # a mutant may signal the test's parent (checkpoint's liveness probe os.kill(ppid, 0) with
+    # 0 -> 1): that parent is this server, which must outlive it
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         while True:
             conn, _ = srv.accept()
             with conn:
-                req = json.loads(conn.makefile().readline())
+                line = conn.makefile().readline()
+                if not line:  # _wait_for_socket's probe
+                    continue
+                req = json.loads(line)
                 pid = os.fork()
                 if pid == 0:
                     srv.close()
                     _child(req)
-                conn.sendall(f"{_await_child(pid, conn)}\n".encode())
+                code = _await_child(pid, conn)
+                try:
+                    conn.sendall(f"{code}\n".encode())
+                except OSError:  # the client timed out and is gone: serve the next one
+                    pass
     finally:
         sock.unlink(missing_ok=True)
 

@@ -247,3 +247,154 @@ def test_a_writer_owned_by_another_user_counts_as_alive(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "kill", kill)
     save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
     assert other.exists()
+
+
+def test_stored_checksums_are_the_plain_crc32_of_the_little_endian_bytes(tmp_path):
+    """The checksum table is a file format: any tool (or an older or newer meganeura) must be
+    able to write and check it as zlib's CRC-32 of each tensor's stored bytes, 8 hex digits.
+    Big-endian input is stored little-endian and checksummed as stored."""
+    import zlib
+
+    from meganeura.checkpoint import read_metadata
+
+    w = np.arange(4, 16, dtype=">f4").reshape(3, 4)
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, {"w": w, "step": TENSORS["step"]}, "fp", 1)
+    table = json.loads(read_metadata(path)["crc32"])
+    expect = {"w": zlib.crc32(w.astype("<f4").tobytes()),
+              "step": zlib.crc32(np.float32(7.0).tobytes())}
+    assert any(c & 1 for c in expect.values())  # a low bit to lose, were it masked away
+    assert table == {k: f"{c:08x}" for k, c in expect.items()}
+
+
+def test_an_absurd_step_is_quoted_cut_to_40_characters(tmp_path):
+    """A corrupt step may be megabytes of junk: the message quotes its first 40 characters."""
+    path = _foreign(tmp_path / "s.safetensors", TENSORS, step="12345678" * 1000)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, EXPECTED, "fp")
+    assert f"bad step '{('12345678' * 5)}' (expected" in str(info.value)
+
+
+def test_a_temp_name_in_use_by_another_writer_is_never_opened(tmp_path, monkeypatch):
+    """Temp files are created exclusively (O_EXCL): when the random name is already taken (by
+    another thread's save of the same target), the writer draws another name and leaves that
+    file alone instead of writing into it and renaming it away."""
+    import secrets
+
+    import meganeura.checkpoint as ck
+
+    base = "ck.safetensors"
+    taken = tmp_path / f".tmp-{base}-{os.getpid()}-aaaaaaaa"
+    taken.write_bytes(b"another writer's data")
+    names = iter(["aaaaaaaa", "bbbbbbbb"])
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(names))
+    monkeypatch.setattr(ck, "_ACTIVE", {str(taken)})  # being written by another thread
+    save_checkpoint(tmp_path / base, TENSORS, "fp", 1)
+    assert taken.read_bytes() == b"another writer's data"
+    assert load_checkpoint(tmp_path / base, EXPECTED, "fp")[1] == 1
+    assert next(names, None) is None  # the second name was drawn
+
+
+def test_a_stale_temp_name_that_cannot_be_removed_does_not_stop_a_save(tmp_path):
+    """Cleaning up is best effort: a dead writer's temp name that cannot be unlinked (here a
+    directory of that name) is left where it is and the save goes on."""
+    stuck = tmp_path / f".tmp-ck.safetensors-{os.getppid() + 10**7}-deadbeef"
+    stuck.mkdir()
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    assert stuck.is_dir() and load_checkpoint(tmp_path / "ck.safetensors", EXPECTED, "fp")
+
+
+def test_extra_metadata_values_must_be_strings_too(tmp_path):
+    with pytest.raises(CheckpointError, match="must map str to str"):
+        save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1, extra={"cli.epoch": 2})
+    assert not os.listdir(tmp_path)
+
+
+def test_temp_names_carry_the_pid_and_32_random_bits(tmp_path, monkeypatch):
+    """``.tmp-<target>-<pid>-<8 hex digits>``: what the stale-temp cleanup of every version
+    parses, and 32 random bits keep concurrent saves of one process apart."""
+    import re
+
+    seen, real_replace = [], os.replace
+    monkeypatch.setattr(os, "replace", lambda s, d: (seen.append(os.path.basename(s)),
+                                                     real_replace(s, d)))
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    [name] = seen
+    assert re.fullmatch(rf"\.tmp-ck\.safetensors-{os.getpid()}-[0-9a-f]{{8}}", name), name
+
+
+@pytest.mark.parametrize("refuses", ["open", "fsync", "listdir"])
+def test_a_directory_that_cannot_be_synced_or_listed_does_not_fail_the_save(tmp_path, monkeypatch,
+                                                                           refuses):
+    """Syncing the directory and sweeping stale temp files are best effort (some systems cannot
+    open or fsync a directory; a directory may be writable but not readable): the file itself
+    is durable, so the save succeeds."""
+    real = {"open": os.open, "fsync": os.fsync}
+
+    def fail(*a):
+        raise PermissionError(13, "Permission denied")
+
+    def no_dirs(path, flags, *a):
+        return fail() if os.path.isdir(path) else real["open"](path, flags, *a)
+
+    def no_dir_fsync(fd):
+        return fail() if stat.S_ISDIR(os.fstat(fd).st_mode) else real["fsync"](fd)
+
+    monkeypatch.setattr(os, refuses, {"open": no_dirs, "fsync": no_dir_fsync,
+                                      "listdir": fail}[refuses])
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path / "ck.safetensors", EXPECTED, "fp")[1] == 1
+    assert os.listdir(tmp_path) == ["ck.safetensors"]
+
+
+def test_a_truncated_file_is_reported_as_corrupt(tmp_path):
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, TENSORS, "fp", 1)
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(CheckpointError, match="is corrupt or truncated"):
+        read_checkpoint(path)
+
+
+def test_a_scalars_list_naming_other_tensors_changes_nothing(tmp_path):
+    """Only listed tensors of one element become rank 0; a wrong list (a missing name, a
+    matrix) leaves the tensors as stored, for the shape check to judge."""
+    path = _foreign(tmp_path / "s.safetensors", TENSORS, scalars="step,w,gone")
+    tensors, _ = read_checkpoint(path)
+    assert tensors["step"].shape == () and tensors["w"].shape == (3, 4)
+
+
+def test_on_windows_other_writers_are_never_signalled(tmp_path, monkeypatch):
+    """On Windows ``os.kill(pid, 0)`` would terminate the process: the cleanup does not probe
+    there, it tries to unlink (which the OS refuses for a file still open)."""
+    import meganeura.checkpoint as ck
+
+    other = tmp_path / f".tmp-ck.safetensors-{os.getppid()}-0badf00d"
+    other.write_bytes(b"x")
+
+    class WindowsOs:  # the checkpoint module's view of ``os`` only (pytest keeps the real one)
+        name = "nt"
+
+        def __getattr__(self, attr):
+            return getattr(os, attr)
+
+        @staticmethod
+        def kill(pid, sig):
+            raise AssertionError(f"os.kill({pid}, {sig}) on Windows")
+
+    monkeypatch.setattr(ck, "os", WindowsOs())
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    assert not other.exists()  # unlinkable here: the writer was not holding it open
+
+
+def test_the_stale_temp_sweep_looks_past_other_files(tmp_path, monkeypatch):
+    """Unrelated files and live writers' temps listed first do not end the sweep."""
+    stale = tmp_path / f".tmp-ck.safetensors-{os.getppid() + 10**7}-deadbeef"
+    live = tmp_path / f".tmp-ck.safetensors-{os.getppid()}-0badf00d"
+    for p in (stale, live, tmp_path / "notes.txt"):
+        p.write_bytes(b"x")
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda d: sorted(real(d), key=lambda n: n == stale.name))
+    save_checkpoint(tmp_path / "ck.safetensors", TENSORS, "fp", 1)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == sorted(["ck.safetensors", live.name, "notes.txt"])

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from meganeura import kernels as codegen
-from meganeura.dtypes import bool_, f16, f32, i32
+from meganeura.dtypes import bool_, f16, f32, i32, u32
 from meganeura.errors import LimitError
 from meganeura.kernels import CodegenError, Instr, ReduceKernel, Strided
-from meganeura.kernels.reduce import split_plan
+from meganeura.kernels.reduce import choose_layout, split_plan
 
 from ._util import assert_close, view_of
 
@@ -334,3 +334,182 @@ def test_split_rule(dev):
     assert partial.split == 86 and tshape == (86, 3) and tdt is f32  # ceil(256 / 3)
     partial, _, _ = split_plan(_plain((3, 4096), (1,), "sum"), dev)
     assert partial.split == 4  # 4096 // 1024 chunks, not 86
+
+
+def test_split_rule_boundaries(dev):
+    """The split rule's edges: exactly half the target workgroups stays one dispatch (127
+    splits into ceil(256 / 127) = 3); exactly 2 · min_chunk reduced elements split in 2;
+    an already split kernel, or one whose accumulator is wider than its values (f16: the
+    epilogue would see f32), is never split again."""
+    assert split_plan(_plain((128, 4096), (1,), "sum"), dev) is None
+    assert split_plan(_plain((127, 4096), (1,), "sum"), dev)[0].split == 3
+    assert split_plan(_plain((3, 2048), (1,), "sum"), dev)[0].split == 2
+    assert split_plan(_plain((3, 2047), (1,), "sum"), dev) is None
+    presplit = ReduceKernel((3, 300_000), (1,), "sum",
+                            (Strided.contiguous(f32, (3, 300_000)),), (), split=2)
+    assert split_plan(presplit, dev) is None
+    assert split_plan(_plain((3, 300_000), (1,), "sum", f16), dev) is None
+    # without a prologue input 0 is the value, whatever dtype a later (unread) input has
+    two = ReduceKernel((3, 300_000), (1,), "sum", (Strided.contiguous(f32, (3, 300_000)),
+                                                    Strided.contiguous(f16, (3,))), ())
+    assert split_plan(two, dev)[0].split == 86
+
+
+def test_layout_choice():
+    """Outputs side by side (TX > 1) as soon as there are two of them and the kept dim is the
+    contiguous one; rows (TX = 1) when the reduced dim is."""
+    assert codegen.emit(_plain((300, 2), (0,), "sum")).meta["layout"] == (2, 128)
+    assert codegen.emit(_plain((300, 1), (0,), "sum")).meta["layout"] == (1, 256)
+    assert codegen.emit(_plain((2, 300), (1,), "sum")).meta["layout"] == (1, 256)
+    # up to SERIAL_MAX = 16 reduced elements: one invocation per output, no lanes to combine
+    assert choose_layout((16,), False, 16, 5, 256) == (8, 1)
+    assert choose_layout((17,), False, 17, 5, 256) == (1, 32)
+    assert codegen.emit(_plain((300, 5), (1,), "sum")).meta["workgroup_storage"] == 0
+    assert choose_layout((5,), False, 5, 100, 256) == (64, 1)  # serial: 64 outputs a group
+    # kept dims split by the reduced one: the last kept stride decides
+    assert codegen.emit(_plain((4, 300, 8), (1,), "sum")).meta["layout"] == (32, 8)
+
+
+def test_two_lanes_per_output_get_their_workgroup_array(run, rng):
+    """A 64-invocation cap leaves 32 columns two lanes each (TY = 2, unrolled): the smallest
+    layout that combines lanes declares (and reports, for the limit check) its workgroup array,
+    starts lane 1 at row 1 and stops its unrolled loop before the last rows.  The view is the
+    top of a larger buffer, so a read past its rows would add the 1e3s below it."""
+    base = rng.standard_normal((310, 64)).astype(np.float32)
+    base[300:] = 1e3
+    v = base[:300]
+    k = ReduceKernel(v.shape, (0,), "sum", (view_of(base, v),), ())
+    cap = {**run.dev.limits, "max_compute_invocations_per_workgroup": 64}
+    spec = codegen.emit(k, cap)
+    assert spec.meta["layout"] == (32, 2) and spec.meta["workgroup_storage"] == 32 * 2 * 4
+    assert "acc0_3" in spec.wgsl
+    (y,) = run(k, [base], [((64,), f32)], limits=cap)
+    assert_close(y, v.astype(np.float64).sum(0), 1e-5, 1e-5, what="column sums")
+
+
+def test_post_pass_with_two_lanes_per_output(run, rng):
+    """TY = 2 (a 64-invocation cap, 32 columns): both lanes of a column walk its rows again in
+    the post pass, lane 1 from row 1."""
+    x = rng.standard_normal((300, 64)).astype(np.float32)
+    full = Strided.contiguous(f32, (300, 64))
+    k = ReduceKernel((300, 64), (0,), "max", (full,), (),
+                     post=(Instr("({0} - {1})", (("ri", 0), ("r", 0)), f32),), post_outputs=(0,))
+    cap = {**run.dev.limits, "max_compute_invocations_per_workgroup": 64}
+    assert codegen.emit(k, cap).meta["layout"] == (32, 2)
+    m, d = run(k, [x], [((64,), f32), ((300, 64), f32)], limits=cap)
+    np.testing.assert_array_equal(m, x.max(0))
+    np.testing.assert_array_equal(d, x - x.max(0))
+
+
+def test_a_split_of_two_and_its_partials(run, dev, rng):
+    """The smallest split (2 chunks) stores each chunk's partials in its own row; a split
+    larger than the reduced extent is clamped to it; the partials buffer is checked against
+    the binding limit as split × outputs (here 32 KiB where a binding holds 16)."""
+    x = rng.standard_normal((3, 2048)).astype(np.float32)
+    y, split = _run_split(run, dev, _plain((3, 2048), (1,), "sum"), [x], [], (3,))
+    assert split == 2
+    assert_close(y, x.astype(np.float64).sum(1), 1e-5, 1e-5, what="split of 2")
+    b = rng.random((3, 64)) < 0.5  # a count split in 2: each chunk's partial count (u32)
+    kb = ReduceKernel((3, 64), (1,), "sum", (Strided.contiguous(bool_, (3, 64)),), (), split=2)
+    (parts,) = run(kb, [b], [((2, 3), u32)])
+    np.testing.assert_array_equal(parts, [b[:, :32].sum(1), b[:, 32:].sum(1)])
+    one = ReduceKernel((3, 1), (1,), "sum", (Strided.contiguous(f32, (3, 1)),), (), split=4)
+    assert codegen.emit(one).meta["split"] == 1
+    row = Strided(f32, (4096, 2048), (0, 1), 0, 2048)  # 8 KiB read, 32 KiB of partials
+    k = ReduceKernel((4096, 2048), (1,), "sum", (row,), (), split=2, name="p")
+    with pytest.raises(LimitError, match="'p'.*output"):
+        codegen.emit(k, {"max_storage_buffer_binding_size": 16384})
+
+
+def test_negative_axes_down_to_minus_rank():
+    a = codegen.emit(_plain((3, 40), (-2,), "sum"))
+    b = codegen.emit(_plain((3, 40), (0,), "sum"))
+    assert a.wgsl == b.wgsl
+    with pytest.raises(CodegenError, match="out of range"):
+        codegen.emit(_plain((3, 40), (-3,), "sum"))
+
+
+def test_without_prologue_input_0_is_reduced_whatever_follows():
+    """No prologue: input 0 is the value; later inputs (a post pass's) have their own dtypes."""
+    k = ReduceKernel((4, 8), (1,), "sum", (Strided.contiguous(f32, (4, 8)),), (),
+                     post_inputs=(Strided.contiguous(i32, (4, 8)),),
+                     post=(Instr("(f32({0}) * {1})", (("in", 0), ("r", 0)), f32),),
+                     post_outputs=(0,), name="r")
+    assert codegen.emit(k).meta["binding_dtypes"] == (f32, i32, f32, f32)
+
+
+def test_a_post_output_larger_than_a_binding_is_refused():
+    """The post output has the input's full shape: here 1 KiB where a binding holds 512 bytes
+    (the input is a broadcast row of 256 bytes, the reduced output 16)."""
+    row = Strided(f32, (4, 64), (0, 1), 0, 64)
+    k = ReduceKernel((4, 64), (1,), "sum", (row,), (),
+                     post=(Instr("({0} * {1})", (("ri", 0), ("r", 0)), f32),),
+                     post_outputs=(0,), name="r")
+    codegen.emit(k, {"max_storage_buffer_binding_size": 1024})
+    with pytest.raises(LimitError, match="post output"):
+        codegen.emit(k, {"max_storage_buffer_binding_size": 512})
+
+
+def test_a_post_input_past_its_binding_is_named_as_a_post_input():
+    """Errors name a ReduceKernel's post inputs as such (the generator appends them to the
+    inputs, so the numbering would otherwise run on)."""
+    x = Strided.contiguous(f32, (4, 8))
+    desc = ReduceKernel((4, 8), (1,), "sum", (x,), (),
+                        post_inputs=(Strided(f32, (4, 8), (8, 1), 0, 31),),
+                        post=(Instr("({0} * {1})", (("in", 0), ("r", 0)), f32),),
+                        post_outputs=(0,), name="r")
+    with pytest.raises(CodegenError, match="'r': post input 0 reads element 31"):
+        codegen.emit(desc)
+
+
+@pytest.mark.parametrize("n,unrolled", [(1792, False), (1793, True), (2048, True)])
+def test_unroll_rule(run, rng, n, unrolled):
+    """UNROLL independent accumulators once an invocation folds at least 2 · UNROLL elements
+    (ceil(n / 256) per invocation of a 256-wide row: 7, 8, 8); the sums stay right either way."""
+    k = _plain((4, n), (1,), "sum")
+    spec = codegen.emit(k)
+    assert spec.meta["layout"] == (1, 256)
+    assert ("acc0_1" in spec.wgsl) == unrolled and ("acc0_3" in spec.wgsl) == unrolled
+    x = rng.standard_normal((4, n)).astype(np.float32)
+    (y,) = run(k, [x], [((4,), f32)])
+    assert_close(y, x.astype(np.float64).sum(1), 1e-5, 1e-5, what=f"sum of {n}")
+
+
+def test_empty_reduced_axis(run):
+    """A sum over an empty axis is 0 (one dispatch, never split); max and min have no value
+    there and are refused."""
+    k = _plain((3, 0), (1,), "sum")
+    assert codegen.emit(k).meta["split"] == 1
+    (y,) = run(k, [np.zeros((3, 0), np.float32)], [((3,), f32)])
+    np.testing.assert_array_equal(y, np.zeros(3, np.float32))
+    for kind in ("max", "min"):
+        with pytest.raises(CodegenError, match=f"{kind} over an empty axis"):
+            codegen.emit(_plain((3, 0), (1,), kind))
+
+
+def test_an_epilogue_may_ignore_the_total(run, rng):
+    """The epilogue's operands are any of its own: one reading only an extra input still gets
+    that input loaded."""
+    m = rng.standard_normal(6).astype(np.float32)
+    k = ReduceKernel((6, 40), (1,), "sum", (Strided.contiguous(f32, (6, 40)),), (),
+                     (Instr("({0} * 2.0)", (("x", 0),), f32),), (Strided.contiguous(f32, (6,)),),
+                     name="extra_only")
+    (y,) = run(k, [np.ones((6, 40), np.float32), m], [((6,), f32)])
+    np.testing.assert_array_equal(y, m * 2)
+
+
+def test_a_member_needs_an_input_or_a_prologue():
+    with pytest.raises(CodegenError, match="'r' has neither inputs nor a prologue"):
+        codegen.emit(ReduceKernel((4,), (0,), "sum", (), (), name="r"))
+    k = ReduceKernel((4,), (0,), "sum", (), (Instr("1.0", (), f32),), name="ones")
+    assert codegen.emit(k).meta["reduced"] == 4
+
+
+def test_an_extra_input_past_its_binding_is_refused():
+    x = Strided.contiguous(f32, (6, 40))
+    short = Strided(f32, (6,), (1,), 0, 5)  # 6 outputs read from a 5-element binding
+    k = ReduceKernel((6, 40), (1,), "sum", (x,), (),
+                     (Instr("({0} + {1})", (("acc", 0), ("x", 0)), f32),), (short,), name="r")
+    with pytest.raises(CodegenError, match="extra input 0 reads element 5 but its binding "
+                                           "holds 5"):
+        codegen.emit(k)

@@ -77,6 +77,13 @@ def test_unary_forward_at_zero(name):
     check_forward(build, twin, np.array([-1.5, 0.0, 2.0, -0.0]))
 
 
+@pytest.mark.parametrize("name", ["abs", "sign", "relu"])
+def test_unary_gradient_at_zero(name):
+    """The kinks at 0 take PyTorch's subgradient (abs: sign(0) = 0; relu: 0), both zeros."""
+    build, twin, _ = UNARY[name]
+    check_op(build, twin, np.array([-1.5, 0.0, 2.0, -0.0]), fd=False)
+
+
 @pytest.mark.parametrize("name", ["sigmoid", "tanh", "exp", "sin", "silu", "gelu_none",
                                   "gelu_tanh", "erf", "rsqrt", "reciprocal", "log", "abs"])
 def test_unary_second_order(name, rng):
@@ -210,6 +217,29 @@ def test_pow_at_zero_base_follows_pytorch():
     a = np.array([0.0, 0.0, 0.0, 0.0, 1.5, 0.0])
     b = np.array([0.0, 2.0, 3.0, 1.0, 0.0, -1.0])
     check_op(ops.pow, torch.pow, a, b, fd=False)
+
+
+def test_pow_second_order_at_zero_base_is_finite():
+    """The d/db mask also guards the second order: where 0 ** b is masked its VJP evaluates
+    log at base 1, not 0, so differentiating the VJP again gives the limits (0 · log 0 → 0)
+    instead of PyTorch's NaN there.  Away from 0 it matches PyTorch."""
+    from meganeura.reference import evaluate
+
+    a = np.array([0.0, 0.0, 0.0, 1.5, 0.5])
+    b = np.array([2.0, 3.0, 2.5, 0.0, 2.5])
+    g = mn.Graph()
+    pa, pb = g.param("a", a.shape), g.param("b", b.shape)
+    g1, gr = mn.grad(g, ops.pow(pa, pb).sum())
+    g2, gr2 = mn.grad(g1, (gr["a"] + gr["b"]).sum())
+    da, db = evaluate(g2, [gr2["a"], gr2["b"]], {"a": a, "b": b}, dtype=np.float64)
+    # d/da (d/da + d/db) a**b at a = 0: b(b-1)a**(b-2) + (b a**(b-1) log a + a**(b-1)) -> 2, 0, 0
+    np.testing.assert_array_equal(da[:3], [2.0, 0.0, 0.0])
+    np.testing.assert_array_equal(db[:3], [0.0, 0.0, 0.0])
+    ta, tb = torch.tensor(a[3:], requires_grad=True), torch.tensor(b[3:], requires_grad=True)
+    ga, gb = torch.autograd.grad(torch.pow(ta, tb).sum(), [ta, tb], create_graph=True)
+    want = torch.autograd.grad((ga + gb).sum(), [ta, tb])
+    np.testing.assert_allclose(da[3:], want[0].numpy(), rtol=1e-12)
+    np.testing.assert_allclose(db[3:], want[1].numpy(), rtol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["add", "sub", "mul", "maximum", "minimum"])
