@@ -15,9 +15,9 @@ from meganeura.compile import compile
 from meganeura.finetune import IGNORE, build_session, encode_pair, encode_pairs, load_finetuned
 from meganeura.generate import LlamaGenerator
 from meganeura.io.gguf import load_gguf
-from meganeura.models.llama import llama_lm, tiny_llama
+from meganeura.models.llama import llama_lm
 from meganeura.optim import AdamW
-from tests.io.gguf_util import VOCAB, write_tiny_llama
+from tests.io.gguf_util import write_tiny_chat_llama
 from tests.test_cli import _fails
 
 pytest.importorskip("gguf")
@@ -31,15 +31,7 @@ PAIRS = [(q, f"{a} zz yy") for q, a in [("abc", "ab"), ("ab ab", "c"), ("a b c",
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    from meganeura.init import init_leaves
-
-    cfg = tiny_llama(vocab_size=len(VOCAB), max_position_embeddings=64)
-    sd = init_leaves(llama_lm(cfg, 1, 2, loss=False).graph, 0)
-    sd["model.embed_tokens.weight"] = np.random.default_rng(0).normal(
-        0, 1.0, sd["model.embed_tokens.weight"].shape)
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_tiny_llama(path, sd, cfg)
-    return str(path)
+    return write_tiny_chat_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 @pytest.fixture(scope="module")

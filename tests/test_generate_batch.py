@@ -112,17 +112,9 @@ def test_generate_batch_stops_rows_at_eos():
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     pytest.importorskip("gguf")
-    from meganeura.init import init_leaves
-    from meganeura.models.llama import llama_lm
-    from tests.io.gguf_util import VOCAB, write_tiny_llama
+    from tests.io.gguf_util import write_tiny_chat_llama
 
-    cfg = tiny_llama(vocab_size=len(VOCAB), max_position_embeddings=64)
-    sd = init_leaves(llama_lm(cfg, 1, 2, loss=False).graph, 0)
-    sd["model.embed_tokens.weight"] = np.random.default_rng(0).normal(
-        0, 1.0, sd["model.embed_tokens.weight"].shape)
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_tiny_llama(path, sd, cfg)
-    return str(path)
+    return write_tiny_chat_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 def test_cli_generates_several_prompts_as_one_batch(tiny_gguf, tmp_path, capsys):

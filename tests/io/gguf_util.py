@@ -113,3 +113,17 @@ def _gguf_tensors(sd: dict, cfg):
         elif key == "self_attn.k_proj":
             arr = permute(arr, cfg.num_key_value_heads)
         yield (f"blk.{i}.{layer[key]}.weight", name), arr
+
+
+def write_tiny_chat_llama(path) -> str:
+    """A tiny Llama GGUF over ``VOCAB`` with random weights (embeddings at unit scale so the
+    greedy tokens vary): the model of the finetune and batched-generate CLI tests."""
+    from meganeura.init import init_leaves
+    from meganeura.models.llama import llama_lm, tiny_llama
+
+    cfg = tiny_llama(vocab_size=len(VOCAB), max_position_embeddings=64)
+    sd = init_leaves(llama_lm(cfg, 1, 2, loss=False).graph, 0)
+    sd["model.embed_tokens.weight"] = np.random.default_rng(0).normal(
+        0, 1.0, sd["model.embed_tokens.weight"].shape)
+    write_tiny_llama(path, sd, cfg)
+    return str(path)

@@ -11,20 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import meganeura as mn
-from meganeura.models.mlp import mlp_classifier
-
-
-def _trained(batch=16):
-    m = mlp_classifier(batch, in_dim=64, hidden=(32,), classes=10)
-    s = mn.compile(m.graph, loss=m.loss, outputs={"logits": m.logits},
-                   optimizer=mn.optim.AdamW(lr=1e-2))
-    s.init_params(seed=3)
-    r = np.random.default_rng(0)
-    x = r.normal(size=(batch, 64)).astype(np.float32)
-    y = r.integers(0, 10, batch).astype(np.int32)
-    for _ in range(3):
-        s.step(x=x, y=y)
-    return s, x, y
+from tests.runtime.test_artifact import _trained
 
 
 def _rel(a, b):
