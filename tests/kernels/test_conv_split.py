@@ -14,7 +14,6 @@ from meganeura.kernels.conv import (
     SPLIT_K_MAX,
     Conv2dInputGradKernel,
     Conv2dKernel,
-    ConvGeom,
     choose_split_k,
     conv2d_with_epilogue,
     gemm_shape,
@@ -22,6 +21,7 @@ from meganeura.kernels.conv import (
     with_split_k,
 )
 from meganeura.ops.conv import _conv2d_ref, _input_grad_ref
+from tests.kernels.test_conv import _geom
 
 from ._util import assert_close
 
@@ -34,14 +34,6 @@ CASES = [
     ((1, 64, 6, 5), (64, 64, 3, 3), (1, 1), ((1, 1), (1, 1)), (1, 2), 1, 5, (16, 32, 4, 4, 8, 8)),
     ((2, 33, 5, 5), (40, 33, 1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 1, 2, (64, 64, 4, 4, 1, 16)),
 ]
-
-
-def _geom(xs, ws, st, pad, dil, g):
-    n, c, h, w = xs
-    o, _, kh, kw = ws
-    oh = (h + sum(pad[0]) - dil[0] * (kh - 1) - 1) // st[0] + 1
-    ow = (w + sum(pad[1]) - dil[1] * (kw - 1) - 1) // st[1] + 1
-    return ConvGeom(n, c, h, w, o, kh, kw, oh, ow, st, pad, dil, g)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"s{c[6]}-st{c[2][0]}-g{c[5]}")

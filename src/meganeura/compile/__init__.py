@@ -68,10 +68,10 @@ def compile(graph: Graph, loss: Value | None = None, outputs: Mapping[str, Value
     prefill and a decode graph over one KV cache).  Shared tensors keep their current values;
     the others are initialized as usual.
     """
-    _check_options(precision, backend, options)
+    _check_options(precision, backend, options)  # before any work
     with _gc_paused():
         program = build_program(graph, loss, outputs, optimizer, nan_check)
-        return compile_built(program, precision, backend, check_finite, **options)
+        return _session(program, precision, backend, check_finite, options)
 
 
 def compile_built(program: Program, precision: str = "strict", backend: str | None = None,
@@ -87,12 +87,18 @@ def compile_built(program: Program, precision: str = "strict", backend: str | No
                               f"{type(program).__name__}")
     _check_options(precision, backend, options)
     with _gc_paused():
-        if backend == "reference":
-            from ..reference import ReferenceSession
+        return _session(program, precision, backend, check_finite, options, inference)
 
-            return ReferenceSession(program, dtype=options.get("dtype", np.float32),
-                                    check_finite=check_finite, share=options.get("share"))
-        return _gpu_session(program, precision, backend, check_finite, options, inference)
+
+def _session(program: Program, precision: str, backend, check_finite: bool, options: dict,
+             inference: bool = True):
+    """The Session of a built Program on its backend (options already checked)."""
+    if backend == "reference":
+        from ..reference import ReferenceSession
+
+        return ReferenceSession(program, dtype=options.get("dtype", np.float32),
+                                check_finite=check_finite, share=options.get("share"))
+    return _gpu_session(program, precision, backend, check_finite, options, inference)
 
 
 @contextlib.contextmanager
