@@ -58,6 +58,11 @@ def _sync(sess):
 
 def time_ours(sess, inference: bool, feeds: dict, warmup: int, steps: int) -> dict:
     """Per step: upload feeds, encode the fixed kernel list, one submit, wait (no readback)."""
+    return stats(ours_step_times(sess, inference, feeds, warmup, steps))
+
+
+def ours_step_times(sess, inference: bool, feeds: dict, warmup: int, steps: int) -> list:
+    """Seconds per timed step (see ``time_ours``)."""
     from meganeura.runtime.session import check_feeds
 
     ex = sess.infer if inference else sess.train
@@ -71,7 +76,7 @@ def time_ours(sess, inference: bool, feeds: dict, warmup: int, steps: int) -> di
         _sync(sess)
         if i >= warmup:
             ts.append(time.perf_counter() - t0)
-    return stats(ts)
+    return ts
 
 
 def ours_peak_bytes(sess, inference: bool) -> int:

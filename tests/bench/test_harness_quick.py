@@ -139,3 +139,26 @@ def test_f64_gates_attach_to_their_variant(bench_path, tmp_path):
     inference = text.split("## Strict f32 — inference")[1].split("##")[0]
     assert "| resnet50/main | 1.00 † |" in inference
     assert "| resnet50/minlat | fail |" in inference
+
+
+def test_paired_rounds_quick(gpu, bench_path, tmp_path):
+    """bench/paired.py: every cell timed in every round, ratios per round, a verdict that
+    needs the worst round below 1 to say 'faster'."""
+    import paired
+
+    out = tmp_path / "p.json"
+    assert paired.main(["--quick", "--workloads", "mlp", "--impl", "wgpu", "--rounds", "3",
+                        "--warmup", "1", "--steps", "2", "--torch-device", "cpu",
+                        "--out", str(out)]) == 0
+    rec = json.load(open(out))[0]
+    assert "error" not in rec, rec
+    assert set(rec["round_median_ms"]) == {"ours/infer", "ours/train", "eager/infer",
+                                           "eager/train"}
+    assert all(len(v) == 3 and min(v) > 0 for v in rec["round_median_ms"].values())
+    r = rec["ratios"]["ours/eager/train"]
+    want = [a / b for a, b in zip(rec["round_median_ms"]["ours/train"],
+                                  rec["round_median_ms"]["eager/train"], strict=True)]
+    assert r["min"] == pytest.approx(min(want)) and r["max"] == pytest.approx(max(want))
+    assert paired.verdict({"median": 0.8, "min": 0.7, "max": 0.99}) == "faster"
+    assert paired.verdict({"median": 0.8, "min": 0.7, "max": 1.01}) == "parity"
+    assert paired.verdict({"median": 1.2, "min": 1.01, "max": 1.3}) == "slower"

@@ -1,0 +1,226 @@
+"""Paired, interleaved timing: ours against PyTorch in alternating rounds, so that drift of the
+machine (clock boost, other processes, the launch-bound eager path moving ±30–50 % between
+calls minutes apart) hits both sides alike.
+
+``bench/harness.py`` times PyTorch first and ours afterwards (and checks the gates); a ratio
+from it compares two moments.  Here every cell is built first — our inference and SGD training
+sessions, the PyTorch twin eager, optionally ``torch.compile`` and the CUDA-graph replay — and
+then ``--rounds`` rounds each time every cell for ``--steps`` steps (after ``--warmup``), in a
+rotating order.  Reported per cell: the median over all timed steps; per ratio (ours ÷ a
+PyTorch cell): the median over rounds and its range.  A claim "faster" needs the *worst*
+round's ratio below 1.
+
+    python3 bench/paired.py --workloads whisper,resnet50 --impl dawn --rounds 5 \
+        --out $OUT/paired.json [--torch-compile] [--no-cuda-graph] [--quick]
+
+Timing only: the gates (exactness against PyTorch) are ``harness.py``'s job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+from harness import ours_step_times, torch_reference  # noqa: E402
+
+import meganeura as mn  # noqa: E402
+from meganeura import optim  # noqa: E402
+
+
+def _torch_cells(w, args) -> dict:
+    """name -> timer(warmup, steps) -> ms per step, for the PyTorch side."""
+    import torch
+
+    m, feeds, _ = torch_reference(w, args)
+    cuda = torch.cuda.is_available() and args.torch_device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def infer_fn(model):
+        def fwd():
+            with torch.no_grad():
+                w.torch_loss(model, feeds)
+        return fwd
+
+    def train_fn(model):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            w.torch_loss(model, feeds)[0].backward()
+            opt.step()
+        return step
+
+    fns = {"eager/infer": infer_fn(m), "eager/train": train_fn(m)}
+    if args.torch_compile:
+        torch._dynamo.reset()
+        cm = torch.compile(m)
+        fns["compile/infer"], fns["compile/train"] = infer_fn(cm), train_fn(cm)
+    if cuda and not args.no_cuda_graph:
+        fns.update(_graph_cells(w, m, feeds))
+    return {k: _torch_timer(fn, sync) for k, fn in fns.items()}
+
+
+def _torch_timer(fn, sync):
+    def timer(warmup: int, steps: int) -> list[float]:
+        ts = []
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i >= warmup:
+                ts.append((time.perf_counter() - t0) * 1e3)
+        return ts
+    return timer
+
+
+def _graph_cells(w, m, feeds) -> dict:
+    """The CUDA-graph replay of the forward and of the SGD step (harness.cuda_graph_cells'
+    recipe), as step functions."""
+    import torch
+
+    def warm(fn):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+
+    def capture(fn):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g
+
+    def fwd():
+        with torch.no_grad():
+            w.torch_loss(m, feeds)
+    warm(fwd)
+    g_fwd = capture(fwd)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+
+    def step():
+        w.torch_loss(m, feeds)[0].backward()
+        opt.step()
+    warm(lambda: (opt.zero_grad(set_to_none=True), step()))
+    opt.zero_grad(set_to_none=False)
+    g_train = capture(step)
+
+    def replay_train():
+        opt.zero_grad(set_to_none=False)
+        g_train.replay()
+    return {"graph/infer": g_fwd.replay, "graph/train": replay_train}
+
+
+def _ours_cells(w, impl: str) -> dict:
+    """Our inference run and SGD training step, compiled once, as timers."""
+    from meganeura.runtime.device import get_device
+
+    dev = get_device(impl)
+    inf = mn.compile(w.graph, outputs=w.outputs, device=dev)
+    inf.set_params(w.params)
+    tr = mn.compile(w.graph, loss=w.loss, outputs={}, optimizer=optim.SGD(lr=1e-4), device=dev)
+    tr.set_params(w.params)
+
+    def timer(sess, inference):
+        return lambda warmup, steps: [t * 1e3 for t in ours_step_times(
+            sess, inference, w.feeds, warmup, steps)]
+    return {"ours/infer": timer(inf, True), "ours/train": timer(tr, False)}
+
+
+def run_workload(name: str, args) -> dict:
+    from workloads import WORKLOADS
+
+    w = WORKLOADS[name](quick=args.quick, variant="main")
+    cells = {**_torch_cells(w, args), **_ours_cells(w, args.impl)}
+    for timer in cells.values():  # first calls: torch.compile compiles, pipelines warm up
+        timer(1, 1)
+    names = list(cells)
+    per_round: dict[str, list[float]] = {k: [] for k in names}
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for k in order:
+            ts = cells[k](args.warmup, args.steps)
+            samples[k] += ts
+            per_round[k].append(float(np.median(ts)))
+    rec = {"workload": name, "impl": args.impl, "rounds": args.rounds, "steps": args.steps,
+           "date": time.strftime("%Y-%m-%d"),
+           "median_ms": {k: float(np.median(v)) for k, v in samples.items()},
+           "round_median_ms": per_round, "ratios": {}}
+    for mode in ("infer", "train"):
+        ours = np.array(per_round[f"ours/{mode}"])
+        for other in ("eager", "compile", "graph"):
+            k = f"{other}/{mode}"
+            if k in per_round:
+                r = ours / np.array(per_round[k])
+                rec["ratios"][f"ours/{k}"] = {"median": float(np.median(r)),
+                                              "min": float(r.min()), "max": float(r.max())}
+    del cells
+    gc.collect()
+    return rec
+
+
+def verdict(ratio: dict) -> str:
+    if ratio["max"] < 1:
+        return "faster"
+    if ratio["min"] > 1:
+        return "slower"
+    return "parity"
+
+
+def print_table(recs: list[dict]) -> None:
+    print(f"{'workload':10s} {'cell':18s} {'ours ms':>8s} {'theirs ms':>9s} "
+          f"{'ratio med [min, max]':>24s}  verdict")
+    for rec in recs:
+        for key, r in rec["ratios"].items():
+            mode = key.split("/")[-1]
+            theirs = key.split("/", 1)[1]
+            print(f"{rec['workload']:10s} {theirs:18s} {rec['median_ms'][f'ours/{mode}']:8.2f} "
+                  f"{rec['median_ms'][theirs]:9.2f} "
+                  f"{r['median']:8.2f} [{r['min']:.2f}, {r['max']:.2f}]  {verdict(r)}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="whisper,resnet50,unet,smolvla,smollm2")
+    p.add_argument("--impl", default="dawn")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--torch-device", default=None)
+    p.add_argument("--torch-compile", action="store_true")
+    p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--quick", action="store_true", help="tiny configs (lavapipe/CPU)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.torch_device is None:
+        import torch
+
+        args.torch_device = "cuda" if torch.cuda.is_available() else "cpu"
+    recs = []
+    for name in args.workloads.split(","):
+        t0 = time.perf_counter()
+        try:
+            rec = run_workload(name, args)
+        except Exception as e:  # noqa: BLE001 - record, keep going with the next workload
+            rec = {"workload": name, "error": f"{type(e).__name__}: {e}"[:600], "ratios": {}}
+            print(f"{name}: ERROR {rec['error'][:200]}", flush=True)
+        rec["seconds"] = time.perf_counter() - t0
+        recs.append(rec)
+        with open(args.out, "w") as f:
+            json.dump(recs, f, indent=1)
+        print(f"{name}: {rec['seconds']:.0f} s", flush=True)
+    print_table([r for r in recs if "error" not in r])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
