@@ -64,6 +64,10 @@ def test_create_mode_from_the_environment(monkeypatch):
     monkeypatch.setenv(devmod.PIPELINE_CREATE_VAR, "threads")
     with pytest.raises(DeviceError, match="not safe on Dawn"):
         devmod.pipeline_create_mode("dawn")
+    # an explicit mode wins over the environment, and is checked the same way
+    assert devmod.pipeline_create_mode("wgpu", "Async") == "async"
+    with pytest.raises(DeviceError, match="not safe on Dawn"):
+        devmod.pipeline_create_mode("dawn", "threads")
     monkeypatch.setenv(devmod.PIPELINE_CREATE_VAR, "parallel")
     with pytest.raises(DeviceError, match="MEGANEURA_PIPELINE_CREATE must be one of"):
         devmod.pipeline_create_mode("wgpu")
@@ -81,8 +85,9 @@ def test_thread_count_from_the_environment(monkeypatch):
 
 
 def test_unknown_mode_argument(fresh):
-    with pytest.raises(DeviceError, match="creation mode"):
+    with pytest.raises(DeviceError, match="creation mode must be one of"):
         fresh.pipelines(_specs(["1.0", "2.0"]), mode="parallel")
+    assert fresh.made == []
 
 
 # --------------------------------------------------------------------------- batches

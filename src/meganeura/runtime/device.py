@@ -137,20 +137,24 @@ def pipeline_cache_budget() -> int:
     return n
 
 
-def pipeline_create_mode(implementation: str) -> str:
-    """How ``Device.pipelines`` creates missing pipelines on ``implementation``:
-    ``$MEGANEURA_PIPELINE_CREATE`` resolved (``auto`` → ``async`` on Dawn, ``threads`` on
-    wgpu-native).  ``threads`` on Dawn is refused: Dawn's objects are not thread-safe and its
-    validation errors land in one process-wide slot, so a thread could raise another's error."""
-    raw = os.environ.get(PIPELINE_CREATE_VAR, "").strip().lower() or "auto"
+def pipeline_create_mode(implementation: str, mode: str | None = None) -> str:
+    """How ``Device.pipelines`` creates missing pipelines on ``implementation``: ``mode``, or
+    ``$MEGANEURA_PIPELINE_CREATE`` when None, resolved (``auto`` → ``async`` on Dawn,
+    ``threads`` on wgpu-native).  ``threads`` on Dawn is refused: Dawn's objects are not
+    thread-safe and its validation errors land in one process-wide slot, so a thread could
+    raise another's error."""
+    src = "pipeline creation mode"
+    if mode is None:
+        mode, src = os.environ.get(PIPELINE_CREATE_VAR, ""), f"${PIPELINE_CREATE_VAR}"
+    raw = str(mode).strip().lower() or "auto"
     if raw not in PIPELINE_CREATE_MODES:
-        raise DeviceError(f"${PIPELINE_CREATE_VAR} must be one of "
-                          f"{', '.join(PIPELINE_CREATE_MODES)}, got {raw!r}")
+        raise DeviceError(f"{src} must be one of {', '.join(PIPELINE_CREATE_MODES)}, "
+                          f"got {mode!r}")
     if raw == "auto":
         return "async" if implementation == "dawn" else "threads"
     if raw == "threads" and implementation == "dawn":
-        raise DeviceError(f"${PIPELINE_CREATE_VAR}=threads is not safe on Dawn (its objects are "
-                          f"not thread-safe); use async, sequential or auto there")
+        raise DeviceError(f"{src} threads is not safe on Dawn (its objects are not "
+                          f"thread-safe); use async, sequential or auto there")
     return raw
 
 
@@ -282,6 +286,7 @@ class Device:
                 else:
                     self._pipelines.move_to_end(key)
                     out[key] = hit
+        mode = pipeline_create_mode(self.implementation, mode)  # bad knobs fail first
         for spec in missing:
             self._check_creatable(spec)
         for n in sorted({s.n_bindings for s in missing}):  # layouts exist before any thread
@@ -302,14 +307,11 @@ class Device:
                 f"({self.implementation}) has no shader-f16 feature"
             )
 
-    def _create_all(self, specs: list, mode: str | None) -> list:
+    def _create_all(self, specs: list, mode: str) -> list:
         """New pipelines for ``specs`` (in order), each a pipeline or the ``DeviceError`` /
         ``LimitError`` of its kernel; one spec, or mode ``sequential``, stops at the first
-        error (nothing after it is created, as the one-at-a-time path always did)."""
-        mode = pipeline_create_mode(self.implementation) if mode is None else mode
-        if mode not in PIPELINE_CREATE_MODES[1:]:
-            raise DeviceError(f"pipeline creation mode must be one of "
-                              f"{', '.join(PIPELINE_CREATE_MODES[1:])}, got {mode!r}")
+        error (nothing after it is created, as the one-at-a-time path always did).  ``mode``
+        is resolved (``pipeline_create_mode``)."""
         if mode == "sequential" or len(specs) < 2:
             made = []
             for spec in specs:
