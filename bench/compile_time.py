@@ -91,20 +91,28 @@ def cache_env(cache_dir: str, **extra: str) -> dict:
     return env
 
 
-def run_worker(kind: str, args: dict, env: dict, timeout: float) -> dict:
-    """One worker process (``--worker kind``), its last stdout line as JSON; failures and
-    time-outs come back as ``{"error": ...}`` (a crashed creation mode is a result too)."""
+def run_worker(kind: str, args: dict, env: dict, timeout: float, all_lines: bool = False):
+    """One worker process (``--worker kind``): its last stdout line as JSON (``all_lines``:
+    every JSON line, also those printed before a time-out); failures and time-outs come back
+    as ``{"error": ...}`` (a crashed creation mode is a result too)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, json.dumps(args)]
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    lines = r.stdout.strip().splitlines()
-    if r.returncode != 0 or not lines:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-        return {"error": f"rc {r.returncode}: {' | '.join(tail)}"}
-    return {**json.loads(lines[-1]), "process_s": round(time.perf_counter() - t0, 2)}
+        rc, stdout, stderr = r.returncode, r.stdout, r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, stderr = f"timed out after {timeout:.0f} s", ""
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    parsed = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+    err = None
+    if rc != 0 or not parsed:
+        tail = (stderr or stdout).strip().splitlines()[-3:]
+        err = {"error": f"rc {rc}: {' | '.join(tail)}"}
+    if all_lines:
+        return parsed + ([err] if err else [])
+    if err:
+        return err
+    return {**parsed[-1], "process_s": round(time.perf_counter() - t0, 2)}
 
 
 def _open(impl: str):
@@ -180,17 +188,13 @@ def _session_times(sess, total: float) -> dict:
     return out
 
 
-def worker_session(a: dict) -> dict:
-    """``mn.compile`` of one workload (inference, then the SGD training step), cold for this
-    process, then again after dropping both sessions and our pipeline cache (warm driver
-    cache); the first two training steps' wall times (the first one validates the encode)."""
-    from workloads import WORKLOADS
-
+def _compile_twice(dev, w) -> dict:
+    """``mn.compile`` of ``w`` (inference, then the SGD training step) with our pipeline cache
+    empty, then again after dropping both sessions (driver cache warm); and the first two
+    training steps' wall times (the first one validates the encode)."""
     import meganeura as mn
     from meganeura import optim
 
-    dev = _open(a["impl"])
-    w = WORKLOADS[a["workload"]](quick=a["quick"], variant="main")
     res = {}
     for tag in ("cold", "warm"):
         gc.collect()
@@ -203,7 +207,6 @@ def worker_session(a: dict) -> dict:
                         device=dev)
         res[f"train_{tag}"] = _session_times(tr, time.perf_counter() - t0)
         if tag == "cold":
-            tr.set_params(w.params)
             feeds = {k: v for k, v in w.feeds.items() if k in tr.program.feeds}
             for i in range(2):
                 t0 = time.perf_counter()
@@ -211,6 +214,22 @@ def worker_session(a: dict) -> dict:
                 res[f"step{i + 1}_s"] = round(time.perf_counter() - t0, 4)
         del inf, tr
     return res
+
+
+def worker_session(a: dict) -> dict:
+    """Whole compiles of several workloads in one process (one driver cache, as a user's
+    process leaves it), a JSON line per workload as soon as it is done (a time-out keeps
+    the finished ones)."""
+    from workloads import WORKLOADS
+
+    dev = _open(a["impl"])
+    for name in a["workloads"]:
+        t0 = time.perf_counter()
+        w = WORKLOADS[name](quick=a["quick"], variant="main")
+        res = {"workload": name, "build_s": round(time.perf_counter() - t0, 2),
+               **_compile_twice(dev, w)}
+        print(json.dumps(res), flush=True)
+    return {"done": True}
 
 
 class Budget:
@@ -270,20 +289,21 @@ def pipelines_matrix(out: str, impls, workloads, budget: Budget, quick: bool) ->
 
 
 def sessions_matrix(out: str, impls, workloads, budget: Budget, quick: bool) -> dict:
-    """Whole compiles per workload, ``MEGANEURA_PIPELINE_CREATE`` sequential (before) and
-    auto (after), each in a fresh process with an empty driver cache (``--sessions``)."""
+    """Whole compiles, ``MEGANEURA_PIPELINE_CREATE`` sequential (before) and auto (after): one
+    process per implementation and mode, all workloads in it, each process with its own
+    empty driver cache and an equal share of the budget (``--sessions``)."""
     root = tempfile.mkdtemp(prefix="mn-shadercache-")
+    runs = [(impl, mode) for impl in impls for mode in ("sequential", "auto")]
     results = {}
-    for wl in workloads:
-        for impl in impls:
-            for mode in ("sequential", "auto"):
-                if budget.left() < 8:
-                    continue
-                env = cache_env(_fresh_dir(root, mode), MEGANEURA_PIPELINE_CREATE=mode)
-                r = run_worker("session", {"impl": impl, "workload": wl, "quick": quick},
-                               env, budget.left() - 2)
-                results[f"{impl}|{wl}|{mode}"] = r
-                print(f"{impl:5s} {wl:9s} {mode:10s}: {json.dumps(r)}", flush=True)
+    for i, (impl, mode) in enumerate(runs):
+        share = budget.left() / (len(runs) - i)
+        env = cache_env(_fresh_dir(root, mode), MEGANEURA_PIPELINE_CREATE=mode)
+        lines = run_worker("session", {"impl": impl, "workloads": workloads, "quick": quick},
+                           env, share, all_lines=True)
+        for r in lines:
+            if "workload" in r:
+                results[f"{impl}|{r['workload']}|{mode}"] = r
+            print(f"{impl:5s} {mode:10s}: {json.dumps(r)}", flush=True)
     return results
 
 
@@ -298,17 +318,19 @@ def print_pipelines(results: dict) -> None:
 
 
 def print_sessions(results: dict) -> None:
+    """Seconds, before/after rows side by side; the last columns split the warm training
+    compile: pipeline creation and commands (bind groups)."""
     print("| impl | workload | mode | infer cold | train cold | infer warm | train warm | "
-          "train pipelines s | step1 / step2 s |\n|---|---|---|---:|---:|---:|---:|---:|---|")
-    for key, r in results.items():
+          "train warm: pipelines / commands | step 1 / step 2 |\n"
+          "|---|---|---|---:|---:|---:|---:|---|---|")
+    for key in sorted(results, key=lambda k: (k.split("|")[1], k)):
         impl, wl, mode = key.split("|")
-        if "error" in r:
-            print(f"| {impl} | {wl} | {mode} | {r['error'][:80]} |")
-            continue
+        r = results[key]
         tot = [r[k]["total_s"] for k in ("infer_cold", "train_cold", "infer_warm", "train_warm")]
+        tw = r["train_warm"]
         print(f"| {impl} | {wl} | {mode} | " + " | ".join(f"{t:.2f}" for t in tot)
-              + f" | {r['train_cold'].get('train_pipelines_s', 0):.2f} | "
-              f"{r['step1_s']:.3f} / {r['step2_s']:.3f} |")
+              + f" | {tw.get('train_pipelines_s', 0):.2f} / {tw.get('train_commands_s', 0):.2f}"
+              f" | {r['step1_s']:.3f} / {r['step2_s']:.3f} |")
 
 
 WORKERS = {"specs": worker_specs, "create": worker_create, "session": worker_session}
