@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -91,28 +92,32 @@ def cache_env(cache_dir: str, **extra: str) -> dict:
     return env
 
 
-def run_worker(kind: str, args: dict, env: dict, timeout: float, all_lines: bool = False):
-    """One worker process (``--worker kind``): its last stdout line as JSON (``all_lines``:
-    every JSON line, also those printed before a time-out); failures and time-outs come back
-    as ``{"error": ...}`` (a crashed creation mode is a result too)."""
+def run_worker(kind: str, args: dict, env: dict, timeout: float, on_line=None) -> dict:
+    """One worker process (``--worker kind``), killed after ``timeout`` s: its last stdout
+    JSON line, ``{"error": ...}`` when it failed or timed out (a crashed creation mode is a
+    result too).  ``on_line`` sees every JSON line as it is printed, so a worker killed at
+    the time limit keeps what it finished."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, json.dumps(args)]
-    t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        rc, stdout, stderr = r.returncode, r.stdout, r.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, stderr = f"timed out after {timeout:.0f} s", ""
-        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-    parsed = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
-    err = None
-    if rc != 0 or not parsed:
-        tail = (stderr or stdout).strip().splitlines()[-3:]
-        err = {"error": f"rc {rc}: {' | '.join(tail)}"}
-    if all_lines:
-        return parsed + ([err] if err else [])
-    if err:
-        return err
-    return {**parsed[-1], "process_s": round(time.perf_counter() - t0, 2)}
+    t0, last = time.perf_counter(), None
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        timer = threading.Timer(max(timeout, 0.1), proc.kill)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                if line.startswith("{"):
+                    last = json.loads(line)
+                    if on_line is not None:
+                        on_line(last)
+            rc = proc.wait()
+        finally:
+            timer.cancel()
+        err.seek(0)
+        tail = err.read().strip().splitlines()[-3:]
+    if rc != 0 or last is None:
+        why = f"timed out after {timeout:.0f} s" if rc == -9 else f"rc {rc}"
+        return {"error": f"{why}: {' | '.join(tail)}"}
+    return {**last, "process_s": round(time.perf_counter() - t0, 2)}
 
 
 def _open(impl: str):
@@ -262,49 +267,63 @@ def _plan_pipelines(impls, workloads) -> list[tuple]:
     return plan
 
 
-def pipelines_matrix(out: str, impls, workloads, budget: Budget, quick: bool) -> dict:
+class Recorder:
+    """Results by key, printed and written to ``path`` as each arrives (a device call cut by
+    its time limit keeps everything finished before)."""
+
+    def __init__(self, path: str):
+        self.path, self.results = path, {}
+        with open(path, "w") as f:
+            json.dump({}, f)
+
+    def __call__(self, key: str, r: dict) -> None:
+        self.results[key] = r
+        print(f"{key}: {json.dumps(r)}", flush=True)
+        with open(self.path, "w") as f:
+            json.dump(self.results, f, indent=1)
+
+
+def pipelines_matrix(rec: Recorder, out: str, impls, workloads, budget: Budget,
+                     quick: bool) -> None:
     """Creation time of each workload's distinct training pipelines per implementation, mode
     and driver-cache state (``--pipelines``)."""
     root = tempfile.mkdtemp(prefix="mn-shadercache-")
-    results, specs, dirs = {}, {}, {}
+    specs, dirs = {}, {}
     for impl in impls:
         specs[impl] = os.path.join(out, f"specs-{impl}.json")
-        r = run_worker("specs", {"impl": impl, "workloads": workloads, "quick": quick,
-                                 "out": specs[impl]},
-                       cache_env(_fresh_dir(root, "specs")), max(budget.left(), 1))
-        print(f"specs {impl}: {r}", flush=True)
-        results[f"specs-{impl}"] = r
+        rec(f"specs-{impl}", run_worker(
+            "specs", {"impl": impl, "workloads": workloads, "quick": quick, "out": specs[impl]},
+            cache_env(_fresh_dir(root, "specs")), budget.left() - 2))
     for impl, wl, mode, threads, cache in _plan_pipelines(impls, workloads):
         label = f"{mode}:{threads}" if threads else mode
-        if "error" in results.get(f"specs-{impl}", {}) or budget.left() < 6:
+        if "error" in rec.results[f"specs-{impl}"] or budget.left() < 6:
             continue
         if cache == "cold":
             dirs[(impl, wl, label)] = _fresh_dir(root, label)
-        r = run_worker("create", {"impl": impl, "specs": specs[impl], "workload": wl,
-                                  "mode": mode, "threads": threads},
-                       cache_env(dirs[(impl, wl, label)]), budget.left() - 2)
-        results[f"{impl}|{wl}|{label}|{cache}"] = r
-        print(f"{impl:5s} {wl:9s} {label:11s} {cache}: {r}", flush=True)
-    return results
+        rec(f"{impl}|{wl}|{label}|{cache}", run_worker(
+            "create", {"impl": impl, "specs": specs[impl], "workload": wl, "mode": mode,
+                       "threads": threads},
+            cache_env(dirs[(impl, wl, label)]), budget.left() - 2))
 
 
-def sessions_matrix(out: str, impls, workloads, budget: Budget, quick: bool) -> dict:
-    """Whole compiles, ``MEGANEURA_PIPELINE_CREATE`` sequential (before) and auto (after): one
-    process per implementation and mode, all workloads in it, each process with its own
-    empty driver cache and an equal share of the budget (``--sessions``)."""
+def sessions_matrix(rec: Recorder, out: str, impls, workloads, budget: Budget,
+                    quick: bool) -> None:
+    """Whole compiles, ``MEGANEURA_PIPELINE_CREATE`` sequential (before) and auto (after), a
+    fresh process with an empty driver cache for each workload and mode, pairs in turn
+    (``--sessions``)."""
     root = tempfile.mkdtemp(prefix="mn-shadercache-")
-    runs = [(impl, mode) for impl in impls for mode in ("sequential", "auto")]
-    results = {}
-    for i, (impl, mode) in enumerate(runs):
-        share = budget.left() / (len(runs) - i)
-        env = cache_env(_fresh_dir(root, mode), MEGANEURA_PIPELINE_CREATE=mode)
-        lines = run_worker("session", {"impl": impl, "workloads": workloads, "quick": quick},
-                           env, share, all_lines=True)
-        for r in lines:
-            if "workload" in r:
-                results[f"{impl}|{r['workload']}|{mode}"] = r
-            print(f"{impl:5s} {mode:10s}: {json.dumps(r)}", flush=True)
-    return results
+    for wl in workloads:
+        for impl in impls:
+            for mode in ("sequential", "auto"):
+                if budget.left() < 10:
+                    continue
+                env = cache_env(_fresh_dir(root, mode), MEGANEURA_PIPELINE_CREATE=mode)
+                key = f"{impl}|{wl}|{mode}"
+                r = run_worker("session", {"impl": impl, "workloads": [wl], "quick": quick},
+                               env, budget.left() - 2,
+                               on_line=lambda r, key=key: "workload" in r and rec(key, r))
+                if "error" in r and key not in rec.results:
+                    rec(key, r)
 
 
 def print_pipelines(results: dict) -> None:
@@ -326,6 +345,9 @@ def print_sessions(results: dict) -> None:
     for key in sorted(results, key=lambda k: (k.split("|")[1], k)):
         impl, wl, mode = key.split("|")
         r = results[key]
+        if "error" in r:
+            print(f"| {impl} | {wl} | {mode} | {r['error'][:100]} |")
+            continue
         tot = [r[k]["total_s"] for k in ("infer_cold", "train_cold", "infer_warm", "train_warm")]
         tw = r["train_warm"]
         print(f"| {impl} | {wl} | {mode} | " + " | ".join(f"{t:.2f}" for t in tot)
@@ -337,19 +359,16 @@ WORKERS = {"specs": worker_specs, "create": worker_create, "session": worker_ses
 
 
 def device_main(args) -> int:
-    """``--pipelines`` / ``--sessions``: the device measurements, JSON into the folder."""
+    """``--pipelines`` / ``--sessions``: the device measurements, JSON into the folder (written
+    after every measurement), a markdown table at the end."""
     os.makedirs(args.out, exist_ok=True)
     budget, impls = Budget(args.budget), args.impls.split(",")
     workloads = args.workloads.split(",")
-    if args.pipelines:
-        res = pipelines_matrix(args.out, impls, workloads, budget, args.quick)
-        name, show = "pipelines.json", print_pipelines
-    else:
-        res = sessions_matrix(args.out, impls, workloads, budget, args.quick)
-        name, show = "sessions.json", print_sessions
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(res, f, indent=1)
-    show(res)
+    kind = "pipelines" if args.pipelines else "sessions"
+    rec = Recorder(os.path.join(args.out, f"{kind}.json"))
+    matrix = pipelines_matrix if args.pipelines else sessions_matrix
+    matrix(rec, args.out, impls, workloads, budget, args.quick)
+    (print_pipelines if args.pipelines else print_sessions)(rec.results)
     return 0
 
 
