@@ -20,6 +20,14 @@ least-recently-used cache of ``$MEGANEURA_PIPELINE_CACHE`` entries (default 256)
 the same kernels share pipeline objects while they are cached, and a process compiling many
 different graphs does not keep every pipeline it ever built (a session holds its own pipelines,
 so eviction never affects a live session).
+
+``Device.pipelines(specs)`` creates the distinct pipelines of a whole plan at once, concurrently:
+creating a pipeline is the driver compiling a shader (milliseconds each, hundreds per training
+step), and done one after the other it was most of a compile.  How, by
+``$MEGANEURA_PIPELINE_CREATE``: ``auto`` (default: Dawn's asynchronous creation on Dawn, a pool
+of ``$MEGANEURA_PIPELINE_THREADS`` threads on wgpu-native), ``async``, ``threads`` (wgpu-native
+only: Dawn's objects and error reporting are not thread-safe) or ``sequential``.  Errors do not
+depend on the mode: the first failing kernel in plan order is raised, as ``pipeline`` raises it.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +51,10 @@ IMPLEMENTATIONS = ("wgpu", "dawn", "auto")
 ENV_VAR = "MEGANEURA_WEBGPU"
 PIPELINE_CACHE_VAR = "MEGANEURA_PIPELINE_CACHE"
 DEFAULT_PIPELINE_CACHE = 256  # entries; SmolLM2 training needs ~51 distinct pipelines
+PIPELINE_CREATE_VAR = "MEGANEURA_PIPELINE_CREATE"
+PIPELINE_CREATE_MODES = ("auto", "sequential", "threads", "async")
+PIPELINE_THREADS_VAR = "MEGANEURA_PIPELINE_THREADS"
+DEFAULT_PIPELINE_THREADS = 8  # at most; never more than the host's cores
 
 # Backends we accept; everything else (OpenGL, D3D11, Null, WebGPU-in-browser) is refused.
 _GOOD_BACKENDS = {"vulkan", "metal", "d3d12", "dx12"}
@@ -121,6 +135,48 @@ def pipeline_cache_budget() -> int:
         raise DeviceError(f"${PIPELINE_CACHE_VAR} must be a whole number of pipelines >= 0, "
                           f"got {raw!r}")
     return n
+
+
+def pipeline_create_mode(implementation: str, mode: str | None = None) -> str:
+    """How ``Device.pipelines`` creates missing pipelines on ``implementation``: ``mode``, or
+    ``$MEGANEURA_PIPELINE_CREATE`` when None, resolved (``auto`` → ``async`` on Dawn,
+    ``threads`` on wgpu-native).  ``threads`` on Dawn is refused: Dawn's objects are not
+    thread-safe and its validation errors land in one process-wide slot, so a thread could
+    raise another's error."""
+    src = "pipeline creation mode"
+    if mode is None:
+        mode, src = os.environ.get(PIPELINE_CREATE_VAR, ""), f"${PIPELINE_CREATE_VAR}"
+    raw = str(mode).strip().lower() or "auto"
+    if raw not in PIPELINE_CREATE_MODES:
+        raise DeviceError(f"{src} must be one of {', '.join(PIPELINE_CREATE_MODES)}, "
+                          f"got {mode!r}")
+    if raw == "auto":
+        return "async" if implementation == "dawn" else "threads"
+    if raw == "threads" and implementation == "dawn":
+        raise DeviceError(f"{src} threads is not safe on Dawn (its objects are not "
+                          f"thread-safe); use async, sequential or auto there")
+    return raw
+
+
+def pipeline_threads() -> int:
+    """Threads creating pipelines in mode ``threads``: ``$MEGANEURA_PIPELINE_THREADS`` (an int
+    >= 1), default ``DEFAULT_PIPELINE_THREADS`` capped at the host's cores."""
+    raw = os.environ.get(PIPELINE_THREADS_VAR, "").strip()
+    if not raw:
+        return max(1, min(DEFAULT_PIPELINE_THREADS, os.cpu_count() or 1))
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise DeviceError(f"${PIPELINE_THREADS_VAR} must be a whole number of threads >= 1, "
+                          f"got {raw!r}")
+    return n
+
+
+def pipeline_key(spec) -> tuple:
+    """What makes two kernels share a pipeline: WGSL source, entry point, binding count."""
+    return (spec.wgsl, spec.entry, spec.n_bindings)
 
 
 @dataclass(eq=False)
@@ -209,34 +265,111 @@ class Device:
         """The compute pipeline of a ``KernelSpec``: the cached one for the same WGSL source +
         entry when there is one (so sessions share pipelines), else a new one, which enters the
         LRU cache (evicting the least recently used beyond ``pipeline_cache_size``)."""
-        key = (spec.wgsl, spec.entry, spec.n_bindings)
+        return self.pipelines([spec])[pipeline_key(spec)]
+
+    def pipelines(self, specs: Sequence, mode: str | None = None) -> dict:
+        """The pipelines of many ``KernelSpec``s, by ``pipeline_key``: cache hits as they are,
+        the distinct missing ones created together (``mode``: see ``pipeline_create_mode``;
+        None reads ``$MEGANEURA_PIPELINE_CREATE``), then cached in plan order, so the cache
+        ends in the same state whatever the mode.  The first failing kernel in plan order
+        raises (limits and features are checked for all before any driver work); pipelines
+        created before the error stay cached."""
+        want: dict[tuple, Any] = {}
+        for spec in specs:
+            want.setdefault(pipeline_key(spec), spec)
+        out, missing = {}, []
         with self._lock:
-            hit = self._pipelines.get(key)
-            if hit is not None:
-                self._pipelines.move_to_end(key)
-                return hit
+            for key, spec in want.items():
+                hit = self._pipelines.get(key)
+                if hit is None:
+                    missing.append(spec)
+                else:
+                    self._pipelines.move_to_end(key)
+                    out[key] = hit
+        mode = pipeline_create_mode(self.implementation, mode)  # bad knobs fail first
+        for spec in missing:
+            self._check_creatable(spec)
+        for n in sorted({s.n_bindings for s in missing}):  # layouts exist before any thread
+            self.bind_group_layout(n)
+        made = self._create_all(missing, mode)
+        for spec, pipe in zip(missing, made, strict=True):
+            if isinstance(pipe, Exception):
+                raise pipe
+            out[pipeline_key(spec)] = self._remember(pipeline_key(spec), pipe)
+        return out
+
+    def _check_creatable(self, spec) -> None:
+        """Limits and features of ``spec`` (cheap, host side; before any driver work)."""
         self.check_spec(spec)
         if "enable f16;" in spec.wgsl and not self.has_f16:
             raise DeviceError(
                 f"kernel {spec.name!r} uses f16 but adapter {self.adapter_name!r} "
                 f"({self.implementation}) has no shader-f16 feature"
             )
+
+    def _create_all(self, specs: list, mode: str) -> list:
+        """New pipelines for ``specs`` (in order), each a pipeline or the ``DeviceError`` /
+        ``LimitError`` of its kernel; one spec, or mode ``sequential``, stops at the first
+        error (nothing after it is created, as the one-at-a-time path always did).  ``mode``
+        is resolved (``pipeline_create_mode``)."""
+        if mode == "sequential" or len(specs) < 2:
+            made = []
+            for spec in specs:
+                made.append(self._create_caught(spec))
+                if isinstance(made[-1], Exception):
+                    break
+            return made + [None] * (len(specs) - len(made))  # the error raises before these
+        if mode == "async":
+            return self._create_async(specs)
+        workers = min(pipeline_threads(), len(specs))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mn-pipeline") as pool:
+            return list(pool.map(self._create_caught, specs))
+
+    def _create_caught(self, spec):
+        """One new pipeline, or the exception naming its kernel (wgpu-native reports errors
+        per thread, so this is safe on worker threads)."""
         _, layout = self.bind_group_layout(spec.n_bindings)
         try:
             module = self.device.create_shader_module(label=spec.name, code=spec.wgsl)
-            pipe = self.device.create_compute_pipeline(
-                label=spec.name,
-                layout=layout,
-                compute={"module": module, "entry_point": spec.entry},
-            )
+            return self.device.create_compute_pipeline(
+                label=spec.name, layout=layout,
+                compute={"module": module, "entry_point": spec.entry})
         except Exception as e:  # wgpu raises GPUValidationError & co. with naga's message
-            msg = str(e)
-            kind = LimitError if "limit" in msg.lower() else DeviceError
-            raise kind(
-                f"WGSL of kernel {spec.name!r} failed to compile on {self.implementation} "
-                f"({self.adapter_name}):\n{msg}\n--- WGSL ---\n{_numbered(spec.wgsl)}"
-            ) from e
-        return self._remember(key, pipe)
+            return self._compile_error(spec, e)
+
+    def _create_async(self, specs: list) -> list:
+        """Shader modules one after the other (parsing WGSL; cheap), then every pipeline
+        through ``create_compute_pipeline_async`` (Dawn compiles them on worker threads), then
+        wait for all.  wgpu-native's async creation is synchronous: there this is sequential."""
+        made: list = [None] * len(specs)
+        pending = []
+        for i, spec in enumerate(specs):
+            _, layout = self.bind_group_layout(spec.n_bindings)
+            try:
+                module = self.device.create_shader_module(label=spec.name, code=spec.wgsl)
+                pending.append((i, self.device.create_compute_pipeline_async(
+                    label=spec.name, layout=layout,
+                    compute={"module": module, "entry_point": spec.entry})))
+            except Exception as e:
+                made[i] = self._compile_error(spec, e)
+        for i, promise in pending:
+            try:
+                made[i] = promise.sync_wait()
+            except Exception as e:
+                made[i] = self._compile_error(specs[i], e)
+        return made
+
+    def _compile_error(self, spec, e: Exception) -> DeviceError:
+        """The error a kernel whose WGSL the implementation refused raises: the driver's
+        message and the numbered source (``LimitError`` when the message is about a limit)."""
+        msg = str(e)
+        kind = LimitError if "limit" in msg.lower() else DeviceError
+        err = kind(
+            f"WGSL of kernel {spec.name!r} failed to compile on {self.implementation} "
+            f"({self.adapter_name}):\n{msg}\n--- WGSL ---\n{_numbered(spec.wgsl)}"
+        )
+        err.__cause__ = e
+        return err
 
     def _remember(self, key, pipe):
         """Cache ``pipe`` as the most recently used entry (or return the one another thread

@@ -5,8 +5,11 @@ Knows nothing of graphs, ops or passes: it executes the finished plan it is give
 
 from __future__ import annotations
 
+import time
+
 from ..compile.executable import Copy, Dispatch, Executable, Loc, Stream, round4
 from ..errors import LimitError
+from .device import pipeline_key
 
 
 def check_buffer(dev, nbytes: int, what: str, binding: bool = False) -> None:
@@ -85,7 +88,13 @@ class GPUStream:
                                                     label=f"{stream.tag}-{name}")
                      for name, n in stream.out_buffers.items()}
         self.pinned = pinned.buffers
-        self.commands = [self._command(op) for op in stream.ops]
+        t0 = time.perf_counter()
+        # every distinct pipeline of the stream at once (concurrently: Device.pipelines)
+        pipes = dev.pipelines([op.spec for op in stream.ops if isinstance(op, Dispatch)])
+        t1 = time.perf_counter()
+        self.commands = [self._command(op, pipes) for op in stream.ops]
+        # seconds spent building (bench/compile_time.py reports them)
+        self.build_times = {"pipelines": t1 - t0, "commands": time.perf_counter() - t1}
         self.checked = False  # set once an encode of this fixed stream passed validation
         self._raw_runs = None  # the stream with native handles, built at the first raw encode
         self._segments: dict[tuple[int, int], list | None] = {}  # checked ranges (encode_range)
@@ -98,11 +107,13 @@ class GPUStream:
             return self.outs[loc.name]
         return self.pinned[loc.name]
 
-    def _command(self, op: Dispatch | Copy):
+    def _command(self, op: Dispatch | Copy, pipes: dict):
+        """A prebuilt command: a copy, or a dispatch with its pipeline (from ``pipes``, by
+        ``pipeline_key``) and its bind group."""
         if isinstance(op, Copy):
             return CopyCommand(self.buffer(op.src), op.src.offset, self.buffer(op.dst),
                                op.dst.offset, op.nbytes)
-        pipeline = self.dev.pipeline(op.spec)
+        pipeline = pipes[pipeline_key(op.spec)]
         layout = self.dev.bind_group_layout(op.spec.n_bindings)[0]
         entries = [{"binding": i, "resource": {"buffer": self.buffer(loc), "offset": loc.offset,
                                                "size": round4(loc.nbytes)}}
