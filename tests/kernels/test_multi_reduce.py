@@ -216,3 +216,26 @@ def test_member_without_prologue_and_post_reading_any_input(run, rng):
     r, y = run(solo, [a, b], [((6,), f32), (shape, f32)])
     np.testing.assert_array_equal(r, a.max(1))
     np.testing.assert_array_equal(y, b - a.max(1, keepdims=True))
+
+
+def test_each_member_has_its_own_workgroup_array():
+    """Three members at 32 × 8 lanes: three f32 arrays of 256, all counted by the limit check."""
+    k = MultiReduceKernel((300, 70), (0,), (Strided.contiguous(f32, (300, 70)),) * 2,
+                          _bn_members(), (Strided.contiguous(f32, (70,)),))
+    spec = codegen.emit(k)
+    assert spec.meta["layout"] == (32, 8) and spec.meta["workgroup_storage"] == 3 * 256 * 4
+    with pytest.raises(LimitError, match="workgroup storage"):
+        codegen.emit(k, {"max_compute_workgroup_storage_size": 3 * 256 * 4 - 4})
+
+
+def test_the_layout_follows_the_first_members_input():
+    """Member 0 reads a column-major input (outputs side by side), member 1 a row-major view:
+    the first member decides."""
+    cols = Strided.contiguous(f32, (300, 8))
+    rows = Strided(f32, (300, 8), (1, 300), 0, 2400)
+    members = (ReduceMember("sum", (Instr("{0}", (IN0,), f32),)),
+               ReduceMember("sum", (Instr("{0}", (IN1,), f32),)))
+    assert codegen.emit(MultiReduceKernel((300, 8), (0,), (cols, rows), members)).meta[
+        "layout"] == (8, 32)
+    assert codegen.emit(MultiReduceKernel((300, 8), (0,), (rows, cols), members)).meta[
+        "layout"] == (1, 256)

@@ -9,7 +9,7 @@ from meganeura import kernels as codegen
 from meganeura.dtypes import bool_, f16, f32, i32, u32
 from meganeura.errors import LimitError
 from meganeura.kernels import CodegenError, Instr, ReduceKernel, Strided
-from meganeura.kernels.reduce import choose_layout, split_plan
+from meganeura.kernels.reduce import UNROLL, choose_layout, split_plan
 
 from ._util import assert_close, view_of
 
@@ -34,6 +34,7 @@ def _plain(shape, axes, kind, dtype=f32):
         ((5, 37, 6), (0, 1, 2)),  # everything
         ((300, 70), (1,)),  # rows: one workgroup per row
         ((300, 70), (0,)),  # columns: outputs side by side
+        ((40, 2), (0,)),  # two columns: TX = 2
         ((3, 4, 5, 6), (1, 3)),
         ((7, 1, 9), (1,)),  # size-1 reduced axis
         ((6, 8), ()),  # nothing reduced: a copy
@@ -513,3 +514,141 @@ def test_an_extra_input_past_its_binding_is_refused():
     with pytest.raises(CodegenError, match="extra input 0 reads element 5 but its binding "
                                            "holds 5"):
         codegen.emit(k)
+
+
+def test_a_small_invocation_limit_narrows_the_columns(run):
+    """Outputs side by side are capped by the invocation limit too (below 32 invocations the
+    column layout used to ask for 32 and fail the limit check): one lane per output then, never
+    more lanes than fit.  Column sums stay right at a cap of 16."""
+    assert choose_layout((300,), True, 300, 64, 32) == (32, 1)
+    assert choose_layout((300,), True, 300, 64, 16) == (16, 1)
+    x = np.arange(300 * 20, dtype=np.float32).reshape(300, 20) % 7
+    cap = {**run.dev.limits, "max_compute_invocations_per_workgroup": 16}
+    (y,) = run(_plain(x.shape, (0,), "sum"), [x], [((20,), f32)], limits=cap)
+    assert run.last_spec.meta["layout"] == (16, 1)
+    np.testing.assert_array_equal(y, x.sum(0))
+
+
+def test_layout_follows_the_first_input_the_first_member_reads():
+    """Columns (TX > 1) when that input's kept dim is contiguous and its reduced one is not:
+    an input broadcast along the reduced axis (stride 0) still counts as columns; a prologue
+    reading a column-major and a row-major input takes the layout of the first (input 0)."""
+    bcast = Strided(f32, (8, 300), (1, 0), 0, 8)
+    assert codegen.emit(ReduceKernel((8, 300), (1,), "sum", (bcast,), ())).meta["layout"] \
+        == (8, 32)
+    cols = Strided.contiguous(f32, (300, 8))
+    rows = Strided(f32, (300, 8), (1, 300), 0, 2400)  # the transpose of an (8, 300) array
+    two = (Instr("({0} * {1})", (("in", 0), ("in", 1)), f32),)
+    assert codegen.emit(ReduceKernel((300, 8), (0,), "sum", (cols, rows), two)).meta[
+        "layout"] == (8, 32)
+    assert codegen.emit(ReduceKernel((300, 8), (0,), "sum", (rows, cols), two)).meta[
+        "layout"] == (1, 256)
+
+
+def test_axes_are_checked_up_to_rank_minus_one_and_split_0_means_none():
+    with pytest.raises(CodegenError, match="out of range"):
+        codegen.emit(_plain((3, 40), (2,), "sum"))
+    for split in (0, None):
+        k = ReduceKernel((3, 40), (1,), "sum", (Strided.contiguous(f32, (3, 40)),), (),
+                         split=split)
+        assert codegen.emit(k).meta["split"] == 1
+
+
+def test_the_stored_dtype_is_the_last_epilogue_instrs():
+    k = ReduceKernel((3, 40), (1,), "sum", (Strided.contiguous(f32, (3, 40)),), (),
+                     (Instr("log({0})", (("acc", 0),), f32),
+                      Instr("({0} > 0.0)", (("t", 0),), bool_)))
+    assert codegen.emit(k).meta["binding_dtypes"] == (f32, bool_)
+
+
+def test_split_plan_counts_workgroups_and_the_value_dtype(dev):
+    """A full reduction is one workgroup, so it splits into the whole target (256 chunks);
+    the value dtype is the prologue's last instr (a bool compare cast to f32 splits like f32);
+    the half-target threshold is rounded down (127 workgroups of a 255 target: one pass)."""
+    full = _plain((300_000,), (0,), "sum")
+    assert codegen.emit(full).workgroups == (1, 1, 1)
+    assert split_plan(full, dev)[0].split == 256
+    pos = ReduceKernel((3, 300_000), (1,), "sum", (Strided.contiguous(f32, (3, 300_000)),),
+                       (Instr("({0} > 0.0)", (("in", 0),), bool_),
+                        Instr("f32({0})", (("t", 0),), f32)))
+    assert split_plan(pos, dev)[0].split == 86
+    assert split_plan(_plain((127, 4096), (1,), "sum"), dev, target_workgroups=255) is None
+
+
+def test_split_partials_with_two_lanes_and_on_a_wrapped_grid(run, rng):
+    """Split partials where lane 1 of two must start one row after lane 0 (a 64-invocation
+    cap: TY = 2), and on a 2-D grid with more workgroups than split × outputs: those idle
+    ones must not write past the partials (the buffer here has a third row that stays 0)."""
+    x = rng.standard_normal((300, 64)).astype(np.float32)
+    cap = {**run.dev.limits, "max_compute_invocations_per_workgroup": 64}
+    k = ReduceKernel(x.shape, (0,), "sum", (Strided.contiguous(f32, x.shape),), (), split=2)
+    (parts,) = run(k, [x], [((2, 64), f32)], limits=cap)
+    assert run.last_spec.meta["layout"] == (32, 2)
+    x64 = x.astype(np.float64)
+    assert_close(parts, [x64[:150].sum(0), x64[150:].sum(0)], 1e-5, 1e-5, what="partials")
+    y = rng.standard_normal((5, 64)).astype(np.float32)
+    k = ReduceKernel(y.shape, (1,), "max", (Strided.contiguous(f32, y.shape),), (), split=2)
+    grid = {**run.dev.limits, "max_compute_workgroups_per_dimension": 4}
+    (parts,) = run(k, [y], [((3, 5), f32)], limits=grid)
+    assert run.last_spec.workgroups == (4, 3, 1)  # 12 workgroups for 2 × 5
+    np.testing.assert_array_equal(parts, [y[:, :32].max(1), y[:, 32:].max(1), np.zeros(5)])
+
+
+def test_two_extra_inputs_each_from_its_binding(run, rng):
+    x = rng.standard_normal((6, 40)).astype(np.float32)
+    a, b = (rng.standard_normal(6).astype(np.float32) for _ in range(2))
+    k = ReduceKernel((6, 40), (1,), "sum", (Strided.contiguous(f32, (6, 40)),), (),
+                     (Instr("({0} * {1} + {2})", (("acc", 0), ("x", 0), ("x", 1)), f32),),
+                     (Strided.contiguous(f32, (6,)),) * 2, name="two_extras")
+    (y,) = run(k, [x, a, b], [((6,), f32)])
+    assert_close(y, x.astype(np.float64).sum(1) * a + b, 1e-5, 1e-5, what="sum * a + b")
+
+
+def test_a_bool_sum_without_epilogue_stores_the_reduced_value_as_a_bool(run, rng):
+    """Without an epilogue the stored value is the reduced value in its own dtype: for bool
+    values the u32 count becomes a bool (any true), whatever type stores it; a count needs a
+    prologue cast (test_int_and_bool)."""
+    b = rng.random((3, 64)) < 0.3
+    b[1] = False
+    k = ReduceKernel((3, 64), (1,), "sum", (Strided.contiguous(bool_, (3, 64)),), (),
+                     out_dtype=i32)
+    (y,) = run(k, [b], [((3,), i32)])
+    np.testing.assert_array_equal(y, b.any(1).astype(np.int32))
+
+
+def _emitter_order_sum(x: np.ndarray, ty: int) -> np.float32:
+    """``x`` (1-D f32) summed in exactly the emitter's order: lane ``y`` of ``ty`` folds
+    ``x[y::ty]`` into UNROLL accumulators (element s of each whole group of UNROLL into
+    accumulator s) while a whole group remains, the rest into accumulator 0, combines them as
+    ``(a0 + a1) + (a2 + a3)``, then the lanes pairwise (lane l += lane l + s, s = ty/2 … 1)."""
+    f = np.float32
+    n = len(x)
+    unrolled = -(-n // ty) >= 2 * UNROLL
+    lanes = []
+    for y in range(ty):
+        acc, r = [f(0)] * UNROLL, y
+        while unrolled and r + (UNROLL - 1) * ty < n:
+            acc = [f(acc[s] + x[r + s * ty]) for s in range(UNROLL)]
+            r += UNROLL * ty
+        for i in range(r, n, ty):
+            acc[0] = f(acc[0] + x[i])
+        lanes.append(f(f(acc[0] + acc[1]) + f(acc[2] + acc[3])) if unrolled else acc[0])
+    s = ty // 2
+    while s >= 1:
+        lanes[:s] = [f(lanes[i] + lanes[i + s]) for i in range(s)]
+        s //= 2
+    return lanes[0]
+
+
+@pytest.mark.parametrize("shape,layout", [((2, 2048), (1, 256)), ((3, 16), (4, 1)),
+                                          ((3, 9), (4, 1))])
+def test_the_order_of_the_arithmetic_is_the_documented_one(run, rng, shape, layout):
+    """Bit for bit what ``_emitter_order_sum`` computes, with values spanning eight decades
+    (so any other grouping rounds differently): 8 elements per lane (two whole groups), and
+    one invocation per output folding 16 (four groups) or 9 (two, then one alone)."""
+    x = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-4, 4, shape)).astype(np.float32)
+    k = _plain(shape, (1,), "sum")
+    (y,) = run(k, [x], [((shape[0],), f32)])
+    assert run.last_spec.meta["layout"] == layout
+    want = [_emitter_order_sum(row, layout[1]) for row in x]
+    np.testing.assert_array_equal(y, np.array(want, np.float32))

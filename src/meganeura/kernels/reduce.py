@@ -82,7 +82,7 @@ def choose_layout(rshape, kept_contig: bool, red_total: int, out_total: int, max
     if red_total <= SERIAL_MAX:
         return min(max_threads, 64 if out_total >= 64 else pow2ceil(out_total)), 1
     if kept_contig and out_total > 1:
-        tx = min(32, pow2ceil(out_total))
+        tx = min(32, max_threads, pow2ceil(out_total))
         ty = max(1, min(max_threads // tx, pow2ceil(red_total)))
         return tx, ty
     return 1, min(max_threads, pow2ceil(red_total))
