@@ -282,14 +282,25 @@ def _conv2d_vjp(n, c):
     dy = c[0]
     dx = conv2d_input_grad(dy, w, x.shape[2:], **_kw(a))
     o, cg, kh, kw = w.shape
-    g = a["groups"]
     _, _, oh, ow = dy.shape
-    split = weight_grad_split(x.shape[0] * oh * ow, o // g, cg * kh * kw)
+    split = _wgrad_split(x.shape[0], oh * ow, o, cg, kh, kw, a)
     dw = conv2d_weight_grad(x, dy, (kh, kw), split=split, **_kw(a))
     out = [dx, dw]
     if len(n.inputs) == 3:
         out.append(R.sum(dy, (0, 2, 3)))
     return out
+
+
+def _wgrad_split(n: int, ohw: int, o: int, cg: int, kh: int, kw: int, a) -> int:
+    """The weight gradient's ``split``: ``weight_grad_split``, except for a 1×1 convolution
+    whose matmul form pays with one partial product per image while that rule's chunks cannot
+    be addressed by a batched matmul (the reduction over several images at once, 7×7 maps)."""
+    g = a["groups"]
+    split = weight_grad_split(n * ohw, o // g, cg * kh * kw)
+    if n > 1 and _pointwise_conv(a, (kh, kw)) and wgrad_chunk(n, ohw, split) is None and \
+            _matmul_pays(n, o, cg):
+        return n
+    return split
 
 
 def _kw(a):
