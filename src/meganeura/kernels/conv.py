@@ -269,6 +269,7 @@ class TileCfg:
     RN: int
     KS: int = 1
     BK: int = 16
+    PF: int = 0  # 1: register prefetch (the next step's loads issued before this step's FMAs)
 
     @property
     def slice_threads(self) -> int:
@@ -289,7 +290,8 @@ class TileCfg:
         return 4 * max(self.BK * self.KS * (self.TM + self.TN), red)
 
     def tuple(self) -> tuple[int, ...]:
-        return (self.TM, self.TN, self.RM, self.RN, self.KS, self.BK)
+        base = (self.TM, self.TN, self.RM, self.RN, self.KS, self.BK)
+        return base + (1,) if self.PF else base
 
 
 def _legacy(tm: int, tn: int) -> TileCfg:
@@ -308,13 +310,14 @@ def tile_cfg(forced) -> TileCfg:
     forced = tuple(forced)
     if len(forced) == 2 and forced in TILES:
         return _legacy(*forced)
-    if len(forced) == 6:
+    if len(forced) in (6, 7):
         c = TileCfg(*(int(v) for v in forced))
-        ok = all(v >= 1 for v in forced) and c.TM % c.RM == 0 and c.TN % c.RN == 0
+        ok = all(v >= 1 for v in forced[:6]) and c.TM % c.RM == 0 and c.TN % c.RN == 0
+        ok = ok and c.PF in (0, 1)
         if ok and c.threads <= 1024 and c.BK % 4 == 0:
             return c
     raise CodegenError(f"conv tile must be a (TM, TN) pair from {sorted(TILES)} or a valid "
-                       f"(TM, TN, RM, RN, KS, BK) tuple, got {forced}")
+                       f"(TM, TN, RM, RN, KS, BK[, PF]) tuple, got {forced}")
 
 
 def _units(c: TileCfg, M: int, N: int, GB: int) -> int:
@@ -553,6 +556,82 @@ class _GemmGen:
         self.step(L, i2, True, "kend")
         L.append(f"{ind}}}")
 
+    # -- register prefetch (PF = 1) -----------------------------------------------------------
+    def _load_regs(self, out: list[str], ii: str, base: str, check_k: bool, kend: str) -> None:
+        """Step ``base``'s elements of both operands into the registers ``v<tag>`` (zero
+        outside), each in its own block (the operands' lets may repeat per step)."""
+        for which, l, _rn, kn, op, _t, partial, n_el in self.plan:
+            tag, jj = f"{which}{l}", ii + "    "
+            kv = f"k{tag}"
+            out.append(f"{ii}{{")
+            if partial:
+                out.append(f"{jj}if (lid + {u(l * self.nth)} < {u(n_el)}) {{")
+                jj += "    "
+            out.append(f"{jj}let {kv} = {base} + {kn};")
+            cond, idx = op.load(kv, tag, out, jj)
+            conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
+                [cond] if cond else [])
+            out.append(f"{jj}v{tag} = 0.0;")
+            out.append(f"{jj}if ({' && '.join(conds)}) {{")
+            out.append(f"{jj}    v{tag} = {_read(op.binding, idx, op.dtype)};")
+            out.append(f"{jj}}}")
+            if partial:
+                out.append(f"{ii}    }}")
+            out.append(f"{ii}}}")
+
+    def _store_regs(self, out: list[str], ii: str) -> None:
+        for which, l, rn, kn, _op, T, partial, n_el in self.plan:
+            off = 0 if which == "a" else self.offb
+            st = f"{self._sh(off, T, kn, rn)} = v{which}{l};"
+            if partial:
+                out.append(f"{ii}if (lid + {u(l * self.nth)} < {u(n_el)}) {{ {st} }}")
+            else:
+                out.append(f"{ii}{st}")
+
+    def _load_next(self, out: list[str], ii: str, k1: str, kf: str, kend: str,
+                   whole: bool, tail: bool) -> None:
+        """Loads of the step at ``k1``: unguarded along K when it is whole (``k1 < kf``),
+        guarded when it is the tail; ``whole``/``tail`` say which cases can occur."""
+        if whole:
+            out.append(f"{ii}if ({k1} < {kf}) {{")
+            self._load_regs(out, ii + "    ", k1, False, kend)
+            out.append(f"{ii}}}" + (f" else if ({k1} < {kend}) {{" if tail else ""))
+        elif tail:
+            out.append(f"{ii}if ({k1} < {kend}) {{")
+        if tail:
+            self._load_regs(out, ii + "    ", k1, True, kend)
+            out.append(f"{ii}}}")
+
+    def k_loop_prefetch(self, L: list[str], ind: str) -> None:
+        """The K loop with register prefetch: step k's registers go to workgroup memory, then
+        step k + BK·KS's global loads are issued before the FMAs on step k, so their latency
+        hides behind the arithmetic (the matmul kernel's scheme)."""
+        gm, i2, BKs = self.gm, ind + "    ", self.BKs
+        L += [f"{ind}var v{w}{l}: f32 = 0.0;" for w, l, *_ in self.plan]
+        if gm.K is not None:
+            K = gm.K
+            kf, ks = K - K % BKs, -(-K // BKs) * BKs
+            L.append(f"{ind}let kbeg = 0u;")
+            L.append(f"{ind}let kend = {u(K)};")
+            L.append(f"{ind}let kfull = {u(kf)};")
+            whole, tail = kf > 0, kf != K
+        else:
+            gm.krange(L, ind)  # defines kbeg, kend (uniform)
+            L.append(f"{ind}let kfull = kend - min(kend, {u(BKs - 1)});")  # k < kfull: whole
+            ks, whole, tail = None, True, True
+        L.append(f"{ind}let kfirst = kbeg;")
+        self._load_next(L, ind, "kfirst", "kfull", "kend", whole, tail)
+        L.append(f"{ind}for (var k0: u32 = kbeg; k0 < kend; k0 = k0 + {u(BKs)}) {{"
+                 if ks is None else
+                 f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(BKs)}) {{")
+        self._store_regs(L, i2)
+        L.append(f"{i2}workgroupBarrier();")
+        L.append(f"{i2}let k1 = k0 + {u(BKs)};")
+        self._load_next(L, i2, "k1", "kfull", "kend", whole and (ks is None or ks > BKs), tail)
+        self._mma(L, i2)
+        L.append(f"{i2}workgroupBarrier();")
+        L.append(f"{ind}}}")
+
     def _guard(self, r: str, n: str, mod_m: bool) -> list[str]:
         gm = self.gm
         conds = [f"{r} < {u(gm.M)}"] if mod_m and gm.M % self.TM else []
@@ -621,7 +700,10 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, in
     for i in range(g.RM):
         for j in range(g.RN):
             L.append(f"{ind}var acc{i}_{j}: f32 = 0.0;")
-    g.k_loop(L, ind)
+    if gm.tile.PF:
+        g.k_loop_prefetch(L, ind)
+    else:
+        g.k_loop(L, ind)
     helpers: set[str] = set()
     g.stores(L, ind, helpers)
     nbytes = gm.tile.storage()
