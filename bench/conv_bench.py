@@ -15,7 +15,10 @@ Two groups of rows per problem, from the same process (so before/after share one
   schedule builds it; the weight gradient as one partial product per image plus the reduction
   adding them), its heuristic configuration (marked ``*``) and the matmul ``candidates``.
 
-Usage: [CONV_ALL=1] python bench/conv_bench.py wgpu|dawn OUT.json [SHAPE_FILTER]
+* ``pf`` (``CONV_PF=1``): each split of the ``new`` group again with register prefetch
+  (``TileCfg.PF``) on its heuristic tile (``CONV_PF_HEUR=1``: the plan's split only).
+
+Usage: [CONV_ALL=1] [CONV_PF=1] python bench/conv_bench.py wgpu|dawn OUT.json [SHAPE_FILTER]
 (SHAPE_FILTER "1x1 (": only the 1×1 stride-1 shapes.)
 (CONV_ALL: the old rows time every configuration of the template, not only the ≤ 8
 candidates.)
@@ -50,6 +53,8 @@ from meganeura.kernels.conv import (
     Conv2dKernel,
     Conv2dWeightGradKernel,
     ConvGeom,
+    choose_cfg,
+    gemm_shape,
     with_split_k,
 )
 from meganeura.ops.conv import _conv2d_ref, _input_grad_ref, _weight_grad_ref, weight_grad_split
@@ -152,6 +157,12 @@ def mm_problems(G: ConvGeom) -> dict:
     }
 
 
+def prefetched(desc):
+    """``desc`` with its heuristic tile and register prefetch (``TileCfg.PF``)."""
+    cfg = choose_cfg(*gemm_shape(desc))
+    return dataclasses.replace(desc, tile=dataclasses.replace(cfg, PF=1).tuple())
+
+
 def with_split(desc, S: int):
     """``desc`` computing S partial sums (the weight gradient's ``split`` or ``split_k``)."""
     if isinstance(desc, Conv2dWeightGradKernel):
@@ -246,10 +257,16 @@ def run_problem(dev, target, label, kind, desc, inputs, oshape, ref, s_old, s_ne
         rows.append({"shape": label, "kind": kind, "group": "old", "heuristic": i == 0, **r})
         print(json.dumps(rows[-1]), flush=True)
     for S in dict.fromkeys((s_new, *sweep)):
-        r = measure(dev, with_split(desc, S) if S > 1 else desc, inputs, oshape, S, want, scale)
+        d = with_split(desc, S) if S > 1 else desc
+        r = measure(dev, d, inputs, oshape, S, want, scale)
         rows.append({"shape": label, "kind": kind, "group": "new", "heuristic": S == s_new,
                      **r})
         print(json.dumps(rows[-1]), flush=True)
+        if os.environ.get("CONV_PF") and (S == s_new or not os.environ.get("CONV_PF_HEUR")):
+            r = measure(dev, prefetched(d), inputs, oshape, S, want, scale)
+            rows.append({"shape": label, "kind": kind, "group": "pf",
+                         "heuristic": S == s_new, **r})
+            print(json.dumps(rows[-1]), flush=True)
     if mm is not None:
         rows += run_mm(dev, target, label, kind, mm, inputs, oshape, want, scale)
     return rows
@@ -285,7 +302,8 @@ def print_table(rows) -> None:
     """Per problem: old heuristic and best old configuration; the new plan (split S) and the
     best split of the sweep (µs include the reduction adding the partials)."""
     print(f"{'shape':28} {'kind':6} {'old us':>7} {'TF':>5} {'best':>7} {'new us':>7} {'TF':>5} "
-          f"{'S':>3} {'bestS us':>8} {'S':>3} {'mm us':>7} {'TF':>5} {'mmbest':>7}  old best tile")
+          f"{'S':>3} {'bestS us':>8} {'S':>3} {'pf us':>7} {'mm us':>7} {'TF':>5} {'mmbest':>7}  "
+          "old best tile")
     seen = {}
     for r in rows:
         seen.setdefault((r["shape"], r["kind"]), []).append(r)
@@ -293,6 +311,8 @@ def print_table(rows) -> None:
         old = [r for r in rs if r["group"] == "old"]
         new = [r for r in rs if r["group"] == "new"]
         mm = [r for r in rs if r["group"] == "mm"]
+        pf = [r for r in rs if r["group"] == "pf"]
+        ph = next((r for r in pf if r["heuristic"]), {"us": float("nan")})
         mh = mm[0] if mm else {"us": float("nan"), "tflops": float("nan")}
         mb = min(mm, key=lambda r: r["us"]) if mm else mh
         h, b = old[0], min(old, key=lambda r: r["us"])
@@ -301,7 +321,8 @@ def print_table(rows) -> None:
         bad = "" if all(r["ok"] for r in rs) else "  WRONG"
         print(f"{shape:28} {kind:6} {h['us']:7.1f} {h['tflops']:5.1f} {b['us']:7.1f} "
               f"{nh['us']:7.1f} {nh['tflops']:5.1f} {nh['split']:3d} {nb['us']:8.1f} "
-              f"{nb['split']:3d} {mh['us']:7.1f} {mh['tflops']:5.1f} {mb['us']:7.1f}  "
+              f"{nb['split']:3d} {ph['us']:7.1f} {mh['us']:7.1f} {mh['tflops']:5.1f} "
+              f"{mb['us']:7.1f}  "
               f"{tuple(b['tile'])}{bad}")
 
 

@@ -400,8 +400,9 @@ def _check_split(name: str, S) -> int:
 
 def _candidate_cfgs(M: int, N: int, K: int, GB: int) -> list[TileCfg]:
     """Configurations worth timing for one GEMM shape (the heuristic's first)."""
-    allc = [choose_cfg(M, N, K, GB), *(_FEW_ROWS if M <= 8 else ()), *_LADDER, *_SMALL,
-            *_EXTRA]
+    first = choose_cfg(M, N, K, GB)
+    allc = [first, dataclasses.replace(first, PF=1), *(_FEW_ROWS if M <= 8 else ()), *_LADDER,
+            *_SMALL, *_EXTRA]
     out = []
     for c in allc:
         if c not in out and (c.KS == 1 or K >= 2 * c.BK * c.KS):

@@ -2,8 +2,10 @@
 max/avg pooling and their gradients, and conv1d built on conv2d.
 
 Every op here has an exact numpy reference (float64-exact, so the VJPs can be checked against
-PyTorch and finite differences) and lowers to a dedicated kernel archetype (``codegen/conv.py``,
-``codegen/pool.py``): the convolutions are implicit GEMMs, deterministic (no float atomics).
+PyTorch and finite differences) and lowers to a dedicated kernel archetype (``kernels/conv.py``,
+``kernels/pool.py``): the convolutions are implicit GEMMs, deterministic (no float atomics) —
+except 1×1, stride-1, unpadded ones with enough output tiles, which the compiler expands into
+batched matmuls over strided views (``Kernel.rewrite``, section "1×1 convolutions" below).
 
 Attribute conventions (all tuples, so graphs hash and print stably):
 
