@@ -16,7 +16,8 @@ Two groups of rows per problem, from the same process (so before/after share one
   adding them), its heuristic configuration (marked ``*``) and the matmul ``candidates``.
 
 * ``pf`` (``CONV_PF=1``): each split of the ``new`` group again with register prefetch
-  (``TileCfg.PF``) on its heuristic tile (``CONV_PF_HEUR=1``: the plan's split only).
+  (``TileCfg.PF``) on its heuristic tile (``CONV_PF_HEUR=1``: the plan's split only;
+  ``CONV_SKIP_OLD=1`` leaves the ``old`` group out).
 
 Usage: [CONV_ALL=1] [CONV_PF=1] python bench/conv_bench.py wgpu|dawn OUT.json [SHAPE_FILTER]
 (SHAPE_FILTER "1x1 (": only the 1×1 stride-1 shapes.)
@@ -247,7 +248,7 @@ def run_problem(dev, target, label, kind, desc, inputs, oshape, ref, s_old, s_ne
     scale = float(np.abs(want).max())
     rows = []
     old = with_split(desc, s_old) if s_old > 1 else desc
-    descs = candidates(old, target)
+    descs = [] if os.environ.get("CONV_SKIP_OLD") else candidates(old, target)
     if os.environ.get("CONV_ALL"):  # every configuration the device allows, not just ≤ 8
         descs += [dataclasses.replace(old, tile=c.tuple()) for c in CONFIGS
                   if c.storage() <= target.lim("max_compute_workgroup_storage_size")]
@@ -308,8 +309,8 @@ def print_table(rows) -> None:
     for r in rows:
         seen.setdefault((r["shape"], r["kind"]), []).append(r)
     for (shape, kind), rs in seen.items():
-        old = [r for r in rs if r["group"] == "old"]
         new = [r for r in rs if r["group"] == "new"]
+        old = [r for r in rs if r["group"] == "old"] or new
         mm = [r for r in rs if r["group"] == "mm"]
         pf = [r for r in rs if r["group"] == "pf"]
         ph = next((r for r in pf if r["heuristic"]), {"us": float("nan")})
