@@ -108,6 +108,8 @@ def test_compiled_matmul_convolutions(gpu, monkeypatch, n, c, o, h, w):
     ct = g.input("ct", y.shape)
     g2, grads = mn.grad(g, (y * ct).sum())
     outs = {"y": g2[y], **{f"d{k}": v for k, v in grads.items()}}
+    # a weight gradient split inside the only image (batch 1) or one chunk per image
+    outs["dw_split"] = ops.conv2d_weight_grad(g2[x], g2[ct], (1, 1), split=5 if n == 1 else n)
     env = {k: (rng.normal(size=v.shape) * 0.3).astype(np.float32)
            for k, v in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("ct", ct))}
     want = dict(zip(outs, reference.evaluate(g2, list(outs.values()), env, np.float64)))
