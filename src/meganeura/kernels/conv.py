@@ -60,6 +60,12 @@ from .common import (
 from .ir import Instr, KernelSpec, Strided
 
 TILE_SIZES = (16, 32, 64)
+# Elements of padding after each staged row in workgroup memory.  An operand staged along K
+# (weights, and both weight-gradient operands) has neighbouring invocations write one column
+# each, T elements apart: with T = 64 or 32 every one of them hit the same bank (16-way
+# conflicts on every staging store).  T + 4 spreads them over 8 banks (2-way) and keeps rows
+# 16-byte aligned for the vec4 reads.
+SH_PAD = 4
 
 
 @dataclass(frozen=True)
@@ -285,9 +291,10 @@ class TileCfg:
         return self.RM % 4 == 0 and self.RN % 4 == 0
 
     def storage(self) -> int:
-        """Bytes of workgroup memory: the staged K step, or the partial tiles if larger."""
+        """Bytes of workgroup memory: the staged K step (rows padded by SH_PAD), or the
+        partial tiles if larger."""
         red = self.KS * self.TM * self.TN if self.KS > 1 else 0
-        return 4 * max(self.BK * self.KS * (self.TM + self.TN), red)
+        return 4 * max(self.BK * self.KS * (self.TM + self.TN + 2 * SH_PAD), red)
 
     def tuple(self) -> tuple[int, ...]:
         base = (self.TM, self.TN, self.RM, self.RN, self.KS, self.BK)
@@ -425,7 +432,7 @@ class _GemmGen:
         self.grid = make_grid(gm.name, self.mt * self.nt * gm.GB, t)
         self.live = "" if self.grid.exact else "live"
         self.vec = c.vec
-        self.offb = self.BKs * self.TM  # Bs after As (in f32 elements)
+        self.offb = self.BKs * (self.TM + SH_PAD)  # Bs after As (in f32 elements)
 
     def head(self, L: list[str], ind: str) -> None:
         gm = self.gm
@@ -472,10 +479,11 @@ class _GemmGen:
                 self.plan.append((which, l, rn, kn, op, T, partial, n_el))
 
     def _sh(self, off: int, T: int, k: str, x: str) -> str:
-        """Workgroup-memory element (k, x) of a staged operand at f32 offset ``off``."""
+        """Workgroup-memory element (k, x) of a staged operand at f32 offset ``off`` (rows of
+        T + SH_PAD elements)."""
         if self.vec:
-            return f"Sh[{u(off // 4)} + {k} * {u(T // 4)} + {x} / 4u][{x} % 4u]"
-        return f"Sh[{u(off)} + {k} * {u(T)} + {x}]"
+            return f"Sh[{u(off // 4)} + {k} * {u((T + SH_PAD) // 4)} + {x} / 4u][{x} % 4u]"
+        return f"Sh[{u(off)} + {k} * {u(T + SH_PAD)} + {x}]"
 
     def _stage(self, out: list[str], ii: str, check_k: bool, kend: str) -> None:
         """Copy step k0's slices of both operands into workgroup memory (zero outside)."""
@@ -508,14 +516,15 @@ class _GemmGen:
                                    (self.offb, self.RN, self.TN, "rb", "tx")):
             if self.vec:
                 for q in range(R // 4):
-                    out.append(f"{jj}let {who}4_{q} = Sh[{u(off // 4)} + kk * {u(T // 4)} + "
+                    out.append(f"{jj}let {who}4_{q} = Sh[{u(off // 4)} + kk * "
+                               f"{u((T + SH_PAD) // 4)} + "
                                f"{th} * {u(R // 4)} + {u(q)}];")
                 for i in range(R):
                     out.append(f"{jj}let {who}{i} = {who}4_{i // 4}.{'xyzw'[i % 4]};")
             else:
                 for i in range(R):
                     x = f"{th} * {u(R)} + {u(i)}" if R > 1 else th
-                    out.append(f"{jj}let {who}{i} = Sh[{u(off)} + kk * {u(T)} + {x}];")
+                    out.append(f"{jj}let {who}{i} = Sh[{u(off)} + kk * {u(T + SH_PAD)} + {x}];")
         for i in range(self.RM):
             for j in range(self.RN):
                 out.append(f"{jj}acc{i}_{j} = fma(ra{i}, rb{j}, acc{i}_{j});")
