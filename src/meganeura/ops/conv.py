@@ -326,10 +326,10 @@ def _kw(a):
 # Fewest 64×64 output tiles (times the batch) for which the matmul form is used.  The matmul
 # has no split-K for batched problems, the conv kernels do (``choose_split_k``): below this the
 # conv path keeps the GPU busier.  H200 sweep (docs/benchmarks.md, 2026-12-01, 1×1 section):
-# with ≥ 196 tiles the matmul won 8 of 10 problems (e.g. 256→1024 at 14×14 forward 112 vs
-# 195 µs, weight gradients 85–116 vs 131–139 µs); at 128 tiles (2048→512 at 7×7, input
-# gradient) the split conv kernel won (119 vs 132 µs), at 64 and 32 tiles clearly (48 vs 47,
-# 115 vs 306 µs forward).
+# with ≥ 196 tiles the matmul beat the conv plan on 9 of 11 problems (e.g. 256→1024 at 14×14
+# forward 112 vs 195 µs, weight gradients 85–116 vs 131–139 µs); at 128 tiles (2048→512 at
+# 7×7, input gradient) the split conv kernel won (119 vs 132 µs), at 32 tiles clearly (115 vs
+# 306 µs forward).
 MATMUL_MIN_TILES = 192
 
 
