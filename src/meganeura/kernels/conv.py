@@ -1142,12 +1142,14 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
 
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
-    GB = G.groups * sh_ * sw_ * S
-    cfg = choose_cfg(M, N, -(-kmax // S), GB, k.tile)
+    GB = G.groups * sh_ * sw_ * S  # the grid covers every phase (empty ones store zeros)
+    cfg = choose_cfg(M, N, -(-kmax // S), G.groups * _active_phases(hrows, wrows) * S, k.tile)
     gm = _Gemm(name, M, N, None, GB, cfg, A, B, gb_lines, krange, store, n_bound="ncol")
+    flops = 2 * M * G.groups * G.n * G.og * sum(
+        rh[0] * rw[0] * rh[2] * rw[2] for rh in hrows for rw in wrows)  # taps that land
     return _module(name, bd, [], _emit_gemm(gm, t), t,
                    {"archetype": "conv2d_input_grad", "tile": cfg.tuple(), "phases": sh_ * sw_,
-                    "split_k": S, "flops": 2 * M * N * kmax * G.groups * sh_ * sw_})
+                    "split_k": S, "flops": flops})
 
 # ---------------------------------------------------------------------------------------------
 # weight gradient
@@ -1279,7 +1281,13 @@ def gemm_shape(k) -> tuple[int, int, int, int]:
     wrows = _phase_table(G.w, G.kw, sw_, G.pad[1][0], dw)[0]
     N = G.n * max(r[0] for r in hrows) * max(r[0] for r in wrows)
     kmax = G.og * max(r[2] for r in hrows) * max(r[2] for r in wrows)
-    return G.cg, N, -(-kmax // S), G.groups * sh_ * sw_ * S
+    return G.cg, N, -(-kmax // S), G.groups * _active_phases(hrows, wrows) * S
+
+
+def _active_phases(hrows, wrows) -> int:
+    """Phases that receive any tap (the others only store zeros: a 1×1 stride-2 input gradient
+    has one of four), the GEMMs that count when sizing tiles and split-K."""
+    return max(1, sum(1 for r in hrows if r[2]) * sum(1 for r in wrows if r[2]))
 
 
 def conv_candidates(k, target) -> list:
