@@ -10,7 +10,17 @@ Two groups of rows per problem, from the same process (so before/after share one
   of other splits, each with its heuristic tile; a split's time is its partial kernel plus the
   reduction adding the partials (what the plan runs).
 
-Usage: [CONV_ALL=1] python bench/conv_bench.py wgpu|dawn OUT.json [SHAPE_FILTER]
+* ``mm`` (1×1, stride-1, unpadded convolutions only): the batched matmul the plan runs for them
+  when ``ops.conv`` picks the matmul form (``MatmulKernel`` over strided views, exactly as the
+  schedule builds it; the weight gradient as one partial product per image plus the reduction
+  adding them), its heuristic configuration (marked ``*``) and the matmul ``candidates``.
+
+* ``pf`` (``CONV_PF=1``): each split of the ``new`` group again with register prefetch
+  (``TileCfg.PF``) on its heuristic tile (``CONV_PF_HEUR=1``: the plan's split only;
+  ``CONV_SKIP_OLD=1`` leaves the ``old`` group out).
+
+Usage: [CONV_ALL=1] [CONV_PF=1] python bench/conv_bench.py wgpu|dawn OUT.json [SHAPE_FILTER]
+(SHAPE_FILTER "1x1 (": only the 1×1 stride-1 shapes.)
 (CONV_ALL: the old rows time every configuration of the template, not only the ≤ 8
 candidates.)
 
@@ -29,13 +39,23 @@ import time
 import numpy as np
 
 from meganeura.dtypes import f32
-from meganeura.kernels import Instr, ReduceKernel, Strided, candidates, emit, make_target
+from meganeura.kernels import (
+    Instr,
+    MatmulKernel,
+    ReduceKernel,
+    Strided,
+    candidates,
+    emit,
+    make_target,
+)
 from meganeura.kernels.conv import (
     CONFIGS,
     Conv2dInputGradKernel,
     Conv2dKernel,
     Conv2dWeightGradKernel,
     ConvGeom,
+    choose_cfg,
+    gemm_shape,
     with_split_k,
 )
 from meganeura.ops.conv import _conv2d_ref, _input_grad_ref, _weight_grad_ref, weight_grad_split
@@ -51,6 +71,16 @@ SHAPES = {
     "r50 1x1 (4,1024,14,14)": ((4, 1024, 14, 14), (256, 1024, 1, 1), 1, 0),
     "r50 1x1 (4,2048,7,7)": ((4, 2048, 7, 7), (512, 2048, 1, 1), 1, 0),
     "r50 1x1 (4,256,14,14)->1024": ((4, 256, 14, 14), (1024, 256, 1, 1), 1, 0),
+    # the other 1x1 stride-1 convolutions of ResNet-50 (batch 4)
+    "r50 1x1 (4,64,56,56)->64": ((4, 64, 56, 56), (64, 64, 1, 1), 1, 0),
+    "r50 1x1 (4,64,56,56)->256": ((4, 64, 56, 56), (256, 64, 1, 1), 1, 0),
+    "r50 1x1 (4,256,56,56)->64": ((4, 256, 56, 56), (64, 256, 1, 1), 1, 0),
+    "r50 1x1 (4,256,56,56)->128": ((4, 256, 56, 56), (128, 256, 1, 1), 1, 0),
+    "r50 1x1 (4,128,28,28)->512": ((4, 128, 28, 28), (512, 128, 1, 1), 1, 0),
+    "r50 1x1 (4,512,28,28)->128": ((4, 512, 28, 28), (128, 512, 1, 1), 1, 0),
+    "r50 1x1 (4,512,28,28)->256": ((4, 512, 28, 28), (256, 512, 1, 1), 1, 0),
+    "r50 1x1 (4,1024,14,14)->512": ((4, 1024, 14, 14), (512, 1024, 1, 1), 1, 0),
+    "r50 1x1 (4,512,7,7)->2048": ((4, 512, 7, 7), (2048, 512, 1, 1), 1, 0),
     "unet (2,128,8,8)": ((2, 128, 8, 8), (128, 128, 3, 3), 1, 1),
     "unet (2,128,16,16)": ((2, 128, 16, 16), (128, 128, 3, 3), 1, 1),
     "unet (2,64,32,32)": ((2, 64, 32, 32), (64, 64, 3, 3), 1, 1),
@@ -63,6 +93,7 @@ SHAPES = {
 TINY = {
     "tiny 3x3 (1,64,4,4)": ((1, 64, 4, 4), (64, 64, 3, 3), 1, 1),
     "tiny 1x1s2 (1,32,6,6)": ((1, 32, 6, 6), (64, 32, 1, 1), 2, 0),
+    "tiny 1x1 (2,24,5,3)": ((2, 24, 5, 3), (40, 24, 1, 1), 1, 0),
 }
 
 
@@ -103,6 +134,34 @@ def problems(xs, ws, s, p, rng):
          old_weight_grad_split(kt, rows, cols), weight_grad_split(kt, rows, cols),
          (2, 4, 8, 16, 32)),
     ]
+
+
+def mm_problems(G: ConvGeom) -> dict:
+    """kind -> (matmul description, partial sums S) of a 1×1, stride-1, unpadded convolution's
+    three GEMMs as the schedule builds them (``ops.conv`` matmul form: views, no copies; the
+    weight gradient one partial product per image); {} for other convolutions.  Operands
+    are bound in the reverse order of the conv kernels' (w, x / w, dy / dy, x)."""
+    if (G.kh, G.kw, G.stride, G.pad, G.groups) != (1, 1, (1, 1), ((0, 0), (0, 0)), 1):
+        return {}
+    n, c, o, hw = G.n, G.c, G.o, G.h * G.w
+
+    def v(shape, strides, ext):
+        return Strided(f32, shape, strides, 0, ext)
+
+    x, dy = v((n, c, hw), (c * hw, hw, 1), n * c * hw), v((n, o, hw), (o * hw, hw, 1), n * o * hw)
+    return {
+        "fwd": (MatmulKernel(n, o, hw, c, v((1, o, c), (0, c, 1), o * c), x, out_dtype=f32), 1),
+        "dgrad": (MatmulKernel(n, c, hw, o, v((1, c, o), (0, 1, c), o * c), dy, out_dtype=f32),
+                  1),
+        "wgrad": (MatmulKernel(n, o, c, hw, dy, v((n, hw, c), (c * hw, 1, hw), n * c * hw),
+                               out_dtype=f32), n),
+    }
+
+
+def prefetched(desc):
+    """``desc`` with its heuristic tile and register prefetch (``TileCfg.PF``)."""
+    cfg = choose_cfg(*gemm_shape(desc))
+    return dataclasses.replace(desc, tile=dataclasses.replace(cfg, PF=1).tuple())
 
 
 def with_split(desc, S: int):
@@ -161,24 +220,36 @@ def measure(dev, d, inputs, oshape, S, want, scale) -> dict:
     got = dev.read_array(bufs[-1], pshape, f32)
     got = got.sum(0, dtype=np.float64) if S > 1 else got
     err = float(np.abs(got - want).max()) / scale
+    warm_up(dev, spec, bufs, 0.03)  # clocks up again after the host-side check
     sec = time_kernel(dev, spec, bufs)
     sum_sec = 0.0
     if S > 1:
         red = emit(sum_kernel(S, oshape), dev)
         sum_sec = time_kernel(dev, red, [bufs[-1], dev.create_buffer(4 * int(np.prod(oshape)))])
     tot = sec + sum_sec
-    return {"tile": list(spec.meta["tile"]), "split": S, "us": tot * 1e6,
+    return {"tile": list(spec.meta.get("tile") or spec.meta["config"]), "split": S, "us": tot * 1e6,
             "sum_us": sum_sec * 1e6, "tflops": spec.meta["flops"] / tot / 1e12, "rel_err": err,
             "ok": err <= 1e-4, "workgroups": list(spec.workgroups)}
 
 
+def run_mm(dev, target, label, kind, mm, inputs, oshape, want, scale) -> list[dict]:
+    """The ``mm`` rows: the matmul form's heuristic configuration first, then its candidates."""
+    rows = []
+    desc, S = mm
+    for i, d in enumerate(candidates(desc, target)):
+        r = measure(dev, d, inputs[::-1], oshape, S, want, scale)
+        rows.append({"shape": label, "kind": kind, "group": "mm", "heuristic": i == 0, **r})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def run_problem(dev, target, label, kind, desc, inputs, oshape, ref, s_old, s_new,
-                sweep) -> list[dict]:
+                sweep, mm=None) -> list[dict]:
     want = ref()
     scale = float(np.abs(want).max())
     rows = []
     old = with_split(desc, s_old) if s_old > 1 else desc
-    descs = candidates(old, target)
+    descs = [] if os.environ.get("CONV_SKIP_OLD") else candidates(old, target)
     if os.environ.get("CONV_ALL"):  # every configuration the device allows, not just ≤ 8
         descs += [dataclasses.replace(old, tile=c.tuple()) for c in CONFIGS
                   if c.storage() <= target.lim("max_compute_workgroup_storage_size")]
@@ -188,10 +259,18 @@ def run_problem(dev, target, label, kind, desc, inputs, oshape, ref, s_old, s_ne
         rows.append({"shape": label, "kind": kind, "group": "old", "heuristic": i == 0, **r})
         print(json.dumps(rows[-1]), flush=True)
     for S in dict.fromkeys((s_new, *sweep)):
-        r = measure(dev, with_split(desc, S) if S > 1 else desc, inputs, oshape, S, want, scale)
+        d = with_split(desc, S) if S > 1 else desc
+        r = measure(dev, d, inputs, oshape, S, want, scale)
         rows.append({"shape": label, "kind": kind, "group": "new", "heuristic": S == s_new,
                      **r})
         print(json.dumps(rows[-1]), flush=True)
+        if os.environ.get("CONV_PF") and (S == s_new or not os.environ.get("CONV_PF_HEUR")):
+            r = measure(dev, prefetched(d), inputs, oshape, S, want, scale)
+            rows.append({"shape": label, "kind": kind, "group": "pf",
+                         "heuristic": S == s_new, **r})
+            print(json.dumps(rows[-1]), flush=True)
+    if mm is not None:
+        rows += run_mm(dev, target, label, kind, mm, inputs, oshape, want, scale)
     return rows
 
 
@@ -206,6 +285,7 @@ def main() -> None:
     for label, (xs, ws, s, p) in (TINY if os.environ.get("CONV_TINY") else SHAPES).items():
         if filt not in label:
             continue
+        mms = mm_problems(geom(xs, ws, s, p))
         for kind, desc, inputs, oshape, ref, s_old, s_new, sweep in problems(xs, ws, s, p, rng):
             if not warmed:
                 spec = emit(desc, dev)
@@ -214,9 +294,9 @@ def main() -> None:
                 warm_up(dev, spec, bufs)
                 warmed = True
             rows += run_problem(dev, target, label, kind, desc, inputs, oshape, ref, s_old,
-                                s_new, sweep)
-    json.dump({"impl": impl, "adapter": dev.adapter_name, "rows": rows}, open(out_path, "w"),
-              indent=1)
+                                s_new, sweep, mms.get(kind))
+            with open(out_path, "w") as f:  # after every problem: a cut-off run keeps its rows
+                json.dump({"impl": impl, "adapter": dev.adapter_name, "rows": rows}, f, indent=1)
     print_table(rows)
 
 
@@ -224,20 +304,28 @@ def print_table(rows) -> None:
     """Per problem: old heuristic and best old configuration; the new plan (split S) and the
     best split of the sweep (µs include the reduction adding the partials)."""
     print(f"{'shape':28} {'kind':6} {'old us':>7} {'TF':>5} {'best':>7} {'new us':>7} {'TF':>5} "
-          f"{'S':>3} {'bestS us':>8} {'S':>3}  old best tile")
+          f"{'S':>3} {'bestS us':>8} {'S':>3} {'pf us':>7} {'mm us':>7} {'TF':>5} {'mmbest':>7}  "
+          "old best tile")
     seen = {}
     for r in rows:
         seen.setdefault((r["shape"], r["kind"]), []).append(r)
     for (shape, kind), rs in seen.items():
-        old = [r for r in rs if r["group"] == "old"]
         new = [r for r in rs if r["group"] == "new"]
+        old = [r for r in rs if r["group"] == "old"] or new
+        mm = [r for r in rs if r["group"] == "mm"]
+        pf = [r for r in rs if r["group"] == "pf"]
+        ph = next((r for r in pf if r["heuristic"]), {"us": float("nan")})
+        mh = mm[0] if mm else {"us": float("nan"), "tflops": float("nan")}
+        mb = min(mm, key=lambda r: r["us"]) if mm else mh
         h, b = old[0], min(old, key=lambda r: r["us"])
         nh = next(r for r in new if r["heuristic"]) if new else h
         nb = min(new or old, key=lambda r: r["us"])
         bad = "" if all(r["ok"] for r in rs) else "  WRONG"
         print(f"{shape:28} {kind:6} {h['us']:7.1f} {h['tflops']:5.1f} {b['us']:7.1f} "
               f"{nh['us']:7.1f} {nh['tflops']:5.1f} {nh['split']:3d} {nb['us']:8.1f} "
-              f"{nb['split']:3d}  {tuple(b['tile'])}{bad}")
+              f"{nb['split']:3d} {ph['us']:7.1f} {mh['us']:7.1f} {mh['tflops']:5.1f} "
+              f"{mb['us']:7.1f}  "
+              f"{tuple(b['tile'])}{bad}")
 
 
 if __name__ == "__main__":

@@ -114,3 +114,24 @@ def test_split_convolutions_through_compile(gpu):
     labels = [c.label for c in sess.executable.infer.ops if hasattr(c, "label")]
     assert any("conv2d (2, 64, 4, 4) [split-K sum] +" in s for s in labels), labels
     assert any(s.startswith("conv2d_input_grad") and "[split-K" in s for s in labels), labels
+
+
+def test_strided_1x1_input_grad_splits_by_its_one_live_phase(run, rng):
+    """A 1×1 stride-2 input gradient has taps in one phase of four: split-K and tiles are sized
+    by that phase alone (the other three only store zeros), the result stays exact, and the
+    flops counted are the taps that land (not four phases' worth)."""
+    G = _geom((2, 40, 9, 8), (136, 40, 1, 1), (2, 2), ((0, 0), (0, 0)), (1, 1), 1)
+    xs, ws, ys = (2, 40, 9, 8), (136, 40, 1, 1), (2, 136, 5, 4)
+    big = _geom((4, 1024, 14, 14), (2048, 1024, 1, 1), (2, 2), ((0, 0), (0, 0)), (1, 1), 1)
+    k = with_split_k(Conv2dInputGradKernel(big, C(f32, (4, 2048, 7, 7)),
+                                           C(f32, (2048, 1024, 1, 1))))
+    assert k.split_k == 8 and gemm_shape(k)[3] == 8  # 64 live tiles, K = 2048 in chunks of 256
+    dy, w = rng.normal(size=ys).astype(np.float32), rng.normal(size=ws).astype(np.float32)
+    a = {"stride": G.stride, "padding": G.pad, "dilation": G.dilation, "groups": 1}
+    want = _input_grad_ref([dy.astype(np.float64), w], dict(a, input_size=xs[2:]))[0]
+    for S in (1, 3):
+        d = Conv2dInputGradKernel(G, C(f32, ys), C(f32, ws), split_k=S)
+        (parts,) = run(d, [dy, w], [(((S,) if S > 1 else ()) + xs, f32)])
+        got = parts.sum(0) if S > 1 else parts
+        assert_close(got, want, 1e-4, 1e-4, f"1x1 stride 2, split {S}")
+    assert run.last_spec.meta["flops"] == 2 * 40 * 136 * 2 * 5 * 4

@@ -60,6 +60,12 @@ from .common import (
 from .ir import Instr, KernelSpec, Strided
 
 TILE_SIZES = (16, 32, 64)
+# Elements of padding after each staged row in workgroup memory.  An operand staged along K
+# (weights, and both weight-gradient operands) has neighbouring invocations write one column
+# each, T elements apart: with T = 64 or 32 every one of them hit the same bank (16-way
+# conflicts on every staging store).  T + 4 spreads them over 8 banks (2-way) and keeps rows
+# 16-byte aligned for the vec4 reads.
+SH_PAD = 4
 
 
 @dataclass(frozen=True)
@@ -269,6 +275,7 @@ class TileCfg:
     RN: int
     KS: int = 1
     BK: int = 16
+    PF: int = 0  # 1: register prefetch (the next step's loads issued before this step's FMAs)
 
     @property
     def slice_threads(self) -> int:
@@ -284,12 +291,14 @@ class TileCfg:
         return self.RM % 4 == 0 and self.RN % 4 == 0
 
     def storage(self) -> int:
-        """Bytes of workgroup memory: the staged K step, or the partial tiles if larger."""
+        """Bytes of workgroup memory: the staged K step (rows padded by SH_PAD), or the
+        partial tiles if larger."""
         red = self.KS * self.TM * self.TN if self.KS > 1 else 0
-        return 4 * max(self.BK * self.KS * (self.TM + self.TN), red)
+        return 4 * max(self.BK * self.KS * (self.TM + self.TN + 2 * SH_PAD), red)
 
     def tuple(self) -> tuple[int, ...]:
-        return (self.TM, self.TN, self.RM, self.RN, self.KS, self.BK)
+        base = (self.TM, self.TN, self.RM, self.RN, self.KS, self.BK)
+        return base + (1,) if self.PF else base
 
 
 def _legacy(tm: int, tn: int) -> TileCfg:
@@ -308,13 +317,14 @@ def tile_cfg(forced) -> TileCfg:
     forced = tuple(forced)
     if len(forced) == 2 and forced in TILES:
         return _legacy(*forced)
-    if len(forced) == 6:
+    if len(forced) in (6, 7):
         c = TileCfg(*(int(v) for v in forced))
-        ok = all(v >= 1 for v in forced) and c.TM % c.RM == 0 and c.TN % c.RN == 0
+        ok = all(v >= 1 for v in forced[:6]) and c.TM % c.RM == 0 and c.TN % c.RN == 0
+        ok = ok and c.PF in (0, 1)
         if ok and c.threads <= 1024 and c.BK % 4 == 0:
             return c
     raise CodegenError(f"conv tile must be a (TM, TN) pair from {sorted(TILES)} or a valid "
-                       f"(TM, TN, RM, RN, KS, BK) tuple, got {forced}")
+                       f"(TM, TN, RM, RN, KS, BK[, PF]) tuple, got {forced}")
 
 
 def _units(c: TileCfg, M: int, N: int, GB: int) -> int:
@@ -397,8 +407,9 @@ def _check_split(name: str, S) -> int:
 
 def _candidate_cfgs(M: int, N: int, K: int, GB: int) -> list[TileCfg]:
     """Configurations worth timing for one GEMM shape (the heuristic's first)."""
-    allc = [choose_cfg(M, N, K, GB), *(_FEW_ROWS if M <= 8 else ()), *_LADDER, *_SMALL,
-            *_EXTRA]
+    first = choose_cfg(M, N, K, GB)
+    allc = [first, dataclasses.replace(first, PF=1), *(_FEW_ROWS if M <= 8 else ()), *_LADDER,
+            *_SMALL, *_EXTRA]
     out = []
     for c in allc:
         if c not in out and (c.KS == 1 or K >= 2 * c.BK * c.KS):
@@ -421,7 +432,7 @@ class _GemmGen:
         self.grid = make_grid(gm.name, self.mt * self.nt * gm.GB, t)
         self.live = "" if self.grid.exact else "live"
         self.vec = c.vec
-        self.offb = self.BKs * self.TM  # Bs after As (in f32 elements)
+        self.offb = self.BKs * (self.TM + SH_PAD)  # Bs after As (in f32 elements)
 
     def head(self, L: list[str], ind: str) -> None:
         gm = self.gm
@@ -468,10 +479,11 @@ class _GemmGen:
                 self.plan.append((which, l, rn, kn, op, T, partial, n_el))
 
     def _sh(self, off: int, T: int, k: str, x: str) -> str:
-        """Workgroup-memory element (k, x) of a staged operand at f32 offset ``off``."""
+        """Workgroup-memory element (k, x) of a staged operand at f32 offset ``off`` (rows of
+        T + SH_PAD elements)."""
         if self.vec:
-            return f"Sh[{u(off // 4)} + {k} * {u(T // 4)} + {x} / 4u][{x} % 4u]"
-        return f"Sh[{u(off)} + {k} * {u(T)} + {x}]"
+            return f"Sh[{u(off // 4)} + {k} * {u((T + SH_PAD) // 4)} + {x} / 4u][{x} % 4u]"
+        return f"Sh[{u(off)} + {k} * {u(T + SH_PAD)} + {x}]"
 
     def _stage(self, out: list[str], ii: str, check_k: bool, kend: str) -> None:
         """Copy step k0's slices of both operands into workgroup memory (zero outside)."""
@@ -504,14 +516,15 @@ class _GemmGen:
                                    (self.offb, self.RN, self.TN, "rb", "tx")):
             if self.vec:
                 for q in range(R // 4):
-                    out.append(f"{jj}let {who}4_{q} = Sh[{u(off // 4)} + kk * {u(T // 4)} + "
+                    out.append(f"{jj}let {who}4_{q} = Sh[{u(off // 4)} + kk * "
+                               f"{u((T + SH_PAD) // 4)} + "
                                f"{th} * {u(R // 4)} + {u(q)}];")
                 for i in range(R):
                     out.append(f"{jj}let {who}{i} = {who}4_{i // 4}.{'xyzw'[i % 4]};")
             else:
                 for i in range(R):
                     x = f"{th} * {u(R)} + {u(i)}" if R > 1 else th
-                    out.append(f"{jj}let {who}{i} = Sh[{u(off)} + kk * {u(T)} + {x}];")
+                    out.append(f"{jj}let {who}{i} = Sh[{u(off)} + kk * {u(T + SH_PAD)} + {x}];")
         for i in range(self.RM):
             for j in range(self.RN):
                 out.append(f"{jj}acc{i}_{j} = fma(ra{i}, rb{j}, acc{i}_{j});")
@@ -551,6 +564,82 @@ class _GemmGen:
         L.append(f"{ind}}}")
         L.append(f"{ind}if (k0 < kend) {{")
         self.step(L, i2, True, "kend")
+        L.append(f"{ind}}}")
+
+    # -- register prefetch (PF = 1) -----------------------------------------------------------
+    def _load_regs(self, out: list[str], ii: str, base: str, check_k: bool, kend: str) -> None:
+        """Step ``base``'s elements of both operands into the registers ``v<tag>`` (zero
+        outside), each in its own block (the operands' lets may repeat per step)."""
+        for which, l, _rn, kn, op, _t, partial, n_el in self.plan:
+            tag, jj = f"{which}{l}", ii + "    "
+            kv = f"k{tag}"
+            out.append(f"{ii}{{")
+            if partial:
+                out.append(f"{jj}if (lid + {u(l * self.nth)} < {u(n_el)}) {{")
+                jj += "    "
+            out.append(f"{jj}let {kv} = {base} + {kn};")
+            cond, idx = op.load(kv, tag, out, jj)
+            conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
+                [cond] if cond else [])
+            out.append(f"{jj}v{tag} = 0.0;")
+            out.append(f"{jj}if ({' && '.join(conds)}) {{")
+            out.append(f"{jj}    v{tag} = {_read(op.binding, idx, op.dtype)};")
+            out.append(f"{jj}}}")
+            if partial:
+                out.append(f"{ii}    }}")
+            out.append(f"{ii}}}")
+
+    def _store_regs(self, out: list[str], ii: str) -> None:
+        for which, l, rn, kn, _op, T, partial, n_el in self.plan:
+            off = 0 if which == "a" else self.offb
+            st = f"{self._sh(off, T, kn, rn)} = v{which}{l};"
+            if partial:
+                out.append(f"{ii}if (lid + {u(l * self.nth)} < {u(n_el)}) {{ {st} }}")
+            else:
+                out.append(f"{ii}{st}")
+
+    def _load_next(self, out: list[str], ii: str, k1: str, kf: str, kend: str,
+                   whole: bool, tail: bool) -> None:
+        """Loads of the step at ``k1``: unguarded along K when it is whole (``k1 < kf``),
+        guarded when it is the tail; ``whole``/``tail`` say which cases can occur."""
+        if whole:
+            out.append(f"{ii}if ({k1} < {kf}) {{")
+            self._load_regs(out, ii + "    ", k1, False, kend)
+            out.append(f"{ii}}}" + (f" else if ({k1} < {kend}) {{" if tail else ""))
+        elif tail:
+            out.append(f"{ii}if ({k1} < {kend}) {{")
+        if tail:
+            self._load_regs(out, ii + "    ", k1, True, kend)
+            out.append(f"{ii}}}")
+
+    def k_loop_prefetch(self, L: list[str], ind: str) -> None:
+        """The K loop with register prefetch: step k's registers go to workgroup memory, then
+        step k + BK·KS's global loads are issued before the FMAs on step k, so their latency
+        hides behind the arithmetic (the matmul kernel's scheme)."""
+        gm, i2, BKs = self.gm, ind + "    ", self.BKs
+        L += [f"{ind}var v{w}{l}: f32 = 0.0;" for w, l, *_ in self.plan]
+        if gm.K is not None:
+            K = gm.K
+            kf, ks = K - K % BKs, -(-K // BKs) * BKs
+            L.append(f"{ind}let kbeg = 0u;")
+            L.append(f"{ind}let kend = {u(K)};")
+            L.append(f"{ind}let kfull = {u(kf)};")
+            whole, tail = kf > 0, kf != K
+        else:
+            gm.krange(L, ind)  # defines kbeg, kend (uniform)
+            L.append(f"{ind}let kfull = kend - min(kend, {u(BKs - 1)});")  # k < kfull: whole
+            ks, whole, tail = None, True, True
+        L.append(f"{ind}let kfirst = kbeg;")
+        self._load_next(L, ind, "kfirst", "kfull", "kend", whole, tail)
+        L.append(f"{ind}for (var k0: u32 = kbeg; k0 < kend; k0 = k0 + {u(BKs)}) {{"
+                 if ks is None else
+                 f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(BKs)}) {{")
+        self._store_regs(L, i2)
+        L.append(f"{i2}workgroupBarrier();")
+        L.append(f"{i2}let k1 = k0 + {u(BKs)};")
+        self._load_next(L, i2, "k1", "kfull", "kend", whole and (ks is None or ks > BKs), tail)
+        self._mma(L, i2)
+        L.append(f"{i2}workgroupBarrier();")
         L.append(f"{ind}}}")
 
     def _guard(self, r: str, n: str, mod_m: bool) -> list[str]:
@@ -621,7 +710,10 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, in
     for i in range(g.RM):
         for j in range(g.RN):
             L.append(f"{ind}var acc{i}_{j}: f32 = 0.0;")
-    g.k_loop(L, ind)
+    if gm.tile.PF:
+        g.k_loop_prefetch(L, ind)
+    else:
+        g.k_loop(L, ind)
     helpers: set[str] = set()
     g.stores(L, ind, helpers)
     nbytes = gm.tile.storage()
@@ -1050,12 +1142,14 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
 
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
-    GB = G.groups * sh_ * sw_ * S
-    cfg = choose_cfg(M, N, -(-kmax // S), GB, k.tile)
+    GB = G.groups * sh_ * sw_ * S  # the grid covers every phase (empty ones store zeros)
+    cfg = choose_cfg(M, N, -(-kmax // S), G.groups * _active_phases(hrows, wrows) * S, k.tile)
     gm = _Gemm(name, M, N, None, GB, cfg, A, B, gb_lines, krange, store, n_bound="ncol")
+    flops = 2 * M * G.groups * G.n * G.og * sum(
+        rh[0] * rw[0] * rh[2] * rw[2] for rh in hrows for rw in wrows)  # taps that land
     return _module(name, bd, [], _emit_gemm(gm, t), t,
                    {"archetype": "conv2d_input_grad", "tile": cfg.tuple(), "phases": sh_ * sw_,
-                    "split_k": S, "flops": 2 * M * N * kmax * G.groups * sh_ * sw_})
+                    "split_k": S, "flops": flops})
 
 # ---------------------------------------------------------------------------------------------
 # weight gradient
@@ -1187,7 +1281,13 @@ def gemm_shape(k) -> tuple[int, int, int, int]:
     wrows = _phase_table(G.w, G.kw, sw_, G.pad[1][0], dw)[0]
     N = G.n * max(r[0] for r in hrows) * max(r[0] for r in wrows)
     kmax = G.og * max(r[2] for r in hrows) * max(r[2] for r in wrows)
-    return G.cg, N, -(-kmax // S), G.groups * sh_ * sw_ * S
+    return G.cg, N, -(-kmax // S), G.groups * _active_phases(hrows, wrows) * S
+
+
+def _active_phases(hrows, wrows) -> int:
+    """Phases that receive any tap (the others only store zeros: a 1×1 stride-2 input gradient
+    has one of four), the GEMMs that count when sizing tiles and split-K."""
+    return max(1, sum(1 for r in hrows if r[2]) * sum(1 for r in wrows if r[2]))
 
 
 def conv_candidates(k, target) -> list:

@@ -2,8 +2,10 @@
 max/avg pooling and their gradients, and conv1d built on conv2d.
 
 Every op here has an exact numpy reference (float64-exact, so the VJPs can be checked against
-PyTorch and finite differences) and lowers to a dedicated kernel archetype (``codegen/conv.py``,
-``codegen/pool.py``): the convolutions are implicit GEMMs, deterministic (no float atomics).
+PyTorch and finite differences) and lowers to a dedicated kernel archetype (``kernels/conv.py``,
+``kernels/pool.py``): the convolutions are implicit GEMMs, deterministic (no float atomics) —
+except 1×1, stride-1, unpadded ones with enough output tiles, which the compiler expands into
+batched matmuls over strided views (``Kernel.rewrite``, section "1×1 convolutions" below).
 
 Attribute conventions (all tuples, so graphs hash and print stably):
 
@@ -282,9 +284,8 @@ def _conv2d_vjp(n, c):
     dy = c[0]
     dx = conv2d_input_grad(dy, w, x.shape[2:], **_kw(a))
     o, cg, kh, kw = w.shape
-    g = a["groups"]
     _, _, oh, ow = dy.shape
-    split = weight_grad_split(x.shape[0] * oh * ow, o // g, cg * kh * kw)
+    split = _wgrad_split(x.shape[0], oh * ow, o, cg, kh, kw, a)
     dw = conv2d_weight_grad(x, dy, (kh, kw), split=split, **_kw(a))
     out = [dx, dw]
     if len(n.inputs) == 3:
@@ -292,12 +293,136 @@ def _conv2d_vjp(n, c):
     return out
 
 
+def _wgrad_split(n: int, ohw: int, o: int, cg: int, kh: int, kw: int, a) -> int:
+    """The weight gradient's ``split``: ``weight_grad_split``, except for a 1×1 convolution
+    whose matmul form pays with one partial product per image while that rule's chunks cannot
+    be addressed by a batched matmul (the reduction over several images at once, 7×7 maps)."""
+    g = a["groups"]
+    split = weight_grad_split(n * ohw, o // g, cg * kh * kw)
+    if n > 1 and _pointwise_conv(a, (kh, kw)) and wgrad_chunk(n, ohw, split) is None and \
+            _matmul_pays(n, o, cg):
+        return n
+    return split
+
+
 def _kw(a):
     return {"stride": a["stride"], "padding": a["padding"], "dilation": a["dilation"],
             "groups": a["groups"]}
 
 
-defop("conv2d", _conv2d_infer, _conv2d_ref, _conv2d_vjp, Kernel("conv2d"))
+# ---------------------------------------------------------------------------------------------
+# 1×1 convolutions as batched matmuls
+#
+# A 1×1, stride-1, unpadded, ungrouped convolution is a matmul per image over the (C, H·W) view
+# of NCHW: y[n] = W @ x[n], dx[n] = Wᵀ @ dy[n], dW = Σ_n dy[n] @ x[n]ᵀ.  The matmul kernel
+# (vec4 staging, register prefetch, tuned tiles) runs these faster than the implicit-GEMM
+# template, whose staging pays ~25 integer ops per element for index math a 1×1 kernel does not
+# need.  The three ops keep their kernels as lowering and say through ``Kernel.rewrite`` where
+# the matmul form is used instead; the compile pass that expands composites applies it, after
+# autodiff, so gradients, fusion (a pointwise consumer becomes the matmul's epilogue through the
+# reshape), the tuner (the matmul's candidates) and the profiler (``matmul B×M×N×K`` rows) see
+# ordinary matmuls.  Views only: the reshapes and permutes fold into the matmul's strides.
+
+# Fewest 64×64 output tiles (times the batch) for which the matmul form is used.  The matmul
+# has no split-K for batched problems, the conv kernels do (``choose_split_k``): below this the
+# conv path keeps the GPU busier.  H200 sweep (docs/benchmarks.md, 2026-12-01, 1×1 section):
+# with ≥ 196 tiles the matmul beat the conv plan on 9 of 11 problems (e.g. 256→1024 at 14×14
+# forward 112 vs 195 µs, weight gradients 85–116 vs 131–139 µs); at 128 tiles (2048→512 at
+# 7×7, input gradient) the split conv kernel won (119 vs 132 µs), at 32 tiles clearly (115 vs
+# 306 µs forward).
+MATMUL_MIN_TILES = 192
+
+
+def _pointwise_conv(attrs, kernel) -> bool:
+    """1×1 kernel, stride 1, no padding, one group: a matmul per image."""
+    st, pad, _, groups = _conv_attrs(attrs)
+    return tuple(kernel) == (1, 1) and st == (1, 1) and pad == ((0, 0), (0, 0)) and groups == 1
+
+
+def _matmul_pays(batch: int, rows: int, cols: int) -> bool:
+    return batch * -(-rows // 64) * -(-cols // 64) >= MATMUL_MIN_TILES
+
+
+def _forward_rewrite(attrs, in_types, out_types):
+    x, w = in_types[0], in_types[1]
+    n, _, h, wd = x.shape
+    if _pointwise_conv(attrs, w.shape[2:]) and _matmul_pays(n, w.shape[0], h * wd):
+        return _forward_as_matmul
+    return None
+
+
+def _forward_as_matmul(graph, node):
+    """y[n] = W (O, C) @ x[n] (C, H·W), plus the bias as an ordinary add (the epilogue)."""
+    x, w = node.inputs[0], node.inputs[1]
+    n, c, h, wd = x.shape
+    o = w.shape[0]
+    y = graph.apply("matmul", S.reshape(w, (o, c)), S.reshape(x, (n, c, h * wd)),
+                    transpose_a=False, transpose_b=False)
+    y = S.reshape(y, (n, o, h, wd))
+    if len(node.inputs) == 3:
+        y = y + S.reshape(node.inputs[2], (o, 1, 1))
+    return [y]
+
+
+def _input_grad_rewrite(attrs, in_types, out_types):
+    dy, w = in_types
+    n, _, h, wd = dy.shape
+    if _pointwise_conv(attrs, w.shape[2:]) and _matmul_pays(n, w.shape[1], h * wd):
+        return _input_grad_as_matmul
+    return None
+
+
+def _input_grad_as_matmul(graph, node):
+    """dx[n] = Wᵀ (C, O) @ dy[n] (O, H·W); the transpose is a stride swap."""
+    dy, w = node.inputs
+    n, o, h, wd = dy.shape
+    c = w.shape[1]
+    dx = graph.apply("matmul", S.reshape(w, (o, c)), S.reshape(dy, (n, o, h * wd)),
+                     transpose_a=True, transpose_b=False)
+    return [S.reshape(dx, (n, c, h, wd))]
+
+
+def wgrad_chunk(n: int, hw: int, split: int) -> int | None:
+    """Length of the weight gradient's ``split`` chunks of the (n, p) range when a batched
+    matmul can address them (one batch stride): one chunk per image, or equal chunks of the
+    only image; None otherwise (chunks straddling or cutting several images)."""
+    total = n * hw
+    if total % split:
+        return None
+    ch = total // split
+    return ch if ch == hw or n == 1 else None
+
+
+def _weight_grad_rewrite(attrs, in_types, out_types):
+    x, dy = in_types
+    n, c, h, wd = x.shape
+    split, o = attrs["split"], dy.shape[1]
+    if not _pointwise_conv(attrs, attrs["kernel_size"]) or \
+            wgrad_chunk(n, h * wd, split) is None:
+        return None
+    return _weight_grad_as_matmul if _matmul_pays(split, o, c) else None
+
+
+def _weight_grad_as_matmul(graph, node):
+    """Chunk s of the partial sums: dy[chunk s] (O, ch) @ x[chunk s]ᵀ (ch, C), a batch over the
+    chunks (of one image each, or of the one image cut along H·W)."""
+    x, dy = node.inputs
+    n, c, h, wd = x.shape
+    o, split = dy.shape[1], node.attrs["split"]
+    ch = wgrad_chunk(n, h * wd, split)
+
+    def chunks(v, rows):
+        if n == 1:  # (rows, S, ch) -> (S, rows, ch)
+            return S.permute(S.reshape(v, (rows, split, ch)), (1, 0, 2))
+        return S.reshape(v, (n, rows, ch))
+
+    dw = graph.apply("matmul", chunks(dy, o), chunks(x, c), transpose_a=False,
+                     transpose_b=True)
+    return [S.reshape(dw, ((split,) if split > 1 else ()) + (o, c, 1, 1))]
+
+
+defop("conv2d", _conv2d_infer, _conv2d_ref, _conv2d_vjp,
+      Kernel("conv2d", rewrite=_forward_rewrite))
 
 
 def _input_grad_infer(types, attrs):
@@ -328,7 +453,7 @@ def _input_grad_vjp(n, c):
 
 
 defop("conv2d_input_grad", _input_grad_infer, _input_grad_ref, _input_grad_vjp,
-      Kernel("conv2d_input_grad"))
+      Kernel("conv2d_input_grad", rewrite=_input_grad_rewrite))
 
 
 def _weight_grad_infer(types, attrs):
@@ -367,7 +492,7 @@ def _weight_grad_vjp(n, c):
 
 
 defop("conv2d_weight_grad", _weight_grad_infer, _weight_grad_ref, _weight_grad_vjp,
-      Kernel("conv2d_weight_grad"))
+      Kernel("conv2d_weight_grad", rewrite=_weight_grad_rewrite))
 
 
 def _conv_common(stride, padding, dilation, groups, kernel):

@@ -50,10 +50,18 @@ class Composite:
 
 @dataclass(frozen=True)
 class Kernel:
-    """A dedicated kernel archetype (gather, scatter_add, softmax, cross_entropy…) with params."""
+    """A dedicated kernel archetype (gather, scatter_add, softmax, cross_entropy…) with params.
+
+    ``rewrite``, optional: ``(attrs, in_types, out_types) -> expand | None``.  Where it returns
+    an ``expand`` function (same signature as ``Composite.expand``) the node is expanded into
+    other ops by the pass that expands composites, because those run faster for these shapes
+    (a 1×1 convolution as a matmul); elsewhere the node gets this archetype's kernel.  The
+    decision depends on attributes and types only, so plans stay device-independent, and it
+    is taken after autodiff (gradients are built from the op's own VJP either way)."""
 
     archetype: str
     params: tuple = ()
+    rewrite: Callable | None = None
 
 
 def resolve(node):
