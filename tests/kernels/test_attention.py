@@ -224,3 +224,61 @@ def test_split_dkdv(run, rng, split_heads):
         (lambda t: t.sum(0, keepdims=True))
     _check(fold(dk.astype(np.float64)), ref["dk"], "summed dk")
     _check(fold(dv.astype(np.float64)), ref["dv"], "summed dv")
+
+
+@pytest.mark.parametrize("split_heads", [False, True])
+def test_dkdv_with_dq_partials(run, dev, rng, split_heads):
+    """dK/dV that also writes dQ's partial sums per key block (mask with -inf entries, GQA,
+    query chunks, key blocks cut by the length, every fitting configuration of that block):
+    the partials match the op's reference and their sum is dQ."""
+    from meganeura.ops.attention import _dkdv_ref
+
+    n, dims = 2, (1, 4, 2, 19, 37, 8, 8)
+    x, a, ref = _problem(rng, dims, {}, mask_shape=(1, 4, 19, 37))
+    t = make_target(dev.limits, dev.features)
+    names = ("q", "k", "v", "mask", "dout", "lse", "delta")
+    H = 4 if split_heads else 2
+    for blk in (16, 32):
+        a2 = {**a, "splits": n, "split_heads": split_heads, "dq_block": blk}
+        want = _dkdv_ref([x[k].astype(np.float64) for k in names], a2)
+        nkb = -(-37 // blk)
+        base = dataclasses.replace(_desc("dkdv", x, a), splits=n, split_heads=split_heads,
+                                   dq_block=blk)
+        cfgs = [c for c in A.CONFIGS if c[0] * c[2] == blk and A.config_fits("dkdv", c, 8, 8, t)]
+        for cfg in [()] + cfgs[:1 if split_heads else None]:
+            dk, dv, dqp = run(dataclasses.replace(base, config=cfg), [x[k] for k in names],
+                              [((n, H, 37, 8), f32), ((n, H, 37, 8), f32),
+                               ((nkb, 4, 19, 8), f32)])
+            _check(dqp, want[2], f"dq partials block {blk} {cfg}")
+            _check(dqp.astype(np.float64).sum(0, keepdims=True), ref["dq"], f"dq {blk} {cfg}")
+            _check(dk, want[0], f"partial dk {blk} {cfg}")
+            _check(dv, want[1], f"partial dv {blk} {cfg}")
+
+
+def test_dq_partials_need_full_rows(dev):
+    """Causal rules leave rows that never see a key block: the fused dQ refuses them."""
+    q = C(f32, (1, 2, 8, 8))
+    row = C(f32, (1, 2, 8))
+    desc = A.AttentionGradDkdvKernel("dkdv", q, q, q, None, q, row, row, True, 0.3, 0, 0,
+                                     dq_block=16)
+    with pytest.raises(kernels.CodegenError, match="dq_block"):
+        kernels.emit(desc, dev.limits, dev.features)
+    with pytest.raises(kernels.CodegenError, match="key block"):
+        kernels.emit(dataclasses.replace(desc, causal=False, config=(8, 8, 4, 2)), dev.limits,
+                     dev.features)
+
+
+def test_split_dq(run, rng):
+    """dQ over 3 key chunks (a causal rule hides whole chunks of some rows): the partials
+    (the op's reference) and their total."""
+    from meganeura.ops.attention import _dq_ref
+
+    n, dims = 3, (1, 4, 2, 13, 40, 8, 4)
+    x, a, ref = _problem(rng, dims, {"causal": True, "q_offset": 20})
+    a = {**a, "splits": n}
+    names = ("q", "k", "v", "dout", "lse", "delta")
+    (dqp,) = run(dataclasses.replace(_desc("dq", x, a), splits=n), [x[k] for k in names],
+                 [((n, 4, 13, 8), f32)])
+    (want,) = _dq_ref([x[k].astype(np.float64) for k in names], a)
+    _check(dqp, want, "partial dq")
+    _check(dqp.astype(np.float64).sum(0, keepdims=True), ref["dq"], "summed dq")

@@ -137,6 +137,10 @@ class AttentionKernel:
     # "fast": QKᵀ and PV on f16 subgroup matrices (f32 accumulation and softmax) where the
     # device has them (``attention_fast``); elsewhere exactly the strict kernel
     precision: str = "strict"
+    # dkdv only (non-causal, no window): also write dQ's partial sums per block of ``dq_block``
+    # keys ((n_blocks·B, Hq, Sq, D), summed by the caller) from the dS tile the kernel already
+    # has, so no separate dQ kernel recomputes S and dP; the own block must be ``dq_block``
+    dq_block: int = 0
 
 
 # One description type per family (the registry maps types to families); ``kind`` still says
@@ -215,15 +219,17 @@ def config_fits(kind: str, cfg, D: int, Dv: int, t) -> bool:
             and 4 * config_words(kind, cfg, D, Dv) <= t.lim("max_compute_workgroup_storage_size"))
 
 
-def choose_config(kind: str, own_n: int, n_bh: int, D: int, Dv: int, t) -> tuple:
+def choose_config(kind: str, own_n: int, n_bh: int, D: int, Dv: int, t, own: int = 0) -> tuple:
     """The heuristic configuration: the first of ``CONFIGS`` that fits the device, whose own
     block is not (much) larger than the problem nor smaller than ``MIN_OWN_BLOCK`` (tiny blocks
     re-stage every K/V tile for a few rows), and that gives ``MIN_WORKGROUPS`` workgroups; with
     fewer possible, the threshold halves (small problems take smaller blocks)."""
-    fit = [c for c in CONFIGS if config_fits(kind, c, D, Dv, t)]
+    fit = [c for c in CONFIGS if config_fits(kind, c, D, Dv, t) and own in (0, c[0] * c[2])]
     if not fit:
         raise CodegenError(f"attention {kind}: no tile configuration fits the device's "
-                           f"workgroup storage (D={D}, Dv={Dv})")
+                           f"workgroup storage (D={D}, Dv={Dv}, own block {own or 'any'})")
+    if own:  # the block is fixed (dK/dV with dQ partials): the first in order of preference
+        return fit[0]
     cap = pow2ceil(own_n)
     floor = min(MIN_OWN_BLOCK, cap)
     small = [c for c in fit if floor <= c[0] * c[2] <= cap]
@@ -257,9 +263,12 @@ def resolve_config(k: AttentionKernel, t) -> tuple:
         if len(cfg) != 4 or not config_fits(k.kind, cfg, D, Dv, t):
             raise CodegenError(f"kernel {k.name!r}: tile configuration {k.config} does not fit "
                                "the device (TR, TC, RM, RN with RM in 1, 2, 4)")
+        if k.dq_block and cfg[0] * cfg[2] != k.dq_block:
+            raise CodegenError(f"kernel {k.name!r}: tile configuration {k.config} has a key "
+                               f"block of {cfg[0] * cfg[2]}, dq_block is {k.dq_block}")
         return cfg
     own_n, n_bh = _problem(k)
-    return choose_config(k.kind, own_n, n_bh, D, Dv, t)
+    return choose_config(k.kind, own_n, n_bh, D, Dv, t, k.dq_block)
 
 
 def candidates(k: AttentionKernel, target) -> list:
@@ -270,7 +279,7 @@ def candidates(k: AttentionKernel, target) -> list:
     own_n, _ = _problem(k)
     D, Dv = k.q.shape[3], k.v.shape[3]
     rest = [c for c in CONFIGS if c != first and config_fits(k.kind, c, D, Dv, t)
-            and c[0] * c[2] <= pow2ceil(own_n)]
+            and c[0] * c[2] <= pow2ceil(own_n) and k.dq_block in (0, c[0] * c[2])]
     return [dataclasses.replace(k, config=c) for c in [first] + rest[:7]]
 
 
@@ -307,6 +316,11 @@ class _Gen:
             self.lst = bcast_strides(k.lse, (self.B, self.Hq, self.Sq), "lse")
             self.dlst = bcast_strides(k.delta, (self.B, self.Hq, self.Sq), "delta")
         outs = {"fwd": ["out", "lse_out"], "dq": ["dq"], "dkdv": ["dk", "dv"]}[k.kind]
+        if k.dq_block:
+            if k.kind != "dkdv" or k.causal or k.window:
+                raise CodegenError(f"kernel {k.name!r}: dq_block is for non-causal dK/dV "
+                                   "kernels without a window (every row sees every key block)")
+            outs = outs + ["dqp"]
         self.dts = dts + [self.dt] * len(outs)
         self.bd = Bindings(self.dts, alias)
         self.bind = {n: self.bd.name(i) for i, n in enumerate(names + outs)}
@@ -319,9 +333,9 @@ class _Gen:
         self.shared: list[str] = []
         self.words = 0
         self.ns = int(k.splits)
-        if self.ns < 1 or (self.ns > 1 and (k.kind == "dq" or k.out_bshd)):
-            raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (fwd and dkdv only, >= 1, "
-                               "not with out_bshd)")
+        if self.ns < 1 or (self.ns > 1 and k.out_bshd):
+            raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (>= 1, not with "
+                               "out_bshd)")
 
     def bsplit(self) -> str:
         """Batch index of an output row: (chunk, batch) when split."""
@@ -719,7 +733,7 @@ def _dq_kernel(g: _Gen, t):
     g.array("Ks", g.wd, g.loop * g.dp)
     g.array("Vs", g.wv, g.loop * g.vp)
     g.array("Ps", g.RM, g.loop * g.TR)
-    total = -(-g.rows // g.own) * g.B * g.Hkv
+    total = -(-g.rows // g.own) * g.B * g.Hkv * g.ns
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
@@ -734,7 +748,7 @@ def _dq_kernel(g: _Gen, t):
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
     g.store_rows(L, ind, "dq", "o", nc, g.wd, g.du, g.D,
-                 lambda i: f"((b * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)",
+                 lambda i: f"(({g.bsplit()} * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)",
                  lambda i: f"rok{i}", lambda i: _f(k.scale))
     return L
 
@@ -874,6 +888,8 @@ def _dkdv_kernel(g: _Gen, t):
     g.dots(L, i2, "t", "Vs", "Os", g.wv, g.vu, g.vp)
     _keys_p_ds(g, L, i2)
     g.outer(L, i2, g.loop, [("av", "Ps", "Os", g.vp, nv), ("ak", "Ds", "Qs", g.dp, nk)])
+    if k.dq_block:
+        _dq_partial(g, L, i2)
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
     obase = lambda i: f"(({g.bsplit()} * {u(g.NH)} + hw) * {u(g.Skv)} + jk{i})"  # noqa: E731
@@ -881,6 +897,48 @@ def _dkdv_kernel(g: _Gen, t):
     g.store_rows(L, ind, "dk", "ak", nk, g.wd, g.du, g.D, obase, ok, lambda i: _f(k.scale))
     g.store_rows(L, ind, "dv", "av", nv, g.wv, g.vu, g.Dv, obase, ok, lambda i: "1.0")
     return L
+
+
+def _dq_partial(g: _Gen, L, ind) -> None:
+    """dQ's partial sum over this key block for the tile's query rows: dS (``Ds``, keys tr' +
+    i·TR of row r at r·TR + tr') times K·scale (``Ks``); invocation (tr, tc) computes rows tr +
+    m·TR × units tc + c·TC and stores them (each (key block, row) once: no accumulation)."""
+    TR, TC, RM, w, i2 = g.TR, g.TC, g.RM, g.wd, ind + "    "
+    nm, nc = -(-g.loop // TR), -(-g.du // TC)
+    for m in range(nm):
+        for c in range(nc):
+            L.append(f"{ind}var dqa{m}_{c}: {_vt(w)} = {_vt(w)}(0.0);")
+    L.append(f"{ind}for (var t2: u32 = 0u; t2 < {u(TR)}; t2 = t2 + 1u) {{")
+    for c in range(nc):
+        for i in range(RM):
+            L.append(f"{i2}let kq{i}_{c} = Ks[(t2 + {u(i * TR)}) * {u(g.dp)} + tc + {u(c * TC)}];")
+    for m in range(nm):
+        row = f"tr + {u(m * TR)}"
+        guard = (m + 1) * TR > g.loop
+        L.append(f"{i2}let dsq{m} = Ds[min({row}, {u(g.loop - 1)}) * {u(TR)} + t2];" if guard
+                 else f"{i2}let dsq{m} = Ds[({row}) * {u(TR)} + t2];")
+        for c in range(nc):
+            for i in range(RM):
+                L.append(f"{i2}dqa{m}_{c} = dqa{m}_{c} + {_comp(f'dsq{m}', i, RM)} * kq{i}_{c};")
+    L.append(f"{ind}}}")
+    for m in range(nm):
+        L.append(f"{ind}{{")
+        L.append(f"{i2}let RRq = R0 + tr + {u(m * TR)};")
+        cond = "RRq < R_hi" + (f" && tr + {u(m * TR)} < {u(g.loop)}" if (m + 1) * TR > g.loop
+                                 else "")
+        L += [i2 + x for x in g.packed("RRq", "w")]
+        L.append(f"{i2}let qrow = (((kb * {u(g.B)} + b) * {u(g.Hq)} + wh) * {u(g.Sq)} + wi) * "
+                 f"{u(g.D)};")
+        for c in range(nc):
+            cu = f"tc + {u(c * TC)}"
+            full = f"{cond} && {cu} < {u(g.du)}" if (c + 1) * TC > g.du else cond
+            L.append(f"{i2}if ({full}) {{")
+            for comp in range(w):
+                e = f"dqa{m}_{c}[{comp}]" if w == 4 else f"dqa{m}_{c}"
+                L.append(f"{i2}    {g.bind['dqp']}[qrow + ({cu}) * {u(w)} + {u(comp)}] = "
+                         f"{_store(e, g.dt)};")
+            L.append(f"{i2}}}")
+        L.append(f"{ind}}}")
 
 
 def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSpec:
@@ -909,6 +967,7 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
     src = module_source(head + g.bd.decls() + g.shared, {"mn_inf"}, g.wg, lines)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)
+    flops += 2 * B * Hq * Sq * Skv * D if k.dq_block else 0  # the dQ partials' product
     cfg, tiles = (g.fast, (16 * g.fast[0], g.fast[1])) if fast else \
         ((g.TR, g.TC, g.RM, g.RN), (g.own, g.loop))
     meta = {"tiles": tiles, "config": cfg, "precision": "fast" if fast else "strict",
@@ -931,7 +990,8 @@ def _make(kind):
                                 attrs["scale"], attrs["window"], attrs["q_offset"],
                                 name=f"attention_{kind}",
                                 split_heads=bool(attrs.get("split_heads", False)),
-                                splits=int(attrs.get("splits", 1)))
+                                splits=int(attrs.get("splits", 1)),
+                                dq_block=int(attrs.get("dq_block", 0)))
 
     return make
 

@@ -65,6 +65,14 @@ SPLIT_MIN_LEN_FULL = 1024
 SPLIT_MAX = 64
 DECODE_ROWS = 64
 
+# dQ without its own kernel (``dq_fused_block``): the dK/dV kernel, working on blocks of
+# DQ_BLOCK keys, also writes dQ's partial sum per block (a reduce kernel adds them in order)
+DQ_BLOCK = 32
+FUSED_DQ_MIN_LEN = 512
+FUSED_DQ_MAX_BYTES = 128 << 20  # WebGPU's default storage-binding limit
+# the separate dQ kernel splits its keys like the forward (split_count; partials summed)
+DQ_SPLIT = True
+
 
 def split_count(items: int, length: int, min_len: int = SPLIT_MIN_LEN) -> int:
     """Chunks to split a loop of ``length`` into, given ``items`` parallel work items."""
@@ -242,8 +250,41 @@ def _grad_ref(xs, a):
     return list(_grad_parts(xs, a))
 
 
+def _key_range(xs, a, lo: int, hi: int):
+    """Operands and attrs with the keys outside [lo, hi) hidden by an added -inf mask (the
+    given lse is kept: the probabilities of the visible keys do not change)."""
+    q, k = xs[:2]
+    B, Hq, Sq, Skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    hide = np.full(Skv, -np.inf, q.dtype)
+    hide[lo:hi] = 0.0
+    base = xs[3] if a["has_mask"] else np.zeros((), q.dtype)
+    m = np.broadcast_to(base + hide, (B, Hq, Sq, Skv)).astype(q.dtype)
+    return list(xs[:3]) + [m] + list(xs[3 + int(a["has_mask"]):]), {**a, "has_mask": True}
+
+
+def _dq_chunks(xs, a, ch: int):
+    """dQ's partial sums over consecutive key chunks of ``ch`` keys, stacked as (n·B, ·)."""
+    Skv = xs[1].shape[2]
+    return np.concatenate([_grad_parts(*_key_range(xs, a, lo, lo + ch))[0]
+                           for lo in range(0, Skv, ch)])
+
+
+def _dq_ref(xs, a):
+    """dQ; with ``splits`` the partial sums of each chunk of the keys, stacked."""
+    n = a.get("splits", 1)
+    if n == 1:
+        return [_grad_parts(xs, a)[0]]
+    return [_dq_chunks(xs, a, -(-xs[1].shape[2] // n))]
+
+
 def _dkdv_ref(xs, a):
-    """dK, dV; with ``splits`` the partial sums of each chunk of query positions, stacked."""
+    """dK, dV; with ``splits`` the partial sums of each chunk of query positions, stacked;
+    with ``dq_block`` also dQ's partial sums per block of that many keys."""
+    dqp = [_dq_chunks(xs, a, a["dq_block"])] if a.get("dq_block") else []
+    return _dkdv_only_ref(xs, a) + dqp
+
+
+def _dkdv_only_ref(xs, a):
     n = a.get("splits", 1)
     if n == 1:
         return list(_grad_parts(xs, a)[1:])
@@ -298,7 +339,8 @@ def _grad_infer(types, a):
 
 
 def _dq_infer(types, a):
-    return [_grad_operands(types, a)[0]]
+    q = _grad_operands(types, a)[0]
+    return [TensorType((a.get("splits", 1) * q.shape[0],) + q.shape[1:], q.dtype)]
 
 
 def _dkdv_infer(types, a):
@@ -306,8 +348,15 @@ def _dkdv_infer(types, a):
     B, Hq = q.shape[:2]
     n = a.get("splits", 1)
     H = Hq if a.get("split_heads") else k.shape[1]
-    return [TensorType((n * B, H) + k.shape[2:], k.dtype),
-            TensorType((n * B, H) + v.shape[2:], v.dtype)]
+    res = [TensorType((n * B, H) + k.shape[2:], k.dtype),
+           TensorType((n * B, H) + v.shape[2:], v.dtype)]
+    if a.get("dq_block"):
+        if a["causal"] or a["window"]:
+            raise ShapeError("attention_grad_dkdv: dq_block needs a non-causal, windowless "
+                             "attention (every query row sees every key block)")
+        nkb = -(-k.shape[2] // a["dq_block"])
+        res.append(TensorType((nkb * B,) + q.shape[1:], q.dtype))
+    return res
 
 
 # ------------------------------------------------------------------ VJPs
@@ -354,19 +403,44 @@ def _mask_grad(q, k, v, mask, gout, lse, delta, a):
 # ------------------------------------------------------------------ lowering of the backward
 
 
+def dq_fused_block(B: int, Hq: int, Sq: int, Skv: int, D: int, causal: bool,
+                   window: int) -> int:
+    """Key block of the dK/dV kernel that also writes dQ's partial sums (0: a separate dQ
+    kernel).  Only without causal/window rules (every row sees every block), for long key
+    loops, and while the partials (one dQ per block) stay within FUSED_DQ_MAX_BYTES."""
+    if causal or window or Skv < FUSED_DQ_MIN_LEN:
+        return 0
+    return DQ_BLOCK if -(-Skv // DQ_BLOCK) * B * Hq * Sq * D * 4 <= FUSED_DQ_MAX_BYTES else 0
+
+
+def _dq(graph, ins, a, B, Hq, Hkv, Sq, Skv, D):
+    """The separate dQ kernel, split over key chunks (partials summed) like the forward."""
+    rows = Hq // Hkv * Sq
+    n = split_count(B * Hkv * -(-rows // 32), Skv, SPLIT_MIN_LEN_FULL) if DQ_SPLIT else 1
+    if n == 1:
+        return graph.apply("attention_grad_dq", *ins, **a)
+    dqp = graph.apply("attention_grad_dq", *ins, **a, splits=n)
+    return R.sum(S.reshape(dqp, (n, B, Hq, Sq, D)), (0,))
+
+
 def _expand_grad(graph, node):
     a = node.attrs
     ins = node.inputs
-    dq = graph.apply("attention_grad_dq", *ins, **a)
     q, k, v = ins[:3]
     B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
+    blk = dq_fused_block(B, Hq, Sq, Skv, D, a["causal"], a["window"])
     heads = G > 1 and B * Hkv * -(-Skv // 16) < SPLIT_HEADS_BELOW
     # too few (batch, kv head, key block) work items to fill a GPU: one work item per query
     # head (heads) and/or per chunk of query positions (n), then (deterministic) sums
     NH = Hq if heads else Hkv
     n = split_count(B * NH * -(-Skv // 32), Sq, SPLIT_MIN_LEN_FULL)
     extra = ({"split_heads": True} if heads else {}) | ({"splits": n} if n > 1 else {})
-    dkh, dvh = graph.apply("attention_grad_dkdv", *ins, **a, **extra)
+    if blk:
+        dkh, dvh, dqp = graph.apply("attention_grad_dkdv", *ins, **a, **extra, dq_block=blk)
+        dq = R.sum(S.reshape(dqp, (-(-Skv // blk), B, Hq, Sq, D)), (0,))
+    else:
+        dq = _dq(graph, ins, a, B, Hq, Hkv, Sq, Skv, D)
+        dkh, dvh = graph.apply("attention_grad_dkdv", *ins, **a, **extra)
     if not heads and n == 1:
         return [dq, dkh, dvh]
     lead = ((n,) if n > 1 else ()) + (B, Hkv) + ((G,) if heads else ())
@@ -398,8 +472,7 @@ defop("attention", _attention_infer, _attention_ref, _attention_vjp, Composite(_
 defop("attention_fwd", _attention_infer, _split_fwd_ref, None, Kernel("attention_fwd"))
 defop("attention_combine", _combine_infer, _combine_ref, None, Kernel("attention_combine"))
 defop("attention_grad", _grad_infer, _grad_ref, None, Composite(_expand_grad))
-defop("attention_grad_dq", _dq_infer, lambda xs, a: [_grad_parts(xs, a)[0]], None,
-      Kernel("attention_grad_dq"))
+defop("attention_grad_dq", _dq_infer, _dq_ref, None, Kernel("attention_grad_dq"))
 defop("attention_grad_dkdv", _dkdv_infer, _dkdv_ref, None, Kernel("attention_grad_dkdv"))
 
 
