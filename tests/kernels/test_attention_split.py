@@ -78,3 +78,36 @@ def test_split_combine_writes_bshd(gpu, monkeypatch):
     combine = [d.spec for d in sess.executable.infer.dispatches
                if d.spec.meta.get("archetype") == "attention_combine"]
     assert len(combine) == 1 and "orow = (r /" in combine[0].wgsl
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_forced_fused_dq_and_split_dq(gpu, monkeypatch, gqa):
+    """Thresholds lowered: a non-causal problem with a mask gets its dQ from the dK/dV kernel's
+    per-key-block partials (no dQ kernel), a causal one splits its dQ kernel over key chunks;
+    both match the reference."""
+    import numpy as np
+
+    monkeypatch.setattr(OPS, "FUSED_DQ_MIN_LEN", 16)
+    monkeypatch.setattr(OPS, "SPLIT_MIN_LEN_FULL", 16)
+    monkeypatch.setattr(OPS, "SPLIT_MIN_CHUNK", 8)
+    dims = (1, 4, 2 if gqa else 4, 23, 45, 8, 8)
+    mask = np.random.default_rng(1).normal(size=(1, 1, 23, 45)).astype(np.float32)
+    sess = _run_case(gpu, dims, {}, mask=mask)
+    kinds = _archetypes(sess)
+    assert "attention_dkdv" in kinds and "attention_dq" not in kinds
+    sess = _run_case(gpu, dims, {"causal": True, "q_offset": 4})
+    dq = [d.spec for d in sess.executable.infer.dispatches
+          if d.spec.meta.get("archetype") == "attention_dq"]
+    assert len(dq) == 1 and "let sc = " in dq[0].wgsl  # split over key chunks
+
+
+def test_fused_dq_choice():
+    """Whisper's encoder takes the fused dQ; causal models, short loops and partials above
+    the byte budget do not."""
+    from meganeura.ops.attention import DQ_BLOCK, dq_fused_block
+
+    assert dq_fused_block(1, 6, 1500, 1500, 64, False, 0) == DQ_BLOCK
+    assert dq_fused_block(1, 9, 128, 128, 64, True, 0) == 0
+    assert dq_fused_block(1, 6, 1500, 1500, 64, False, 8) == 0
+    assert dq_fused_block(1, 6, 100, 100, 64, False, 0) == 0
+    assert dq_fused_block(8, 16, 4096, 4096, 64, False, 0) == 0
