@@ -139,6 +139,9 @@ def run_config(dev, desc, x, ref, poison=True):
     kv = (q[:2] + k[2:], q[:2] + v[2:]) if desc.split_heads else (k, v)
     shapes = {"fwd": [q[:3] + v[3:], q[:3]], "dq": [q], "dkdv": list(kv)}[kind]
     shapes = [(n * s[0],) + s[1:] for s in shapes]
+    nkb = -(-k[2] // desc.dq_block) if desc.dq_block else 0
+    if nkb:  # the fused dQ's partials, one per key block
+        shapes.append((nkb * q[0],) + q[1:])
     bufs = [dev.upload(x[m]) for m in names]
     outs = [dev.upload(np.full(s, np.nan, np.float32)) for s in shapes]  # poisoned
     dev.dispatch(spec, bufs + outs)
@@ -153,9 +156,11 @@ def run_config(dev, desc, x, ref, poison=True):
         got = [dev.read_array(b, s, f32) for b, s in zip(fin, (q[:3] + v[3:], q[:3]),
                                                         strict=True)]
         us += time_dispatch(dev, comb, outs + fin)
-    elif n > 1:
-        got = [g.reshape((n, -1) + g.shape[1:]).sum(0) for g in got]
-    err = max(rel_err(g, ref[m]) for g, m in zip(got, OUTS[kind], strict=True))
+    elif n > 1 or nkb:
+        got = [g.reshape((nkb if i == 2 else n, -1) + g.shape[1:]).sum(0)
+               for i, g in enumerate(got)]
+    names = OUTS[kind] + (("dq",) if nkb else ())
+    err = max(rel_err(g, ref[m]) for g, m in zip(got, names, strict=True))
     return spec, err, us
 
 
@@ -292,6 +297,67 @@ def decode_rows(dev, smoke=False):
     return rows
 
 
+# --sweep: Whisper's shape, (kind, tile configuration, splits, dq_block) combinations in one
+# run, the old configurations among them (before/after from the same process); one JSON line
+# per timing appended to the --json path as it is measured (a cut-short run keeps its rows)
+SWEEP_CFGS = ((8, 16, 4, 2), (16, 8, 2, 4), (16, 16, 2, 2), (8, 8, 4, 4), (16, 8, 4, 4),
+              (8, 8, 4, 2), (16, 16, 1, 2), (8, 8, 2, 4))
+SWEEP = (
+    [("fwd", c, n, 0) for n in (4, 1, 3, 6) for c in SWEEP_CFGS]
+    + [("dq", c, n, 0) for n in (1, 2, 3, 4, 6) for c in SWEEP_CFGS]
+    + [("dkdv", c, n, 0) for n in (4, 1) for c in SWEEP_CFGS[:4]]
+    + [("dkdv", c, n, b) for b in (32, 64, 16) for n in (1, 2, 3, 4) for c in A.CONFIGS
+       if c[0] * c[2] == b]
+)
+
+
+def reduce_us(dev, n, shape):
+    """GPU µs of the graph's sum of ``n`` stacked partials of ``shape`` (the reduce kernel
+    the op adds after split dQ, split dK/dV and the fused dQ's partials)."""
+    import meganeura as mn
+    from meganeura.ops import reduce as R
+
+    g = mn.Graph()
+    x = g.input("x", (n,) + shape)
+    sess = mn.compile(g, outputs={"y": R.sum(x, (0,))}, device=dev, optimizer=None)
+    specs = [d.spec for d in sess.executable.infer.dispatches]
+    if len(specs) != 1 or specs[0].n_bindings != 2:
+        return float("nan")
+    bufs = [dev.upload(np.zeros((n,) + shape, np.float32)),
+            dev.upload(np.zeros(shape, np.float32))]
+    return time_dispatch(dev, specs[0], bufs)
+
+
+def sweep(dev, path, smoke=False):
+    """Time every ``SWEEP`` entry that fits at Whisper's shape (errors checked as usual)."""
+    shape = SHAPES["whisper"]
+    x, a, ref = problem(shape)
+    t = make_target(dev.limits, dev.features)
+    D, S = shape[4], shape[3]
+    todo = SWEEP[::7] if smoke else SWEEP
+    for kind, cfg, n, blk in todo:
+        desc = dataclasses.replace(describe(kind, x, a), config=cfg, splits=n, dq_block=blk)
+        if not A.config_fits(kind, cfg, D, D, t):
+            continue
+        spec, err, us = run_config(dev, desc, x, ref)
+        row = {"kind": kind, "config": list(cfg), "splits": n, "dq_block": blk, "us": us,
+               "err": err, "workgroups": list(spec.workgroups)}
+        _emit(path, row)
+        print(f"{kind:5} {str(cfg):15} splits={n} dq_block={blk:3} {us:9.1f} µs err {err:.1e}",
+              flush=True)
+    part = (shape[0], shape[1], S, D)
+    for n in (2, 3, 4, -(-S // 64), -(-S // 32), -(-S // 16)):
+        us = reduce_us(dev, n, part)
+        _emit(path, {"kind": "reduce", "splits": n, "us": us})
+        print(f"reduce of {n:3} partials {part}: {us:8.1f} µs", flush=True)
+
+
+def _emit(path, row) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def main(argv) -> None:
     backend = next((a for a in argv if not a.startswith("-")), "dawn")
     quick = "--quick" in argv
@@ -302,6 +368,11 @@ def main(argv) -> None:
     dev = get_device(backend)
     t = make_target(dev.limits, dev.features)
     print(f"device: {dev.adapter_name} ({dev.implementation})", flush=True)
+    if "--sweep" in argv:
+        if "--smoke" not in argv:
+            REPEATS.update(warm_s=0.15)
+        path = argv[argv.index("--json") + 1] if "--json" in argv else None
+        return sweep(dev, path, "--smoke" in argv)
     rows = decode_rows(dev, "--smoke" in argv)  # first: cheap, and a cut-short run keeps it
     for sname, shape in SHAPES.items():
         x, a, ref = problem(shape)
