@@ -181,8 +181,31 @@ def _comp(v: str, i: int, n: int) -> str:
     return v if n == 1 else f"{v}[{i}]"
 
 
-def _dot(w: int, a: str, b: str) -> str:
-    return f"dot({a}, {b})" if w == 4 else f"({a} * {b})"
+# Explicit fma: score dot products as one fma chain into the accumulator (4 fma per vec4 unit)
+# instead of acc + dot(a, b) (a multiply, 3 fma and an add: the add is not contracted, since
+# that would reassociate), and fma(p, o, acc) in the outer products instead of acc + p * o
+# (contracted or not at the driver's choice); False restores the old forms (kept for
+# before/after timings in one process)
+FMA = True
+
+
+def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
+    """``acc`` plus the dot product of units ``a`` and ``b`` (width ``w``)."""
+    if w == 1:
+        return f"fma({a}, {b}, {acc})" if FMA else f"{acc} + ({a} * {b})"
+    if not FMA:
+        return f"{acc} + dot({a}, {b})"
+    e = acc
+    for c in "xyzw":
+        e = f"fma({a}.{c}, {b}.{c}, {e})"
+    return e
+
+
+def _acc_axpy(w: int, acc: str, p: str, o: str) -> str:
+    """``acc + p · o`` (``p`` a scalar, ``o`` and ``acc`` of width ``w``)."""
+    if not FMA:
+        return f"{acc} + {p} * {o}"
+    return f"fma({_vt(w)}({p}), {o}, {acc})" if w > 1 else f"fma({p}, {o}, {acc})"
 
 
 # ------------------------------------------------------------------------------ configurations
@@ -331,6 +354,7 @@ class _Gen:
         self.own, self.loop = self.TR * self.RM, self.TC * self.RN
         self.dp, self.vp = _pad(self.du, self.TC), _pad(self.vu, self.TC)
         self.shared: list[str] = []
+        self.widths: dict[str, int] = {}
         self.words = 0
         self.ns = int(k.splits)
         if self.ns < 1 or (self.ns > 1 and k.out_bshd):
@@ -377,6 +401,7 @@ class _Gen:
     def array(self, name: str, w: int, n_units: int) -> None:
         """Declare workgroup array ``name`` of ``n_units`` units of width ``w``."""
         self.shared.append(f"var<workgroup> {name}: array<{_vt(w)}, {max(1, n_units)}>;")
+        self.widths[name] = w
         self.words += max(1, n_units) * w
 
     def stage(self, L, ind, arr, nrows, which, w, pad, pre, valid, coords, scale=None):
@@ -457,7 +482,7 @@ class _Gen:
             L.append(f"{i2}let b{j} = {loop_arr}[(tc + {u(j * TC)}) * {u(pad)} + d];")
         for i in range(RM):
             for j in range(RN):
-                L.append(f"{i2}{acc}{i}_{j} = {acc}{i}_{j} + {_dot(w, f'a{i}', f'b{j}')};")
+                L.append(f"{i2}{acc}{i}_{j} = {_acc_dot(w, f'{acc}{i}_{j}', f'a{i}', f'b{j}')};")
         L.append(f"{ind}}}")
 
     def acc_decl(self, L, ind, acc, w, units) -> int:
@@ -478,8 +503,9 @@ class _Gen:
             for c in range(nc):
                 L.append(f"{i2}let o_{acc}{c} = {arr}[kk * {u(pad)} + tc + {u(c * TC)}];")
                 for i in range(RM):
-                    L.append(f"{i2}{acc}{i}_{c} = {acc}{i}_{c} + {_comp('p_' + acc, i, RM)} * "
-                             f"o_{acc}{c};")
+                    L.append(f"{i2}{acc}{i}_{c} = " + _acc_axpy(
+                        self.widths[arr], f"{acc}{i}_{c}", _comp('p_' + acc, i, RM), f"o_{acc}{c}")
+                        + ";")
         L.append(f"{ind}}}")
 
     def put_tile(self, L, ind, arr, val) -> None:
@@ -919,7 +945,8 @@ def _dq_partial(g: _Gen, L, ind) -> None:
                  else f"{i2}let dsq{m} = Ds[({row}) * {u(TR)} + t2];")
         for c in range(nc):
             for i in range(RM):
-                L.append(f"{i2}dqa{m}_{c} = dqa{m}_{c} + {_comp(f'dsq{m}', i, RM)} * kq{i}_{c};")
+                L.append(f"{i2}dqa{m}_{c} = "
+                         f"{_acc_axpy(w, f'dqa{m}_{c}', _comp(f'dsq{m}', i, RM), f'kq{i}_{c}')};")
     L.append(f"{ind}}}")
     for m in range(nm):
         L.append(f"{ind}{{")
