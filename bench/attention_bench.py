@@ -303,7 +303,10 @@ def decode_rows(dev, smoke=False):
 SWEEP_CFGS = ((8, 16, 4, 2), (16, 8, 2, 4), (16, 16, 2, 2), (8, 8, 4, 4), (16, 8, 4, 4),
               (8, 8, 4, 2), (16, 16, 1, 2), (8, 8, 2, 4))
 SWEEP = (
-    [("fwd", c, n, 0) for n in (4, 1, 3, 6) for c in SWEEP_CFGS]
+    # before (last session's choice, the old arithmetic: no explicit fma), then FMA on
+    [("fwd", (8, 16, 4, 2), 4, 0, False), ("dq", (8, 16, 4, 2), 1, 0, False),
+     ("dkdv", (8, 16, 4, 2), 4, 0, False)]
+    + [("fwd", c, n, 0) for n in (4, 1, 3, 6) for c in SWEEP_CFGS]
     + [("dq", c, n, 0) for n in (1, 2, 3, 4, 6) for c in SWEEP_CFGS]
     + [("dkdv", c, n, 0) for n in (4, 1) for c in SWEEP_CFGS[:4]]
     + [("dkdv", c, n, b) for b in (32, 64, 16) for n in (1, 2, 3, 4) for c in A.CONFIGS
@@ -334,17 +337,22 @@ def sweep(dev, path, smoke=False):
     x, a, ref = problem(shape)
     t = make_target(dev.limits, dev.features)
     D, S = shape[4], shape[3]
-    todo = SWEEP[::7] if smoke else SWEEP
-    for kind, cfg, n, blk in todo:
+    todo = SWEEP[:3] + SWEEP[3::7] if smoke else SWEEP
+    for kind, cfg, n, blk, *fma in todo:
         desc = dataclasses.replace(describe(kind, x, a), config=cfg, splits=n, dq_block=blk)
         if not A.config_fits(kind, cfg, D, D, t):
             continue
-        spec, err, us = run_config(dev, desc, x, ref)
+        A.FMA = fma[0] if fma else True
+        try:
+            spec, err, us = run_config(dev, desc, x, ref)
+        finally:
+            A.FMA = True
         row = {"kind": kind, "config": list(cfg), "splits": n, "dq_block": blk, "us": us,
-               "err": err, "workgroups": list(spec.workgroups)}
+               "err": err, "fma": A.FMA if not fma else fma[0],
+               "workgroups": list(spec.workgroups)}
         _emit(path, row)
-        print(f"{kind:5} {str(cfg):15} splits={n} dq_block={blk:3} {us:9.1f} µs err {err:.1e}",
-              flush=True)
+        print(f"{kind:5} {str(cfg):15} splits={n} dq_block={blk:3} fma={row['fma']:d} "
+              f"{us:9.1f} µs err {err:.1e}", flush=True)
     part = (shape[0], shape[1], S, D)
     for n in (2, 3, 4, -(-S // 64), -(-S // 32), -(-S // 16)):
         us = reduce_us(dev, n, part)
