@@ -226,17 +226,33 @@ def test_split_dkdv(run, rng, split_heads):
     _check(fold(dv.astype(np.float64)), ref["dv"], "summed dv")
 
 
+def _run_poisoned(dev, desc, inputs, shapes):
+    """Like ``run`` but the f32 outputs start as NaN (fresh buffers are zeros, which would
+    hide an element the kernel never writes)."""
+    spec = kernels.emit(desc, dev.limits, dev.features)
+    outs = [dev.upload(np.full(s, np.nan, np.float32)) for s in shapes]
+    dev.dispatch(spec, [dev.upload(a) for a in inputs] + outs)
+    return [dev.read_array(b, s, f32) for b, s in zip(outs, shapes, strict=True)]
+
+
+RULES = {"mask": {}, "causal": {"causal": True, "q_offset": 3},
+         "window": {"window": 9, "q_offset": 20}}
+
+
+@pytest.mark.parametrize("rules", sorted(RULES))
 @pytest.mark.parametrize("split_heads", [False, True])
-def test_dkdv_with_dq_partials(run, dev, rng, split_heads):
-    """dK/dV that also writes dQ's partial sums per key block (mask with -inf entries, GQA,
-    query chunks, key blocks cut by the length, every fitting configuration of that block):
-    the partials match the op's reference and their sum is dQ."""
+def test_dkdv_with_dq_partials(run, dev, rng, split_heads, rules):
+    """dK/dV that also writes dQ's partial sums per key block (GQA, query chunks, key blocks
+    cut by the length; a mask with -inf entries, or causal/window rules that hide whole blocks
+    from some rows: zeros there): the partials match the op's reference and their sum is dQ.
+    Every fitting configuration of the block for the masked non-split-heads case."""
     from meganeura.ops.attention import _dkdv_ref
 
     n, dims = 2, (1, 4, 2, 19, 37, 8, 8)
-    x, a, ref = _problem(rng, dims, {}, mask_shape=(1, 4, 19, 37))
+    x, a, ref = _problem(rng, dims, RULES[rules],
+                         mask_shape=(1, 4, 19, 37) if rules == "mask" else None)
     t = make_target(dev.limits, dev.features)
-    names = ("q", "k", "v", "mask", "dout", "lse", "delta")
+    names = ("q", "k", "v") + (("mask",) if rules == "mask" else ()) + ("dout", "lse", "delta")
     H = 4 if split_heads else 2
     for blk in (16, 32):
         a2 = {**a, "splits": n, "split_heads": split_heads, "dq_block": blk}
@@ -245,27 +261,28 @@ def test_dkdv_with_dq_partials(run, dev, rng, split_heads):
         base = dataclasses.replace(_desc("dkdv", x, a), splits=n, split_heads=split_heads,
                                    dq_block=blk)
         cfgs = [c for c in A.CONFIGS if c[0] * c[2] == blk and A.config_fits("dkdv", c, 8, 8, t)]
-        for cfg in [()] + cfgs[:1 if split_heads else None]:
-            dk, dv, dqp = run(dataclasses.replace(base, config=cfg), [x[k] for k in names],
-                              [((n, H, 37, 8), f32), ((n, H, 37, 8), f32),
-                               ((nkb, 4, 19, 8), f32)])
+        every = rules == "mask" and not split_heads
+        for cfg in [()] + cfgs[:None if every else 1]:
+            dk, dv, dqp = _run_poisoned(dev, dataclasses.replace(base, config=cfg),
+                                        [x[k] for k in names],
+                                        [(n, H, 37, 8), (n, H, 37, 8), (nkb, 4, 19, 8)])
             _check(dqp, want[2], f"dq partials block {blk} {cfg}")
             _check(dqp.astype(np.float64).sum(0, keepdims=True), ref["dq"], f"dq {blk} {cfg}")
             _check(dk, want[0], f"partial dk {blk} {cfg}")
             _check(dv, want[1], f"partial dv {blk} {cfg}")
 
 
-def test_dq_partials_need_full_rows(dev):
-    """Causal rules leave rows that never see a key block: the fused dQ refuses them."""
+def test_dq_partials_block_must_match(dev):
+    """The fused dQ's partials are laid out per key block: a configuration with another block
+    is refused, and so is dq_block on a kernel other than dK/dV."""
     q = C(f32, (1, 2, 8, 8))
     row = C(f32, (1, 2, 8))
     desc = A.AttentionGradDkdvKernel("dkdv", q, q, q, None, q, row, row, True, 0.3, 0, 0,
-                                     dq_block=16)
-    with pytest.raises(kernels.CodegenError, match="dq_block"):
-        kernels.emit(desc, dev.limits, dev.features)
+                                     dq_block=16, config=(8, 8, 4, 2))
     with pytest.raises(kernels.CodegenError, match="key block"):
-        kernels.emit(dataclasses.replace(desc, causal=False, config=(8, 8, 4, 2)), dev.limits,
-                     dev.features)
+        kernels.emit(desc, dev.limits, dev.features)
+    with pytest.raises(kernels.CodegenError, match="dq_block"):
+        kernels.emit(dataclasses.replace(desc, kind="dq", config=()), dev.limits, dev.features)
 
 
 def test_split_dq(run, rng):

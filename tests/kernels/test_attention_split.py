@@ -82,12 +82,13 @@ def test_split_combine_writes_bshd(gpu, monkeypatch):
 
 @pytest.mark.parametrize("gqa", [False, True])
 def test_forced_fused_dq_and_split_dq(gpu, monkeypatch, gqa):
-    """Thresholds lowered: a non-causal problem with a mask gets its dQ from the dK/dV kernel's
-    per-key-block partials (no dQ kernel), a causal one splits its dQ kernel over key chunks;
-    both match the reference."""
+    """Thresholds lowered: a problem with a mask, and one with a sliding window, get their dQ
+    from the dK/dV kernel's per-key-block partials (no dQ kernel); a causal one without the
+    fused dQ splits its dQ kernel over key chunks; all match the reference."""
     import numpy as np
 
     monkeypatch.setattr(OPS, "FUSED_DQ_MIN_LEN", 16)
+    monkeypatch.setattr(OPS, "FUSED_DQ_CAUSAL", True)
     monkeypatch.setattr(OPS, "SPLIT_MIN_LEN_FULL", 16)
     monkeypatch.setattr(OPS, "SPLIT_MIN_CHUNK", 8)
     dims = (1, 4, 2 if gqa else 4, 23, 45, 8, 8)
@@ -95,6 +96,9 @@ def test_forced_fused_dq_and_split_dq(gpu, monkeypatch, gqa):
     sess = _run_case(gpu, dims, {}, mask=mask)
     kinds = _archetypes(sess)
     assert "attention_dkdv" in kinds and "attention_dq" not in kinds
+    sess = _run_case(gpu, dims, {"window": 30, "q_offset": 4})
+    assert "attention_dq" not in _archetypes(sess)
+    monkeypatch.setattr(OPS, "FUSED_DQ_CAUSAL", False)
     sess = _run_case(gpu, dims, {"causal": True, "q_offset": 4})
     dq = [d.spec for d in sess.executable.infer.dispatches
           if d.spec.meta.get("archetype") == "attention_dq"]
@@ -108,6 +112,8 @@ def test_fused_dq_choice():
 
     assert dq_fused_block(1, 6, 1500, 1500, 64, False, 0) == DQ_BLOCK
     assert dq_fused_block(1, 9, 128, 128, 64, True, 0) == 0
-    assert dq_fused_block(1, 6, 1500, 1500, 64, False, 8) == 0
+    assert dq_fused_block(1, 6, 1500, 1500, 64, False, 8) == (DQ_BLOCK if OPS.FUSED_DQ_CAUSAL
+                                                               else 0)
     assert dq_fused_block(1, 6, 100, 100, 64, False, 0) == 0
     assert dq_fused_block(8, 16, 4096, 4096, 64, False, 0) == 0
+    assert dq_fused_block(1, 8, 1024, 1024, 128, False, 0) == 0

@@ -137,9 +137,10 @@ class AttentionKernel:
     # "fast": QKᵀ and PV on f16 subgroup matrices (f32 accumulation and softmax) where the
     # device has them (``attention_fast``); elsewhere exactly the strict kernel
     precision: str = "strict"
-    # dkdv only (non-causal, no window): also write dQ's partial sums per block of ``dq_block``
-    # keys ((n_blocks·B, Hq, Sq, D), summed by the caller) from the dS tile the kernel already
-    # has, so no separate dQ kernel recomputes S and dP; the own block must be ``dq_block``
+    # dkdv only: also write dQ's partial sums per block of ``dq_block`` keys ((n_blocks·B, Hq,
+    # Sq, D), summed by the caller; zeros for rows the causal/window rules hide the block from)
+    # from the dS tile the kernel already has, so no separate dQ kernel recomputes S and dP;
+    # the own block must be ``dq_block``
     dq_block: int = 0
 
 
@@ -340,9 +341,8 @@ class _Gen:
             self.dlst = bcast_strides(k.delta, (self.B, self.Hq, self.Sq), "delta")
         outs = {"fwd": ["out", "lse_out"], "dq": ["dq"], "dkdv": ["dk", "dv"]}[k.kind]
         if k.dq_block:
-            if k.kind != "dkdv" or k.causal or k.window:
-                raise CodegenError(f"kernel {k.name!r}: dq_block is for non-causal dK/dV "
-                                   "kernels without a window (every row sees every key block)")
+            if k.kind != "dkdv":
+                raise CodegenError(f"kernel {k.name!r}: dq_block is for dK/dV kernels")
             outs = outs + ["dqp"]
         self.dts = dts + [self.dt] * len(outs)
         self.bd = Bindings(self.dts, alias)
@@ -805,10 +805,14 @@ def _keys_head(g: _Gen, L, ind, grid, total) -> None:
     if k.window:
         L.append(f"{ind}i_hi = clamp(i32(j1) - 1i + {_i(k.window)} - {_i(k.q_offset)}, 0i, "
                  f"{_i(g.Sq)});")
+    L.append(f"{ind}var c_lo: i32 = 0i;")
+    L.append(f"{ind}var c_hi: i32 = {_i(g.Sq)};")
     if g.ns > 1:  # this workgroup's chunk of the query positions
         ch = -(-g.Sq // g.ns)
-        L.append(f"{ind}i_lo = max(i_lo, i32(sc) * {_i(ch)});")
-        L.append(f"{ind}i_hi = min(i_hi, i32(sc) * {_i(ch)} + {_i(ch)});")
+        L.append(f"{ind}c_lo = i32(sc) * {_i(ch)};")
+        L.append(f"{ind}c_hi = min(c_lo + {_i(ch)}, {_i(g.Sq)});")
+        L.append(f"{ind}i_lo = max(i_lo, c_lo);")
+        L.append(f"{ind}i_hi = min(i_hi, c_hi);")
     L.append(f"{ind}let R_lo = u32(i_lo) * {u(g.P)};")
     L.append(f"{ind}let R_hi = u32(max(i_hi, i_lo)) * {u(g.P)};")
     pre = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
@@ -918,6 +922,8 @@ def _dkdv_kernel(g: _Gen, t):
         _dq_partial(g, L, i2)
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
+    if k.dq_block and (k.causal or k.window):
+        _dq_partial_zeros(g, L, ind)
     obase = lambda i: f"(({g.bsplit()} * {u(g.NH)} + hw) * {u(g.Skv)} + jk{i})"  # noqa: E731
     ok = lambda i: f"kok{i}"  # noqa: E731
     g.store_rows(L, ind, "dk", "ak", nk, g.wd, g.du, g.D, obase, ok, lambda i: _f(k.scale))
@@ -966,6 +972,27 @@ def _dq_partial(g: _Gen, L, ind) -> None:
                          f"{_store(e, g.dt)};")
             L.append(f"{i2}}}")
         L.append(f"{ind}}}")
+
+
+def _dq_partial_zeros(g: _Gen, L, ind) -> None:
+    """Zeros into this key block's dQ partials of the rows of the workgroup's chunk that the
+    causal/window rules hide the block from (the loop never visits them; the caller sums every
+    block's partials)."""
+    i2 = ind + "    "
+    P, D = u(g.P), u(g.D)
+    L.append(f"{ind}let zc_lo = u32(c_lo) * {P};")
+    L.append(f"{ind}let zc_hi = u32(c_hi) * {P};")
+    L.append(f"{ind}let zv_lo = clamp(R_lo, zc_lo, zc_hi);")
+    L.append(f"{ind}let zv_hi = clamp(R_hi, zv_lo, zc_hi);")
+    L.append(f"{ind}let z_n = (zv_lo - zc_lo + zc_hi - zv_hi) * {D};")
+    L.append(f"{ind}for (var e: u32 = lid; e < z_n; e = e + {u(g.wg)}) {{")
+    L.append(f"{i2}let rr = e / {D};")
+    L.append(f"{i2}let RRz = select(zv_hi + rr - (zv_lo - zc_lo), zc_lo + rr, "
+             "rr < zv_lo - zc_lo);")
+    L += [i2 + x for x in g.packed("RRz", "z")]
+    L.append(f"{i2}{g.bind['dqp']}[(((kb * {u(g.B)} + b) * {u(g.Hq)} + zh) * {u(g.Sq)} + zi) * "
+             f"{D} + e % {D}] = {_store('0.0', g.dt)};")
+    L.append(f"{ind}}}")
 
 
 def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSpec:

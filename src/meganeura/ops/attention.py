@@ -70,6 +70,8 @@ DECODE_ROWS = 64
 DQ_BLOCK = 32
 FUSED_DQ_MIN_LEN = 512
 FUSED_DQ_MAX_BYTES = 128 << 20  # WebGPU's default storage-binding limit
+FUSED_DQ_CAUSAL = False
+FUSED_DQ_MAX_D = 64
 # the separate dQ kernel splits its keys like the forward (split_count; partials summed)
 DQ_SPLIT = True
 
@@ -351,9 +353,6 @@ def _dkdv_infer(types, a):
     res = [TensorType((n * B, H) + k.shape[2:], k.dtype),
            TensorType((n * B, H) + v.shape[2:], v.dtype)]
     if a.get("dq_block"):
-        if a["causal"] or a["window"]:
-            raise ShapeError("attention_grad_dkdv: dq_block needs a non-causal, windowless "
-                             "attention (every query row sees every key block)")
         nkb = -(-k.shape[2] // a["dq_block"])
         res.append(TensorType((nkb * B,) + q.shape[1:], q.dtype))
     return res
@@ -406,9 +405,12 @@ def _mask_grad(q, k, v, mask, gout, lse, delta, a):
 def dq_fused_block(B: int, Hq: int, Sq: int, Skv: int, D: int, causal: bool,
                    window: int) -> int:
     """Key block of the dK/dV kernel that also writes dQ's partial sums (0: a separate dQ
-    kernel).  Only without causal/window rules (every row sees every block), for long key
-    loops, and while the partials (one dQ per block) stay within FUSED_DQ_MAX_BYTES."""
-    if causal or window or Skv < FUSED_DQ_MIN_LEN:
+    kernel).  For long key loops, while the partials (one dQ per block) stay within
+    FUSED_DQ_MAX_BYTES and for head dims up to FUSED_DQ_MAX_D (a DQ_BLOCK-key block of
+    larger heads fits no 32 KiB workgroup storage); with causal/window rules only if FUSED_DQ_CAUSAL (the kernel then
+    writes zero partials for the rows a block is hidden from, where the dQ kernel skips)."""
+    if ((causal or window) and not FUSED_DQ_CAUSAL) or Skv < FUSED_DQ_MIN_LEN or \
+            D > FUSED_DQ_MAX_D:
         return 0
     return DQ_BLOCK if -(-Skv // DQ_BLOCK) * B * Hq * Sq * D * 4 <= FUSED_DQ_MAX_BYTES else 0
 
