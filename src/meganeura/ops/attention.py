@@ -407,8 +407,9 @@ def dq_fused_block(B: int, Hq: int, Sq: int, Skv: int, D: int, causal: bool,
     """Key block of the dK/dV kernel that also writes dQ's partial sums (0: a separate dQ
     kernel).  For long key loops, while the partials (one dQ per block) stay within
     FUSED_DQ_MAX_BYTES and for head dims up to FUSED_DQ_MAX_D (a DQ_BLOCK-key block of
-    larger heads fits no 32 KiB workgroup storage); with causal/window rules only if FUSED_DQ_CAUSAL (the kernel then
-    writes zero partials for the rows a block is hidden from, where the dQ kernel skips)."""
+    larger heads fits no 32 KiB workgroup storage); with causal/window rules only if
+    FUSED_DQ_CAUSAL (the kernel then writes zero partials for the rows a block is hidden from,
+    where the dQ kernel skips)."""
     if ((causal or window) and not FUSED_DQ_CAUSAL) or Skv < FUSED_DQ_MIN_LEN or \
             D > FUSED_DQ_MAX_D:
         return 0
