@@ -297,20 +297,34 @@ def decode_rows(dev, smoke=False):
     return rows
 
 
-# --sweep: Whisper's shape, (kind, tile configuration, splits, dq_block) combinations in one
+# --sweep: (shape, kind, tile configuration (() = heuristic), splits, dq_block, fma) in one
 # run, the old configurations among them (before/after from the same process); one JSON line
 # per timing appended to the --json path as it is measured (a cut-short run keeps its rows)
 SWEEP_CFGS = ((8, 16, 4, 2), (16, 8, 2, 4), (16, 16, 2, 2), (8, 8, 4, 4), (16, 8, 4, 4),
-              (8, 8, 4, 2), (16, 16, 1, 2), (8, 8, 2, 4))
+              (8, 8, 4, 2), (16, 16, 1, 2), (8, 8, 2, 4), (8, 4, 4, 8), (16, 4, 2, 8),
+              (16, 4, 4, 8), (32, 4, 2, 8))
+W, SM = "whisper", "smollm2"
+
+
+def _fused(blk, counts):
+    return [(W, "dkdv", c, n, blk, True) for n in counts for c in A.CONFIGS
+            if c[0] * c[2] == blk]
+
+
+# most telling first (a run cut short keeps them): before, the fused dQ, the reduces it needs
 SWEEP = (
-    # before (last session's choice, the old arithmetic: no explicit fma), then FMA on
-    [("fwd", (8, 16, 4, 2), 4, 0, False), ("dq", (8, 16, 4, 2), 1, 0, False),
-     ("dkdv", (8, 16, 4, 2), 4, 0, False)]
-    + [("fwd", c, n, 0) for n in (4, 1, 3, 6) for c in SWEEP_CFGS]
-    + [("dq", c, n, 0) for n in (1, 2, 3, 4, 6) for c in SWEEP_CFGS]
-    + [("dkdv", c, n, 0) for n in (4, 1) for c in SWEEP_CFGS[:4]]
-    + [("dkdv", c, n, b) for b in (32, 64, 16) for n in (1, 2, 3, 4) for c in A.CONFIGS
-       if c[0] * c[2] == b]
+    [(W, "fwd", (8, 16, 4, 2), 4, 0, False), (W, "dq", (8, 16, 4, 2), 1, 0, False),
+     (W, "dkdv", (8, 16, 4, 2), 4, 0, False)]
+    + _fused(32, (4, 2, 1))
+    + [(W, "reduce", (), n, 0, True) for n in (4, 47, 24)]
+    + [(W, "fwd", c, n, 0, True) for n in (4, 3, 6) for c in SWEEP_CFGS]
+    + _fused(64, (4, 2, 1)) + _fused(16, (4, 2))
+    + [(SM, k, (), 1, 0, f) for k in KINDS for f in (False, True)]
+    + [(SM, "dkdv", (), 1, b, True) for b in (16, 32)]
+    + [(SM, "reduce", (), n, 0, True) for n in (4, 8)]
+    + [(W, "dq", c, n, 0, True) for n in (1, 2, 4) for c in SWEEP_CFGS]
+    + [(W, "dkdv", c, n, 0, True) for n in (4, 1) for c in SWEEP_CFGS[:4]]
+    + [(W, "fwd", c, 1, 0, True) for c in SWEEP_CFGS]
 )
 
 
@@ -332,32 +346,34 @@ def reduce_us(dev, n, shape):
 
 
 def sweep(dev, path, smoke=False):
-    """Time every ``SWEEP`` entry that fits at Whisper's shape (errors checked as usual)."""
-    shape = SHAPES["whisper"]
-    x, a, ref = problem(shape)
+    """Time every ``SWEEP`` entry that fits (errors checked as usual)."""
     t = make_target(dev.limits, dev.features)
-    D, S = shape[4], shape[3]
-    todo = SWEEP[:3] + SWEEP[3::7] if smoke else SWEEP
-    for kind, cfg, n, blk, *fma in todo:
-        desc = dataclasses.replace(describe(kind, x, a), config=cfg, splits=n, dq_block=blk)
-        if not A.config_fits(kind, cfg, D, D, t):
+    probs = {}
+    for sname, kind, cfg, n, blk, fma in (SWEEP[:3] + SWEEP[3::9]) if smoke else SWEEP:
+        shape = SHAPES[sname]
+        if kind == "reduce":
+            B, Hq, _, S, D, _ = shape
+            us = reduce_us(dev, n, (B, Hq, S, D))
+            _emit(path, {"shape": sname, "kind": "reduce", "splits": n, "us": us})
+            print(f"{sname:8} reduce of {n:3} partials {(B, Hq, S, D)}: {us:8.1f} µs", flush=True)
             continue
-        A.FMA = fma[0] if fma else True
+        if sname not in probs:
+            probs[sname] = problem(shape)
+        x, a, ref = probs[sname]
+        desc = dataclasses.replace(describe(kind, x, a), config=cfg, splits=n, dq_block=blk)
+        if cfg and not A.config_fits(kind, cfg, shape[4], shape[4], t):
+            continue
+        A.FMA = fma
         try:
             spec, err, us = run_config(dev, desc, x, ref)
         finally:
             A.FMA = True
-        row = {"kind": kind, "config": list(cfg), "splits": n, "dq_block": blk, "us": us,
-               "err": err, "fma": A.FMA if not fma else fma[0],
+        row = {"shape": sname, "kind": kind, "config": list(spec.meta["config"]), "splits": n,
+               "dq_block": blk, "fma": fma, "us": us, "err": err,
                "workgroups": list(spec.workgroups)}
         _emit(path, row)
-        print(f"{kind:5} {str(cfg):15} splits={n} dq_block={blk:3} fma={row['fma']:d} "
-              f"{us:9.1f} µs err {err:.1e}", flush=True)
-    part = (shape[0], shape[1], S, D)
-    for n in (2, 3, 4, -(-S // 64), -(-S // 32), -(-S // 16)):
-        us = reduce_us(dev, n, part)
-        _emit(path, {"kind": "reduce", "splits": n, "us": us})
-        print(f"reduce of {n:3} partials {part}: {us:8.1f} µs", flush=True)
+        print(f"{sname:8} {kind:5} {str(row['config']):15} splits={n} dq_block={blk:3} "
+              f"fma={fma:d} {us:9.1f} µs err {err:.1e}", flush=True)
 
 
 def _emit(path, row) -> None:

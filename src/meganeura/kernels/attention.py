@@ -103,6 +103,11 @@ CONFIGS = (
     (4, 8, 1, 2),  # 4 × 16, 32 (decoding: a few rows)
     (1, 32, 1, 1),  # 1 × 32, 32
     (1, 8, 1, 1),  # 1 × 8, 8 (last resort for tiny workgroup storage)
+    # few invocations per row (TC = 4: a 4-entry row-max table), 8 loop indices each
+    (8, 4, 4, 8),  # 32 × 32, 32
+    (16, 4, 2, 8),  # 32 × 32, 64
+    (16, 4, 4, 8),  # 64 × 32, 64
+    (32, 4, 2, 8),  # 64 × 32, 128
 )
 
 
