@@ -33,7 +33,13 @@ from meganeura.kernels import attention_fast as AF
 from meganeura.kernels.attention_combine import AttentionCombineKernel
 from meganeura.kernels.common import make_target
 from meganeura.kernels.ir import Strided
-from meganeura.ops.attention import SPLIT_HEADS_BELOW, _attention_ref, _grad_parts, fwd_splits
+from meganeura.ops.attention import (
+    SPLIT_HEADS_BELOW,
+    _attention_ref,
+    _grad_parts,
+    fwd_splits,
+    grad_plan,
+)
 from meganeura.runtime.device import get_device
 
 # name: (B, Hq, Hkv, S, D, causal)
@@ -382,6 +388,43 @@ def _emit(path, row) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def op_path(dev, sname, shape):
+    """The kernels the compiled program runs for one attention at ``shape`` (the op's split
+    and fused-dQ choices, heuristic tiles): forward (+ combine), backward (dK/dV with the dQ
+    partials, or dQ + dK/dV, plus every partial sum's reduce), µs each and the total with the
+    issue's FLOP count (4·S²·D·H forward, 2.5× that backward; causal: half)."""
+    B, Hq, Hkv, S, D, causal = shape
+    x, a, ref = problem(shape)
+    plan = grad_plan(B, Hq, Hkv, S, S, D, causal, 0)
+    a["split_heads"] = plan["split_heads"]
+    parts = {}
+    desc = dataclasses.replace(describe("fwd", x, a), splits=fwd_splits(B, Hq, Hkv, S, S))
+    parts["fwd"] = run_config(dev, desc, x, ref)[1:]
+    n, blk, nq = plan["splits"], plan["dq_block"], plan["dq_splits"]
+    if not blk:
+        parts["dq"] = run_config(dev, dataclasses.replace(describe("dq", x, a), splits=nq), x,
+                                 ref)[1:]
+        if nq > 1:
+            parts["dq_sum"] = (0.0, reduce_us(dev, nq, (B, Hq, S, D)))
+    desc = dataclasses.replace(describe("dkdv", x, a), splits=n, dq_block=blk)
+    parts["dkdv" + ("+dq" if blk else "")] = run_config(dev, desc, x, ref)[1:]
+    if blk:
+        parts["dq_sum"] = (0.0, reduce_us(dev, -(-S // blk), (B, Hq, S, D)))
+    if n > 1 or plan["split_heads"]:
+        lead = n * (Hq // Hkv if plan["split_heads"] else 1)  # partials per dK (dV) element
+        parts["dkdv_sums"] = (0.0, 2 * reduce_us(dev, lead, (B, Hkv, S, D)))
+    fl = 4 * S * S * D * Hq * B * (0.5 if causal else 1.0)
+    fwd = parts["fwd"][1]
+    bwd = sum(us for k, (_, us) in parts.items() if k != "fwd")
+    for k, (err, us) in parts.items():
+        print(f"op path {sname:8} {k:9} {us:9.1f} µs  err {err:.1e}", flush=True)
+    tf = 3.5 * fl / (fwd + bwd) / 1e6
+    print(f"op path {sname:8} fwd {fwd:8.1f} µs ({fl / fwd / 1e6:5.2f} TFLOP/s)  bwd "
+          f"{bwd:8.1f} µs  total {fwd + bwd:8.1f} µs = {tf:5.2f} TFLOP/s", flush=True)
+    return [{"shape": sname, "kind": "op_path", "plan": plan, "parts": parts, "fwd_us": fwd,
+             "bwd_us": bwd, "total_us": fwd + bwd, "tflops": tf}]
+
+
 def main(argv) -> None:
     backend = next((a for a in argv if not a.startswith("-")), "dawn")
     quick = "--quick" in argv
@@ -397,7 +440,12 @@ def main(argv) -> None:
             REPEATS.update(warm_s=0.15)
         path = argv[argv.index("--json") + 1] if "--json" in argv else None
         return sweep(dev, path, "--smoke" in argv)
-    rows = decode_rows(dev, "--smoke" in argv)  # first: cheap, and a cut-short run keeps it
+    rows = []
+    for sname, shape in SHAPES.items():  # first: the headline numbers
+        rows += op_path(dev, sname, shape)
+    if "--op" in argv:
+        return
+    rows += decode_rows(dev, "--smoke" in argv)  # cheap, and a cut-short run keeps it
     for sname, shape in SHAPES.items():
         x, a, ref = problem(shape)
         x["_ref"] = ref

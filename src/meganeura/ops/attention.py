@@ -416,14 +416,20 @@ def dq_fused_block(B: int, Hq: int, Sq: int, Skv: int, D: int, causal: bool,
     return DQ_BLOCK if -(-Skv // DQ_BLOCK) * B * Hq * Sq * D * 4 <= FUSED_DQ_MAX_BYTES else 0
 
 
-def _dq(graph, ins, a, B, Hq, Hkv, Sq, Skv, D):
-    """The separate dQ kernel, split over key chunks (partials summed) like the forward."""
-    rows = Hq // Hkv * Sq
-    n = split_count(B * Hkv * -(-rows // 32), Skv, SPLIT_MIN_LEN_FULL) if DQ_SPLIT else 1
-    if n == 1:
-        return graph.apply("attention_grad_dq", *ins, **a)
-    dqp = graph.apply("attention_grad_dq", *ins, **a, splits=n)
-    return R.sum(S.reshape(dqp, (n, B, Hq, Sq, D)), (0,))
+def grad_plan(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, D: int, causal: bool,
+              window: int) -> dict:
+    """How ``attention_grad`` is computed: ``dq_block`` (dK/dV also writes dQ's partials per
+    block of that many keys; 0: a separate dQ kernel over ``dq_splits`` key chunks),
+    ``split_heads`` (dK/dV per query head, summed over the group) and ``splits`` (dK/dV over
+    that many chunks of query positions, summed) — too few (batch, kv head, key block) work
+    items fill no GPU, hence the splits and their deterministic sums."""
+    G = Hq // Hkv
+    heads = G > 1 and B * Hkv * -(-Skv // 16) < SPLIT_HEADS_BELOW
+    n = split_count(B * (Hq if heads else Hkv) * -(-Skv // 32), Sq, SPLIT_MIN_LEN_FULL)
+    blk = dq_fused_block(B, Hq, Sq, Skv, D, causal, window)
+    nq = split_count(B * Hkv * -(-G * Sq // 32), Skv, SPLIT_MIN_LEN_FULL) \
+        if DQ_SPLIT and not blk else 1
+    return {"dq_block": blk, "dq_splits": nq, "split_heads": heads, "splits": n}
 
 
 def _expand_grad(graph, node):
@@ -431,18 +437,18 @@ def _expand_grad(graph, node):
     ins = node.inputs
     q, k, v = ins[:3]
     B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
-    blk = dq_fused_block(B, Hq, Sq, Skv, D, a["causal"], a["window"])
-    heads = G > 1 and B * Hkv * -(-Skv // 16) < SPLIT_HEADS_BELOW
-    # too few (batch, kv head, key block) work items to fill a GPU: one work item per query
-    # head (heads) and/or per chunk of query positions (n), then (deterministic) sums
-    NH = Hq if heads else Hkv
-    n = split_count(B * NH * -(-Skv // 32), Sq, SPLIT_MIN_LEN_FULL)
+    plan = grad_plan(B, Hq, Hkv, Sq, Skv, D, a["causal"], a["window"])
+    blk, nq, heads, n = (plan[x] for x in ("dq_block", "dq_splits", "split_heads", "splits"))
     extra = ({"split_heads": True} if heads else {}) | ({"splits": n} if n > 1 else {})
     if blk:
         dkh, dvh, dqp = graph.apply("attention_grad_dkdv", *ins, **a, **extra, dq_block=blk)
         dq = R.sum(S.reshape(dqp, (-(-Skv // blk), B, Hq, Sq, D)), (0,))
+    elif nq > 1:
+        dqp = graph.apply("attention_grad_dq", *ins, **a, splits=nq)
+        dq = R.sum(S.reshape(dqp, (nq, B, Hq, Sq, D)), (0,))
     else:
-        dq = _dq(graph, ins, a, B, Hq, Hkv, Sq, Skv, D)
+        dq = graph.apply("attention_grad_dq", *ins, **a)
+    if not blk:
         dkh, dvh = graph.apply("attention_grad_dkdv", *ins, **a, **extra)
     if not heads and n == 1:
         return [dq, dkh, dvh]
