@@ -106,8 +106,8 @@ def test_forced_fused_dq_and_split_dq(gpu, monkeypatch, gqa):
 
 
 def test_fused_dq_choice():
-    """Whisper's encoder takes the fused dQ; causal models, short loops and partials above
-    the byte budget do not."""
+    """Whisper's encoder takes the fused dQ; causal models, short loops, large heads and
+    partials above the byte budget do not (a long D = 128 loop splits its dQ kernel)."""
     from meganeura.ops.attention import DQ_BLOCK, dq_fused_block
 
     assert dq_fused_block(1, 6, 1500, 1500, 64, False, 0) == DQ_BLOCK
@@ -117,3 +117,10 @@ def test_fused_dq_choice():
     assert dq_fused_block(1, 6, 100, 100, 64, False, 0) == 0
     assert dq_fused_block(8, 16, 4096, 4096, 64, False, 0) == 0
     assert dq_fused_block(1, 8, 1024, 1024, 128, False, 0) == 0
+    from meganeura.ops.attention import grad_plan
+
+    assert grad_plan(1, 6, 6, 1500, 1500, 64, False, 0) == {
+        "dq_block": DQ_BLOCK, "dq_splits": 1, "split_heads": False, "splits": 4}
+    assert grad_plan(1, 9, 3, 128, 128, 64, True, 0) == {
+        "dq_block": 0, "dq_splits": 1, "split_heads": True, "splits": 1}
+    assert grad_plan(1, 8, 8, 1024, 1024, 128, False, 0)["dq_splits"] == 4
