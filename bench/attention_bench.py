@@ -425,6 +425,28 @@ def op_path(dev, sname, shape):
              "bwd_us": bwd, "total_us": fwd + bwd, "tflops": tf}]
 
 
+def config_rows(dev, t, sname, shape, quick, everything):
+    """Every tile configuration of each kernel at one shape, then split-K and fast rows."""
+    rows = []
+    x, a, ref = problem(shape)
+    x["_ref"] = ref
+    for kind in KINDS:
+        desc = describe(kind, x, a)
+        cands = configs(desc, t, everything)
+        for n, c in enumerate(cands[:1] if quick else cands):
+            spec, err, us = run_config(dev, c, x, ref)
+            fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0)  # causal: half the pairs
+            us = max(us, 1e-3)
+            rows.append({"shape": sname, "kind": kind, "config": list(c.config),
+                         "default": n == 0, "us": us, "tflops": fl / us / 1e6, "err": err,
+                         "wg": spec.meta["workgroup_size"],
+                         "workgroups": list(spec.workgroups)})
+            print(f"{sname:8} {kind:5} {str(c.config):16}{'*' if n == 0 else ' '} "
+                  f"{us:9.1f} µs {fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
+    rows += split_rows(dev, x, a, sname, shape)
+    return rows + fast_rows(dev, x, a, sname, shape)
+
+
 def main(argv) -> None:
     backend = next((a for a in argv if not a.startswith("-")), "dawn")
     quick = "--quick" in argv
@@ -441,29 +463,16 @@ def main(argv) -> None:
         path = argv[argv.index("--json") + 1] if "--json" in argv else None
         return sweep(dev, path, "--smoke" in argv)
     rows = []
+    path = argv[argv.index("--json") + 1] if "--json" in argv else None
+
+    def save():  # after every section: a run cut short keeps what it measured
+        if path:
+            with open(path, "w") as f:
+                json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
+
     for sname, shape in SHAPES.items():  # first: the headline numbers
         rows += op_path(dev, sname, shape)
-    if "--op" in argv:
-        return
-    rows += decode_rows(dev, "--smoke" in argv)  # cheap, and a cut-short run keeps it
-    for sname, shape in SHAPES.items():
-        x, a, ref = problem(shape)
-        x["_ref"] = ref
-        for kind in KINDS:
-            desc = describe(kind, x, a)
-            cands = configs(desc, t, "--all" in argv)
-            for n, c in enumerate(cands[:1] if quick else cands):
-                spec, err, us = run_config(dev, c, x, ref)
-                fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0)  # causal: half the pairs
-                us = max(us, 1e-3)
-                rows.append({"shape": sname, "kind": kind, "config": list(c.config),
-                             "default": n == 0, "us": us, "tflops": fl / us / 1e6, "err": err,
-                             "wg": spec.meta["workgroup_size"],
-                             "workgroups": list(spec.workgroups)})
-                print(f"{sname:8} {kind:5} {str(c.config):16}{'*' if n == 0 else ' '} "
-                      f"{us:9.1f} µs {fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
-        rows += split_rows(dev, x, a, sname, shape)
-        rows += fast_rows(dev, x, a, sname, shape)
+        save()
     if "--torch" in argv:
         for sname, shape in SHAPES.items():
             tt = torch_times(shape)
@@ -471,9 +480,14 @@ def main(argv) -> None:
                 print(f"torch SDPA f32 {sname:8} fwd {tt[0]:8.1f} µs  fwd+bwd {tt[1]:8.1f} µs")
                 rows.append({"shape": sname, "kind": "torch", "fwd_us": tt[0],
                              "fwd_bwd_us": tt[1]})
-    if "--json" in argv:
-        with open(argv[argv.index("--json") + 1], "w") as f:
-            json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
+        save()
+    if "--op" in argv:
+        return
+    rows += decode_rows(dev, "--smoke" in argv)  # cheap
+    save()
+    for sname, shape in SHAPES.items():
+        rows += config_rows(dev, t, sname, shape, quick, "--all" in argv)
+        save()
     print("\nbest per kernel (heuristic in brackets):")
     for sname in SHAPES:
         for kind in KINDS:
