@@ -220,18 +220,48 @@ def torch_times(shape):
 
 
 def split_rows(dev, x, a, sname, shape):
-    """Split-K forward and dK/dV of one shape (heuristic tiles for each split count)."""
+    """Split-K forward and dK/dV of one shape (heuristic tiles for each split count, a few
+    other forward tiles at 6 chunks), and dK/dV with the fused dQ at 4/6/8 query chunks where
+    the op fuses it for a long loop."""
+    B, Hq, Hkv, S, D, causal = shape
+    blk = grad_plan(B, Hq, Hkv, S, S, D, causal, 0)["dq_block"] if S >= 512 else 0
+    todo = [("fwd", n, (), 0) for n in (2, 3, 4, 6, 8)]
+    todo += [("fwd", 6, c, 0) for c in ((8, 16, 4, 2), (32, 8, 2, 4), (16, 16, 4, 2))]
+    todo += [("dkdv", n, (), 0) for n in (2, 3, 4)]
+    todo += [("dkdv", n, (), blk) for n in ((4, 6, 8) if blk else ())]
     rows = []
-    for kind, counts in (("fwd", (2, 3, 4, 6, 8)), ("dkdv", (2, 3, 4))):
-        for n in counts:
-            desc = dataclasses.replace(describe(kind, x, a), splits=n)
-            spec, err, us = run_config(dev, desc, x, x["_ref"])
-            fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0)
-            rows.append({"shape": sname, "kind": f"{kind}_split{n}", "config":
-                         list(spec.meta["config"]), "us": us, "err": err,
-                         "tflops": fl / us / 1e6})
-            print(f"{sname:8} {kind:5} splits={n} {str(spec.meta['config']):14} {us:9.1f} µs "
-                  f"{fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
+    t = make_target(dev.limits, dev.features)
+    for kind, n, cfg, b in todo:
+        if cfg and not A.config_fits(kind, cfg, D, D, t):
+            continue
+        desc = dataclasses.replace(describe(kind, x, a), splits=n, config=cfg, dq_block=b)
+        spec, err, us = run_config(dev, desc, x, x["_ref"])
+        fl = spec.meta["flops"] * (0.5 if causal else 1.0)
+        name = f"{kind}{'+dq' if b else ''}_split{n}"
+        rows.append({"shape": sname, "kind": name, "config": list(spec.meta["config"]),
+                     "us": us, "err": err, "tflops": fl / us / 1e6})
+        print(f"{sname:8} {name:13} {str(spec.meta['config']):14} {us:9.1f} µs "
+              f"{fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
+    if blk:
+        rows += serial_reduce_rows(dev, sname, -(-S // blk), (B, Hq, S, D))
+    return rows
+
+
+def serial_reduce_rows(dev, sname, n, shape):
+    """The fused dQ's partial sum with the reduce family's default layout and, as an
+    experiment (bench only), with its serial one-invocation-per-output loop (SERIAL_MAX)."""
+    from meganeura.kernels import reduce as RK
+
+    rows, keep = [], RK.SERIAL_MAX
+    for serial in (keep, max(keep, n)):
+        RK.SERIAL_MAX = serial
+        try:
+            us = reduce_us(dev, n, shape)
+        finally:
+            RK.SERIAL_MAX = keep
+        rows.append({"shape": sname, "kind": "dq_sum", "partials": n, "serial_max": serial,
+                     "us": us})
+        print(f"{sname:8} sum of {n} dQ partials, SERIAL_MAX={serial}: {us:8.1f} µs", flush=True)
     return rows
 
 
