@@ -146,12 +146,17 @@ def run_config(dev, desc, x, ref, poison=True):
     shapes = {"fwd": [q[:3] + v[3:], q[:3]], "dq": [q], "dkdv": list(kv)}[kind]
     shapes = [(n * s[0],) + s[1:] for s in shapes]
     nkb = -(-k[2] // desc.dq_block) if desc.dq_block else 0
-    if nkb:  # the fused dQ's partials, one per key block
+    if nkb:  # dK, dV and the fused dQ's partials (one per key block), packed in one output
         shapes.append((nkb * q[0],) + q[1:])
+        parts = shapes
+        shapes = [(sum(int(np.prod(sh)) for sh in parts),)]
     bufs = [dev.upload(x[m]) for m in names]
     outs = [dev.upload(np.full(s, np.nan, np.float32)) for s in shapes]  # poisoned
     dev.dispatch(spec, bufs + outs)
     got = [dev.read_array(b, s, f32) for b, s in zip(outs, shapes, strict=True)]
+    if nkb:
+        cuts = np.cumsum([int(np.prod(sh)) for sh in parts])[:2]
+        got = [g.reshape(sh) for g, sh in zip(np.split(got[0], cuts), parts, strict=True)]
     us = time_dispatch(dev, spec, bufs + outs)
     if n > 1 and kind == "fwd":
         comb = kernels.emit(AttentionCombineKernel(Strided.contiguous(f32, shapes[0]),

@@ -244,8 +244,9 @@ RULES = {"mask": {}, "causal": {"causal": True, "q_offset": 3},
 def test_dkdv_with_dq_partials(run, dev, rng, split_heads, rules):
     """dK/dV that also writes dQ's partial sums per key block (GQA, query chunks, key blocks
     cut by the length; a mask with -inf entries, or causal/window rules that hide whole blocks
-    from some rows: zeros there): the partials match the op's reference and their sum is dQ.
-    Every fitting configuration of the block for the masked non-split-heads case."""
+    from some rows: zeros there), all three packed in one flat output: the parts match the
+    op's reference and the partials sum to dQ.  Every fitting configuration of the block for
+    the masked non-split-heads case."""
     from meganeura.ops.attention import _dkdv_ref
 
     n, dims = 2, (1, 4, 2, 19, 37, 8, 8)
@@ -256,20 +257,26 @@ def test_dkdv_with_dq_partials(run, dev, rng, split_heads, rules):
     H = 4 if split_heads else 2
     for blk in (16, 32):
         a2 = {**a, "splits": n, "split_heads": split_heads, "dq_block": blk}
-        want = _dkdv_ref([x[k].astype(np.float64) for k in names], a2)
-        nkb = -(-37 // blk)
+        (want,) = _dkdv_ref([x[k].astype(np.float64) for k in names], a2)
         base = dataclasses.replace(_desc("dkdv", x, a), splits=n, split_heads=split_heads,
                                    dq_block=blk)
+        # one output binding: 7 storage buffers with the mask, within WebGPU's default 8
+        assert kernels.emit(base, dev.limits, dev.features).n_bindings == len(names) + 1
+        sizes = A.packed_sizes(base)
+        shapes = [(n, H, 37, 8), (n, H, 37, 8), (-(-37 // blk), 4, 19, 8)]
+        assert sizes == tuple(int(np.prod(sh)) for sh in shapes) and want.size == sum(sizes)
+        wants = np.split(want, np.cumsum(sizes)[:2])
         cfgs = [c for c in A.CONFIGS if c[0] * c[2] == blk and A.config_fits("dkdv", c, 8, 8, t)]
         every = rules == "mask" and not split_heads
         for cfg in [()] + cfgs[:None if every else 1]:
-            dk, dv, dqp = _run_poisoned(dev, dataclasses.replace(base, config=cfg),
-                                        [x[k] for k in names],
-                                        [(n, H, 37, 8), (n, H, 37, 8), (nkb, 4, 19, 8)])
-            _check(dqp, want[2], f"dq partials block {blk} {cfg}")
-            _check(dqp.astype(np.float64).sum(0, keepdims=True), ref["dq"], f"dq {blk} {cfg}")
-            _check(dk, want[0], f"partial dk {blk} {cfg}")
-            _check(dv, want[1], f"partial dv {blk} {cfg}")
+            (flat,) = _run_poisoned(dev, dataclasses.replace(base, config=cfg),
+                                    [x[k] for k in names], [(sum(sizes),)])
+            got = [g.reshape(sh) for g, sh in zip(np.split(flat, np.cumsum(sizes)[:2]), shapes,
+                                                  strict=True)]
+            for g, w, what in zip(got, wants, ("partial dk", "partial dv", "dq partials"),
+                                  strict=True):
+                _check(g, w.reshape(g.shape), f"{what} block {blk} {cfg}")
+            _check(got[2].astype(np.float64).sum(0, keepdims=True), ref["dq"], f"dq {blk} {cfg}")
 
 
 def test_dq_partials_block_must_match(dev):

@@ -145,7 +145,8 @@ class AttentionKernel:
     # dkdv only: also write dQ's partial sums per block of ``dq_block`` keys ((n_blocks·B, Hq,
     # Sq, D), summed by the caller; zeros for rows the causal/window rules hide the block from)
     # from the dS tile the kernel already has, so no separate dQ kernel recomputes S and dP;
-    # the own block must be ``dq_block``
+    # the own block must be ``dq_block``.  The three outputs are packed into one flat tensor
+    # (``packed_sizes``): 6 storage buffers (7 with a mask), within WebGPU's default 8
     dq_block: int = 0
 
 
@@ -283,6 +284,16 @@ def choose_config(kind: str, own_n: int, n_bh: int, D: int, Dv: int, t, own: int
     return small[-1]
 
 
+def packed_sizes(k: AttentionKernel) -> tuple[int, int, int]:
+    """Elements of dK, dV and dQ's partials in the one output of a dK/dV kernel with
+    ``dq_block`` (in that order, each contiguous: (splits·B, H, Skv, D), the same with Dv,
+    (key blocks·B, Hq, Sq, D))."""
+    B, Hq, Sq, D = k.q.shape
+    Hkv, Skv, Dv = k.k.shape[1], k.k.shape[2], k.v.shape[3]
+    lead = max(1, int(k.splits)) * B * (Hq if k.split_heads else Hkv) * Skv
+    return lead * D, lead * Dv, -(-Skv // k.dq_block) * B * Hq * Sq * D
+
+
 def _problem(k: AttentionKernel) -> tuple[int, int]:
     """(own-dimension extent, work items per block index) of a description."""
     B, Hq, Sq, _ = k.q.shape
@@ -354,13 +365,18 @@ class _Gen:
             self.lst = bcast_strides(k.lse, (self.B, self.Hq, self.Sq), "lse")
             self.dlst = bcast_strides(k.delta, (self.B, self.Hq, self.Sq), "delta")
         outs = {"fwd": ["out", "lse_out"], "dq": ["dq"], "dkdv": ["dk", "dv"]}[k.kind]
-        if k.dq_block:
+        self.base = {}  # first element of each output in its binding
+        if k.dq_block:  # dK, dV and dQ's partials packed in one binding (<= 8 storage buffers)
             if k.kind != "dkdv":
                 raise CodegenError(f"kernel {k.name!r}: dq_block is for dK/dV kernels")
-            outs = outs + ["dqp"]
+            n_dk, n_dv, _ = packed_sizes(k)
+            self.base = {"dk": 0, "dv": n_dk, "dqp": n_dk + n_dv}
+            outs = ["dkdvq"]
         self.dts = dts + [self.dt] * len(outs)
         self.bd = Bindings(self.dts, alias)
         self.bind = {n: self.bd.name(i) for i, n in enumerate(names + outs)}
+        for n in self.base:
+            self.bind[n] = self.bind["dkdvq"]
         self.wd, self.du = _units(self.D)
         self.wv, self.vu = _units(self.Dv)
         self.TR, self.TC, self.RM, self.RN = resolve_config(k, t)
@@ -374,6 +390,11 @@ class _Gen:
         if self.ns < 1 or (self.ns > 1 and k.out_bshd):
             raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (>= 1, not with "
                                "out_bshd)")
+
+    def at(self, target: str) -> str:
+        """Offset prefix of output ``target`` in its (packed) binding."""
+        n = self.base.get(target, 0)
+        return f"{u(n)} + " if n else ""
 
     def bsplit(self) -> str:
         """Batch index of an output row: (chunk, batch) when split."""
@@ -545,7 +566,8 @@ class _Gen:
                     e = f"val{c}[{comp}]" if w == 4 else f"val{c}"
                     dst = (f"{rbase(i)} * {u(dim)} + cu{c} * {u(w)} + {u(comp)}" if w == 4
                            else f"{rbase(i)} * {u(dim)} + cu{c}")
-                    L.append(f"{ii}{self.bind[target]}[{dst}] = {_store(e, self.dt)};")
+                    L.append(f"{ii}{self.bind[target]}[{self.at(target)}{dst}] = "
+                             f"{_store(e, self.dt)};")
                 if guard:
                     L.append(f"{i2}}}")
             L.append(f"{ind}}}")
@@ -982,7 +1004,8 @@ def _dq_partial(g: _Gen, L, ind) -> None:
             L.append(f"{i2}if ({full}) {{")
             for comp in range(w):
                 e = f"dqa{m}_{c}[{comp}]" if w == 4 else f"dqa{m}_{c}"
-                L.append(f"{i2}    {g.bind['dqp']}[qrow + ({cu}) * {u(w)} + {u(comp)}] = "
+                L.append(f"{i2}    {g.bind['dqp']}[{g.at('dqp')}qrow + ({cu}) * {u(w)} + "
+                         f"{u(comp)}] = "
                          f"{_store(e, g.dt)};")
             L.append(f"{i2}}}")
         L.append(f"{ind}}}")
@@ -1004,7 +1027,8 @@ def _dq_partial_zeros(g: _Gen, L, ind) -> None:
     L.append(f"{i2}let RRz = select(zv_hi + rr - (zv_lo - zc_lo), zc_lo + rr, "
              "rr < zv_lo - zc_lo);")
     L += [i2 + x for x in g.packed("RRz", "z")]
-    L.append(f"{i2}{g.bind['dqp']}[(((kb * {u(g.B)} + b) * {u(g.Hq)} + zh) * {u(g.Sq)} + zi) * "
+    L.append(f"{i2}{g.bind['dqp']}[{g.at('dqp')}(((kb * {u(g.B)} + b) * {u(g.Hq)} + zh) * "
+             f"{u(g.Sq)} + zi) * "
              f"{D} + e % {D}] = {_store('0.0', g.dt)};")
     L.append(f"{ind}}}")
 

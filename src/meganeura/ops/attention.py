@@ -283,9 +283,13 @@ def _dq_ref(xs, a):
 
 def _dkdv_ref(xs, a):
     """dK, dV; with ``splits`` the partial sums of each chunk of query positions, stacked;
-    with ``dq_block`` also dQ's partial sums per block of that many keys."""
-    dqp = [_dq_chunks(xs, a, a["dq_block"])] if a.get("dq_block") else []
-    return _dkdv_only_ref(xs, a) + dqp
+    with ``dq_block`` one flat tensor: dK, dV and dQ's partial sums per block of that many
+    keys, each flattened, in that order."""
+    res = _dkdv_only_ref(xs, a)
+    if not a.get("dq_block"):
+        return res
+    parts = res + [_dq_chunks(xs, a, a["dq_block"])]
+    return [np.concatenate([p.reshape(-1) for p in parts])]
 
 
 def _dkdv_only_ref(xs, a):
@@ -357,6 +361,7 @@ def _dkdv_infer(types, a):
     if a.get("dq_block"):
         nkb = -(-k.shape[2] // a["dq_block"])
         res.append(TensorType((nkb * B,) + q.shape[1:], q.dtype))
+        return [TensorType((sum(t.size for t in res),), q.dtype)]
     return res
 
 
@@ -410,10 +415,11 @@ def dq_fused_block(B: int, Hq: int, Sq: int, Skv: int, D: int, causal: bool,
     kernel).  Short key loops (< FUSED_DQ_LONG) take 16-key blocks whatever the rules (the
     kernel writes zero partials for rows a block is hidden from); long ones 32-key blocks and
     only without causal/window rules (there the dQ kernel skips hidden tiles, the fused one
-    would write zeros: not measured); the partials (one dQ per block) must stay within
-    FUSED_DQ_MAX_BYTES, and head dims within FUSED_DQ_MAX_D (a 32-key block of larger heads
-    fits no 32 KiB workgroup storage).  H200: Whisper's backward 818 → 585 µs (dQ 393 + dK/dV
-    410 + sums → fused 509 + sums), SmolLM2's 39 → 31 µs (2026-12-01)."""
+    would write zeros: not measured); the partials (one dQ per block; ``grad_plan`` also counts
+    dK/dV's) must stay within FUSED_DQ_MAX_BYTES, and head dims within FUSED_DQ_MAX_D (a
+    32-key block of larger heads fits no 32 KiB workgroup storage).  H200: Whisper's backward
+    818 → 585 µs (dQ 393 + dK/dV 410 + sums → fused 509 + sums), SmolLM2's 39 → 31 µs
+    (2026-12-01)."""
     if D > FUSED_DQ_MAX_D:
         return 0
     if Skv < FUSED_DQ_LONG:
@@ -425,8 +431,14 @@ def dq_fused_block(B: int, Hq: int, Sq: int, Skv: int, D: int, causal: bool,
     return blk if -(-Skv // blk) * B * Hq * Sq * D * 4 <= FUSED_DQ_MAX_BYTES else 0
 
 
+def _packed_bytes(B, Hq, Hkv, Sq, Skv, D, Dv, plan) -> int:
+    """Bytes of the fused dK/dV kernel's one output (dK, dV partials and dQ's partials)."""
+    lead = plan["splits"] * B * (Hq if plan["split_heads"] else Hkv) * Skv
+    return 4 * (lead * (D + Dv) + -(-Skv // plan["dq_block"]) * B * Hq * Sq * D)
+
+
 def grad_plan(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, D: int, causal: bool,
-              window: int) -> dict:
+              window: int, Dv: int | None = None) -> dict:
     """How ``attention_grad`` is computed: ``dq_block`` (dK/dV also writes dQ's partials per
     block of that many keys; 0: a separate dQ kernel over ``dq_splits`` key chunks),
     ``split_heads`` (dK/dV per query head, summed over the group) and ``splits`` (dK/dV over
@@ -435,10 +447,14 @@ def grad_plan(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, D: int, causal: bool
     G = Hq // Hkv
     heads = G > 1 and B * Hkv * -(-Skv // 16) < SPLIT_HEADS_BELOW
     n = split_count(B * (Hq if heads else Hkv) * -(-Skv // 32), Sq, SPLIT_MIN_LEN_FULL)
-    blk = dq_fused_block(B, Hq, Sq, Skv, D, causal, window)
-    nq = split_count(B * Hkv * -(-G * Sq // 32), Skv, SPLIT_MIN_LEN_FULL) \
-        if DQ_SPLIT and not blk else 1
-    return {"dq_block": blk, "dq_splits": nq, "split_heads": heads, "splits": n}
+    plan = {"dq_block": dq_fused_block(B, Hq, Sq, Skv, D, causal, window), "dq_splits": 1,
+            "split_heads": heads, "splits": n}
+    if plan["dq_block"] and _packed_bytes(B, Hq, Hkv, Sq, Skv, D, D if Dv is None else Dv,
+                                          plan) > FUSED_DQ_MAX_BYTES:
+        plan["dq_block"] = 0
+    if DQ_SPLIT and not plan["dq_block"]:
+        plan["dq_splits"] = split_count(B * Hkv * -(-G * Sq // 32), Skv, SPLIT_MIN_LEN_FULL)
+    return plan
 
 
 def _expand_grad(graph, node):
@@ -446,11 +462,16 @@ def _expand_grad(graph, node):
     ins = node.inputs
     q, k, v = ins[:3]
     B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
-    plan = grad_plan(B, Hq, Hkv, Sq, Skv, D, a["causal"], a["window"])
+    plan = grad_plan(B, Hq, Hkv, Sq, Skv, D, a["causal"], a["window"], Dv)
     blk, nq, heads, n = (plan[x] for x in ("dq_block", "dq_splits", "split_heads", "splits"))
     extra = ({"split_heads": True} if heads else {}) | ({"splits": n} if n > 1 else {})
-    if blk:
-        dkh, dvh, dqp = graph.apply("attention_grad_dkdv", *ins, **a, **extra, dq_block=blk)
+    if blk:  # one flat output: dK, dV, dQ's partials (views of it, no copies)
+        flat = graph.apply("attention_grad_dkdv", *ins, **a, **extra, dq_block=blk)
+        lead = max(n, 1) * B * (Hq if heads else Hkv) * Skv
+        ends = np.cumsum([lead * D, lead * Dv, -(-Skv // blk) * B * Hq * Sq * D]).tolist()
+        dkh = S.reshape(S.slice_(flat, 0, 0, ends[0]), (max(n, 1) * B, -1, Skv, D))
+        dvh = S.reshape(S.slice_(flat, 0, ends[0], ends[1]), (max(n, 1) * B, -1, Skv, Dv))
+        dqp = S.slice_(flat, 0, ends[1], ends[2])
         dq = R.sum(S.reshape(dqp, (-(-Skv // blk), B, Hq, Sq, D)), (0,))
     elif nq > 1:
         dqp = graph.apply("attention_grad_dq", *ins, **a, splits=nq)
