@@ -21,9 +21,11 @@ The op ``attention`` has two outputs: ``out`` and ``lse`` (per-row log-sum-exp o
 scores, (B, Hq, Sq), -inf for empty rows).  Its VJP computes ``delta = rowsum(dout · out)`` with
 ordinary graph ops (a fused reduce kernel) and calls ``attention_grad(q, k, v, [mask], dout, lse,
 delta) -> dq, dk, dv``, which recomputes the probabilities from q, k and lse (no Sq×Skv tensor is
-kept between forward and backward).  On the GPU ``attention_grad`` expands into two kernels:
-``attention_grad_dq`` (loops over key blocks) and ``attention_grad_dkdv`` (loops over query
-blocks and the query heads of a kv group) — deterministic, no atomics.
+kept between forward and backward).  On the GPU ``attention_grad`` expands (``grad_plan``)
+into ``attention_grad_dkdv`` (loops over query blocks and the query heads of a kv group),
+which for short loops, and long ones without causal/window rules, also writes dQ's partial
+sums per key block (summed by a reduce), or else into that kernel and ``attention_grad_dq``
+(loops over key blocks) — deterministic, no atomics.
 
 The gradient with respect to a mask that depends on parameters is computed from ordinary graph
 ops (it materializes the (B, Hq, Sq, Skv) score gradient); it is only built into the compiled
