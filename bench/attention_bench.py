@@ -369,20 +369,22 @@ SWEEP = (
 )
 
 
-def reduce_us(dev, n, shape):
+def reduce_us(dev, n, shape, members=1):
     """GPU µs of the graph's sum of ``n`` stacked partials of ``shape`` (the reduce kernel
-    the op adds after split dQ, split dK/dV and the fused dQ's partials)."""
+    the op adds after split dQ, split dK/dV and the fused dQ's partials); ``members`` such sums
+    of one shape compile to one multi-reduce dispatch (dK's and dV's sums)."""
     import meganeura as mn
     from meganeura.ops import reduce as R
 
     g = mn.Graph()
-    x = g.input("x", (n,) + shape)
-    sess = mn.compile(g, outputs={"y": R.sum(x, (0,))}, device=dev, optimizer=None)
+    xs = [g.input(f"x{i}", (n,) + shape) for i in range(members)]
+    outs = {f"y{i}": R.sum(x, (0,)) for i, x in enumerate(xs)}
+    sess = mn.compile(g, outputs=outs, device=dev, optimizer=None)
     specs = [d.spec for d in sess.executable.infer.dispatches]
-    if len(specs) != 1 or specs[0].n_bindings != 2:
+    if len(specs) != 1 or specs[0].n_bindings != 2 * members:
         return float("nan")
-    bufs = [dev.upload(np.zeros((n,) + shape, np.float32)),
-            dev.upload(np.zeros(shape, np.float32))]
+    bufs = [dev.upload(np.zeros((n,) + shape, np.float32)) for _ in range(members)]
+    bufs += [dev.upload(np.zeros(shape, np.float32)) for _ in range(members)]
     return time_dispatch(dev, specs[0], bufs)
 
 
@@ -447,7 +449,7 @@ def op_path(dev, sname, shape):
         parts["dq_sum"] = (0.0, reduce_us(dev, -(-S // blk), (B, Hq, S, D)))
     if n > 1 or plan["split_heads"]:
         lead = n * (Hq // Hkv if plan["split_heads"] else 1)  # partials per dK (dV) element
-        parts["dkdv_sums"] = (0.0, 2 * reduce_us(dev, lead, (B, Hkv, S, D)))
+        parts["dkdv_sums"] = (0.0, reduce_us(dev, lead, (B, Hkv, S, D), members=2))
     fl = 4 * S * S * D * Hq * B * (0.5 if causal else 1.0)
     fwd = parts["fwd"][1]
     bwd = sum(us for k, (_, us) in parts.items() if k != "fwd")
