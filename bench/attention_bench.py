@@ -231,9 +231,11 @@ def split_rows(dev, x, a, sname, shape):
     B, Hq, Hkv, S, D, causal = shape
     blk = grad_plan(B, Hq, Hkv, S, S, D, causal, 0)["dq_block"] if S >= 512 else 0
     todo = [("fwd", n, (), 0) for n in (2, 3, 4, 6, 8)]
-    todo += [("fwd", 6, c, 0) for c in ((8, 16, 4, 2), (32, 8, 2, 4), (16, 16, 4, 2))]
+    todo += [("fwd", 6, c, 0) for c in ((8, 16, 4, 2), (32, 8, 2, 4), (16, 16, 4, 2),
+                                        (16, 8, 4, 2))]
     todo += [("dkdv", n, (), 0) for n in (2, 3, 4)]
     todo += [("dkdv", n, (), blk) for n in ((4, 6, 8) if blk else ())]
+    todo += [("dkdv", 4, (8, 16, 4, 1), blk)] if blk == 32 else []
     rows = []
     t = make_target(dev.limits, dev.features)
     for kind, n, cfg, b in todo:

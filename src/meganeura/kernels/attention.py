@@ -116,6 +116,9 @@ CONFIGS = (
     (16, 4, 2, 8),  # 32 × 32, 64
     (16, 4, 4, 8),  # 64 × 32, 64
     (32, 4, 2, 8),  # 64 × 32, 128
+    # half-height loop tiles: less workgroup storage per block (more workgroups per SM)
+    (16, 8, 4, 2),  # 64 × 16, 128
+    (8, 16, 4, 1),  # 32 × 16, 128
 )
 
 
