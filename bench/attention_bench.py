@@ -33,7 +33,13 @@ from meganeura.kernels import attention_fast as AF
 from meganeura.kernels.attention_combine import AttentionCombineKernel
 from meganeura.kernels.common import make_target
 from meganeura.kernels.ir import Strided
-from meganeura.ops.attention import SPLIT_HEADS_BELOW, _attention_ref, _grad_parts, fwd_splits
+from meganeura.ops.attention import (
+    SPLIT_HEADS_BELOW,
+    _attention_ref,
+    _grad_parts,
+    fwd_splits,
+    grad_plan,
+)
 from meganeura.runtime.device import get_device
 
 # name: (B, Hq, Hkv, S, D, causal)
@@ -139,10 +145,18 @@ def run_config(dev, desc, x, ref, poison=True):
     kv = (q[:2] + k[2:], q[:2] + v[2:]) if desc.split_heads else (k, v)
     shapes = {"fwd": [q[:3] + v[3:], q[:3]], "dq": [q], "dkdv": list(kv)}[kind]
     shapes = [(n * s[0],) + s[1:] for s in shapes]
+    nkb = -(-k[2] // desc.dq_block) if desc.dq_block else 0
+    if nkb:  # dK, dV and the fused dQ's partials (one per key block), packed in one output
+        shapes.append((nkb * q[0],) + q[1:])
+        parts = shapes
+        shapes = [(sum(int(np.prod(sh)) for sh in parts),)]
     bufs = [dev.upload(x[m]) for m in names]
     outs = [dev.upload(np.full(s, np.nan, np.float32)) for s in shapes]  # poisoned
     dev.dispatch(spec, bufs + outs)
     got = [dev.read_array(b, s, f32) for b, s in zip(outs, shapes, strict=True)]
+    if nkb:
+        cuts = np.cumsum([int(np.prod(sh)) for sh in parts])[:2]
+        got = [g.reshape(sh) for g, sh in zip(np.split(got[0], cuts), parts, strict=True)]
     us = time_dispatch(dev, spec, bufs + outs)
     if n > 1 and kind == "fwd":
         comb = kernels.emit(AttentionCombineKernel(Strided.contiguous(f32, shapes[0]),
@@ -153,9 +167,11 @@ def run_config(dev, desc, x, ref, poison=True):
         got = [dev.read_array(b, s, f32) for b, s in zip(fin, (q[:3] + v[3:], q[:3]),
                                                         strict=True)]
         us += time_dispatch(dev, comb, outs + fin)
-    elif n > 1:
-        got = [g.reshape((n, -1) + g.shape[1:]).sum(0) for g in got]
-    err = max(rel_err(g, ref[m]) for g, m in zip(got, OUTS[kind], strict=True))
+    elif n > 1 or nkb:
+        got = [g.reshape((nkb if i == 2 else n, -1) + g.shape[1:]).sum(0)
+               for i, g in enumerate(got)]
+    names = OUTS[kind] + (("dq",) if nkb else ())
+    err = max(rel_err(g, ref[m]) for g, m in zip(got, names, strict=True))
     return spec, err, us
 
 
@@ -209,18 +225,50 @@ def torch_times(shape):
 
 
 def split_rows(dev, x, a, sname, shape):
-    """Split-K forward and dK/dV of one shape (heuristic tiles for each split count)."""
+    """Split-K forward and dK/dV of one shape (heuristic tiles for each split count, a few
+    other forward tiles at 6 chunks), and dK/dV with the fused dQ at 4/6/8 query chunks where
+    the op fuses it for a long loop."""
+    B, Hq, Hkv, S, D, causal = shape
+    blk = grad_plan(B, Hq, Hkv, S, S, D, causal, 0)["dq_block"] if S >= 512 else 0
+    todo = [("fwd", n, (), 0) for n in (2, 3, 4, 6, 8)]
+    todo += [("fwd", 6, c, 0) for c in ((8, 16, 4, 2), (32, 8, 2, 4), (16, 16, 4, 2),
+                                        (16, 8, 4, 2))]
+    todo += [("dkdv", n, (), 0) for n in (2, 3, 4)]
+    todo += [("dkdv", n, (), blk) for n in ((4, 6, 8) if blk else ())]
+    todo += [("dkdv", 4, (8, 16, 4, 1), blk)] if blk == 32 else []
     rows = []
-    for kind, counts in (("fwd", (2, 3, 4, 6, 8)), ("dkdv", (2, 3, 4))):
-        for n in counts:
-            desc = dataclasses.replace(describe(kind, x, a), splits=n)
-            spec, err, us = run_config(dev, desc, x, x["_ref"])
-            fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0)
-            rows.append({"shape": sname, "kind": f"{kind}_split{n}", "config":
-                         list(spec.meta["config"]), "us": us, "err": err,
-                         "tflops": fl / us / 1e6})
-            print(f"{sname:8} {kind:5} splits={n} {str(spec.meta['config']):14} {us:9.1f} µs "
-                  f"{fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
+    t = make_target(dev.limits, dev.features)
+    for kind, n, cfg, b in todo:
+        if cfg and not A.config_fits(kind, cfg, D, D, t):
+            continue
+        desc = dataclasses.replace(describe(kind, x, a), splits=n, config=cfg, dq_block=b)
+        spec, err, us = run_config(dev, desc, x, x["_ref"])
+        fl = spec.meta["flops"] * (0.5 if causal else 1.0)
+        name = f"{kind}{'+dq' if b else ''}_split{n}"
+        rows.append({"shape": sname, "kind": name, "config": list(spec.meta["config"]),
+                     "us": us, "err": err, "tflops": fl / us / 1e6})
+        print(f"{sname:8} {name:13} {str(spec.meta['config']):14} {us:9.1f} µs "
+              f"{fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
+    if blk:
+        rows += serial_reduce_rows(dev, sname, -(-S // blk), (B, Hq, S, D))
+    return rows
+
+
+def serial_reduce_rows(dev, sname, n, shape):
+    """The fused dQ's partial sum with the reduce family's default layout and, as an
+    experiment (bench only), with its serial one-invocation-per-output loop (SERIAL_MAX)."""
+    from meganeura.kernels import reduce as RK
+
+    rows, keep = [], RK.SERIAL_MAX
+    for serial in (keep, max(keep, n)):
+        RK.SERIAL_MAX = serial
+        try:
+            us = reduce_us(dev, n, shape)
+        finally:
+            RK.SERIAL_MAX = keep
+        rows.append({"shape": sname, "kind": "dq_sum", "partials": n, "serial_max": serial,
+                     "us": us})
+        print(f"{sname:8} sum of {n} dQ partials, SERIAL_MAX={serial}: {us:8.1f} µs", flush=True)
     return rows
 
 
@@ -292,6 +340,152 @@ def decode_rows(dev, smoke=False):
     return rows
 
 
+# --sweep: (shape, kind, tile configuration (() = heuristic), splits, dq_block, fma) in one
+# run, the old configurations among them (before/after from the same process); one JSON line
+# per timing appended to the --json path as it is measured (a cut-short run keeps its rows)
+SWEEP_CFGS = ((8, 16, 4, 2), (16, 8, 2, 4), (16, 16, 2, 2), (8, 8, 4, 4), (16, 8, 4, 4),
+              (8, 8, 4, 2), (16, 16, 1, 2), (8, 8, 2, 4), (8, 4, 4, 8), (16, 4, 2, 8),
+              (16, 4, 4, 8), (32, 4, 2, 8))
+W, SM = "whisper", "smollm2"
+
+
+def _fused(blk, counts):
+    return [(W, "dkdv", c, n, blk, True) for n in counts for c in A.CONFIGS
+            if c[0] * c[2] == blk]
+
+
+# most telling first (a run cut short keeps them): before, the fused dQ, the reduces it needs
+SWEEP = (
+    [(W, "fwd", (8, 16, 4, 2), 4, 0, False), (W, "dq", (8, 16, 4, 2), 1, 0, False),
+     (W, "dkdv", (8, 16, 4, 2), 4, 0, False)]
+    + _fused(32, (4, 2, 1))
+    + [(W, "reduce", (), n, 0, True) for n in (4, 47, 24)]
+    + [(W, "fwd", c, n, 0, True) for n in (4, 3, 6) for c in SWEEP_CFGS]
+    + _fused(64, (4, 2, 1)) + _fused(16, (4, 2))
+    + [(SM, k, (), 1, 0, f) for k in KINDS for f in (False, True)]
+    + [(SM, "dkdv", (), 1, b, True) for b in (16, 32)]
+    + [(SM, "reduce", (), n, 0, True) for n in (4, 8)]
+    + [(W, "dq", c, n, 0, True) for n in (1, 2, 4) for c in SWEEP_CFGS]
+    + [(W, "dkdv", c, n, 0, True) for n in (4, 1) for c in SWEEP_CFGS[:4]]
+    + [(W, "fwd", c, 1, 0, True) for c in SWEEP_CFGS]
+)
+
+
+def reduce_us(dev, n, shape, members=1):
+    """GPU µs of the graph's sum of ``n`` stacked partials of ``shape`` (the reduce kernel
+    the op adds after split dQ, split dK/dV and the fused dQ's partials); ``members`` such sums
+    of one shape compile to one multi-reduce dispatch (dK's and dV's sums)."""
+    import meganeura as mn
+    from meganeura.ops import reduce as R
+
+    g = mn.Graph()
+    xs = [g.input(f"x{i}", (n,) + shape) for i in range(members)]
+    outs = {f"y{i}": R.sum(x, (0,)) for i, x in enumerate(xs)}
+    sess = mn.compile(g, outputs=outs, device=dev, optimizer=None)
+    specs = [d.spec for d in sess.executable.infer.dispatches]
+    if len(specs) != 1 or specs[0].n_bindings != 2 * members:
+        return float("nan")
+    bufs = [dev.upload(np.zeros((n,) + shape, np.float32)) for _ in range(members)]
+    bufs += [dev.upload(np.zeros(shape, np.float32)) for _ in range(members)]
+    return time_dispatch(dev, specs[0], bufs)
+
+
+def sweep(dev, path, smoke=False):
+    """Time every ``SWEEP`` entry that fits (errors checked as usual)."""
+    t = make_target(dev.limits, dev.features)
+    probs = {}
+    for sname, kind, cfg, n, blk, fma in (SWEEP[:3] + SWEEP[3::9]) if smoke else SWEEP:
+        shape = SHAPES[sname]
+        if kind == "reduce":
+            B, Hq, _, S, D, _ = shape
+            us = reduce_us(dev, n, (B, Hq, S, D))
+            _emit(path, {"shape": sname, "kind": "reduce", "splits": n, "us": us})
+            print(f"{sname:8} reduce of {n:3} partials {(B, Hq, S, D)}: {us:8.1f} µs", flush=True)
+            continue
+        if sname not in probs:
+            probs[sname] = problem(shape)
+        x, a, ref = probs[sname]
+        desc = dataclasses.replace(describe(kind, x, a), config=cfg, splits=n, dq_block=blk)
+        if cfg and not A.config_fits(kind, cfg, shape[4], shape[4], t):
+            continue
+        A.FMA = fma
+        try:
+            spec, err, us = run_config(dev, desc, x, ref)
+        finally:
+            A.FMA = True
+        row = {"shape": sname, "kind": kind, "config": list(spec.meta["config"]), "splits": n,
+               "dq_block": blk, "fma": fma, "us": us, "err": err,
+               "workgroups": list(spec.workgroups)}
+        _emit(path, row)
+        print(f"{sname:8} {kind:5} {str(row['config']):15} splits={n} dq_block={blk:3} "
+              f"fma={fma:d} {us:9.1f} µs err {err:.1e}", flush=True)
+
+
+def _emit(path, row) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def op_path(dev, sname, shape):
+    """The kernels the compiled program runs for one attention at ``shape`` (the op's split
+    and fused-dQ choices, heuristic tiles): forward (+ combine), backward (dK/dV with the dQ
+    partials, or dQ + dK/dV, plus every partial sum's reduce), µs each and the total with the
+    issue's FLOP count (4·S²·D·H forward, 2.5× that backward; causal: half)."""
+    B, Hq, Hkv, S, D, causal = shape
+    x, a, ref = problem(shape)
+    plan = grad_plan(B, Hq, Hkv, S, S, D, causal, 0)
+    a["split_heads"] = plan["split_heads"]
+    parts = {}
+    desc = dataclasses.replace(describe("fwd", x, a), splits=fwd_splits(B, Hq, Hkv, S, S))
+    parts["fwd"] = run_config(dev, desc, x, ref)[1:]
+    n, blk, nq = plan["splits"], plan["dq_block"], plan["dq_splits"]
+    if not blk:
+        parts["dq"] = run_config(dev, dataclasses.replace(describe("dq", x, a), splits=nq), x,
+                                 ref)[1:]
+        if nq > 1:
+            parts["dq_sum"] = (0.0, reduce_us(dev, nq, (B, Hq, S, D)))
+    desc = dataclasses.replace(describe("dkdv", x, a), splits=n, dq_block=blk)
+    parts["dkdv" + ("+dq" if blk else "")] = run_config(dev, desc, x, ref)[1:]
+    if blk:
+        parts["dq_sum"] = (0.0, reduce_us(dev, -(-S // blk), (B, Hq, S, D)))
+    if n > 1 or plan["split_heads"]:
+        lead = n * (Hq // Hkv if plan["split_heads"] else 1)  # partials per dK (dV) element
+        parts["dkdv_sums"] = (0.0, reduce_us(dev, lead, (B, Hkv, S, D), members=2))
+    fl = 4 * S * S * D * Hq * B * (0.5 if causal else 1.0)
+    fwd = parts["fwd"][1]
+    bwd = sum(us for k, (_, us) in parts.items() if k != "fwd")
+    for k, (err, us) in parts.items():
+        print(f"op path {sname:8} {k:9} {us:9.1f} µs  err {err:.1e}", flush=True)
+    tf = 3.5 * fl / (fwd + bwd) / 1e6
+    print(f"op path {sname:8} fwd {fwd:8.1f} µs ({fl / fwd / 1e6:5.2f} TFLOP/s)  bwd "
+          f"{bwd:8.1f} µs  total {fwd + bwd:8.1f} µs = {tf:5.2f} TFLOP/s", flush=True)
+    return [{"shape": sname, "kind": "op_path", "plan": plan, "parts": parts, "fwd_us": fwd,
+             "bwd_us": bwd, "total_us": fwd + bwd, "tflops": tf}]
+
+
+def config_rows(dev, t, sname, shape, quick, everything):
+    """Every tile configuration of each kernel at one shape, then split-K and fast rows."""
+    rows = []
+    x, a, ref = problem(shape)
+    x["_ref"] = ref
+    for kind in KINDS:
+        desc = describe(kind, x, a)
+        cands = configs(desc, t, everything)
+        for n, c in enumerate(cands[:1] if quick else cands):
+            spec, err, us = run_config(dev, c, x, ref)
+            fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0)  # causal: half the pairs
+            us = max(us, 1e-3)
+            rows.append({"shape": sname, "kind": kind, "config": list(c.config),
+                         "default": n == 0, "us": us, "tflops": fl / us / 1e6, "err": err,
+                         "wg": spec.meta["workgroup_size"],
+                         "workgroups": list(spec.workgroups)})
+            print(f"{sname:8} {kind:5} {str(c.config):16}{'*' if n == 0 else ' '} "
+                  f"{us:9.1f} µs {fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
+    rows += split_rows(dev, x, a, sname, shape)
+    return rows + fast_rows(dev, x, a, sname, shape)
+
+
 def main(argv) -> None:
     backend = next((a for a in argv if not a.startswith("-")), "dawn")
     quick = "--quick" in argv
@@ -302,25 +496,22 @@ def main(argv) -> None:
     dev = get_device(backend)
     t = make_target(dev.limits, dev.features)
     print(f"device: {dev.adapter_name} ({dev.implementation})", flush=True)
-    rows = decode_rows(dev, "--smoke" in argv)  # first: cheap, and a cut-short run keeps it
-    for sname, shape in SHAPES.items():
-        x, a, ref = problem(shape)
-        x["_ref"] = ref
-        for kind in KINDS:
-            desc = describe(kind, x, a)
-            cands = configs(desc, t, "--all" in argv)
-            for n, c in enumerate(cands[:1] if quick else cands):
-                spec, err, us = run_config(dev, c, x, ref)
-                fl = spec.meta["flops"] * (0.5 if shape[5] else 1.0)  # causal: half the pairs
-                us = max(us, 1e-3)
-                rows.append({"shape": sname, "kind": kind, "config": list(c.config),
-                             "default": n == 0, "us": us, "tflops": fl / us / 1e6, "err": err,
-                             "wg": spec.meta["workgroup_size"],
-                             "workgroups": list(spec.workgroups)})
-                print(f"{sname:8} {kind:5} {str(c.config):16}{'*' if n == 0 else ' '} "
-                      f"{us:9.1f} µs {fl / us / 1e6:7.2f} TFLOP/s  err {err:.1e}", flush=True)
-        rows += split_rows(dev, x, a, sname, shape)
-        rows += fast_rows(dev, x, a, sname, shape)
+    if "--sweep" in argv:
+        if "--smoke" not in argv:
+            REPEATS.update(warm_s=0.15)
+        path = argv[argv.index("--json") + 1] if "--json" in argv else None
+        return sweep(dev, path, "--smoke" in argv)
+    rows = []
+    path = argv[argv.index("--json") + 1] if "--json" in argv else None
+
+    def save():  # after every section: a run cut short keeps what it measured
+        if path:
+            with open(path, "w") as f:
+                json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
+
+    for sname, shape in SHAPES.items():  # first: the headline numbers
+        rows += op_path(dev, sname, shape)
+        save()
     if "--torch" in argv:
         for sname, shape in SHAPES.items():
             tt = torch_times(shape)
@@ -328,9 +519,14 @@ def main(argv) -> None:
                 print(f"torch SDPA f32 {sname:8} fwd {tt[0]:8.1f} µs  fwd+bwd {tt[1]:8.1f} µs")
                 rows.append({"shape": sname, "kind": "torch", "fwd_us": tt[0],
                              "fwd_bwd_us": tt[1]})
-    if "--json" in argv:
-        with open(argv[argv.index("--json") + 1], "w") as f:
-            json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
+        save()
+    if "--op" in argv:
+        return
+    rows += decode_rows(dev, "--smoke" in argv)  # cheap
+    save()
+    for sname, shape in SHAPES.items():
+        rows += config_rows(dev, t, sname, shape, quick, "--all" in argv)
+        save()
     print("\nbest per kernel (heuristic in brackets):")
     for sname in SHAPES:
         for kind in KINDS:

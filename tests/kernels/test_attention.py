@@ -224,3 +224,85 @@ def test_split_dkdv(run, rng, split_heads):
         (lambda t: t.sum(0, keepdims=True))
     _check(fold(dk.astype(np.float64)), ref["dk"], "summed dk")
     _check(fold(dv.astype(np.float64)), ref["dv"], "summed dv")
+
+
+def _run_poisoned(dev, desc, inputs, shapes):
+    """Like ``run`` but the f32 outputs start as NaN (fresh buffers are zeros, which would
+    hide an element the kernel never writes)."""
+    spec = kernels.emit(desc, dev.limits, dev.features)
+    outs = [dev.upload(np.full(s, np.nan, np.float32)) for s in shapes]
+    dev.dispatch(spec, [dev.upload(a) for a in inputs] + outs)
+    return [dev.read_array(b, s, f32) for b, s in zip(outs, shapes, strict=True)]
+
+
+RULES = {"mask": {}, "causal": {"causal": True, "q_offset": 3},
+         "window": {"window": 9, "q_offset": 20}}
+
+
+@pytest.mark.parametrize("rules", sorted(RULES))
+@pytest.mark.parametrize("split_heads", [False, True])
+def test_dkdv_with_dq_partials(run, dev, rng, split_heads, rules):
+    """dK/dV that also writes dQ's partial sums per key block (GQA, query chunks, key blocks
+    cut by the length; a mask with -inf entries, or causal/window rules that hide whole blocks
+    from some rows: zeros there), all three packed in one flat output: the parts match the
+    op's reference and the partials sum to dQ.  Every fitting configuration of the block for
+    the masked non-split-heads case."""
+    from meganeura.ops.attention import _dkdv_ref
+
+    n, dims = 2, (1, 4, 2, 19, 37, 8, 8)
+    x, a, ref = _problem(rng, dims, RULES[rules],
+                         mask_shape=(1, 4, 19, 37) if rules == "mask" else None)
+    t = make_target(dev.limits, dev.features)
+    names = ("q", "k", "v") + (("mask",) if rules == "mask" else ()) + ("dout", "lse", "delta")
+    H = 4 if split_heads else 2
+    for blk in (16, 32):
+        a2 = {**a, "splits": n, "split_heads": split_heads, "dq_block": blk}
+        (want,) = _dkdv_ref([x[k].astype(np.float64) for k in names], a2)
+        base = dataclasses.replace(_desc("dkdv", x, a), splits=n, split_heads=split_heads,
+                                   dq_block=blk)
+        # one output binding: 7 storage buffers with the mask, within WebGPU's default 8
+        assert kernels.emit(base, dev.limits, dev.features).n_bindings == len(names) + 1
+        sizes = A.packed_sizes(base)
+        shapes = [(n, H, 37, 8), (n, H, 37, 8), (-(-37 // blk), 4, 19, 8)]
+        assert sizes == tuple(int(np.prod(sh)) for sh in shapes) and want.size == sum(sizes)
+        wants = np.split(want, np.cumsum(sizes)[:2])
+        cfgs = [c for c in A.CONFIGS if c[0] * c[2] == blk and A.config_fits("dkdv", c, 8, 8, t)]
+        every = rules == "mask" and not split_heads
+        for cfg in [()] + cfgs[:None if every else 1]:
+            (flat,) = _run_poisoned(dev, dataclasses.replace(base, config=cfg),
+                                    [x[k] for k in names], [(sum(sizes),)])
+            got = [g.reshape(sh) for g, sh in zip(np.split(flat, np.cumsum(sizes)[:2]), shapes,
+                                                  strict=True)]
+            for g, w, what in zip(got, wants, ("partial dk", "partial dv", "dq partials"),
+                                  strict=True):
+                _check(g, w.reshape(g.shape), f"{what} block {blk} {cfg}")
+            _check(got[2].astype(np.float64).sum(0, keepdims=True), ref["dq"], f"dq {blk} {cfg}")
+
+
+def test_dq_partials_block_must_match(dev):
+    """The fused dQ's partials are laid out per key block: a configuration with another block
+    is refused, and so is dq_block on a kernel other than dK/dV."""
+    q = C(f32, (1, 2, 8, 8))
+    row = C(f32, (1, 2, 8))
+    desc = A.AttentionGradDkdvKernel("dkdv", q, q, q, None, q, row, row, True, 0.3, 0, 0,
+                                     dq_block=16, config=(8, 8, 4, 2))
+    with pytest.raises(kernels.CodegenError, match="key block"):
+        kernels.emit(desc, dev.limits, dev.features)
+    with pytest.raises(kernels.CodegenError, match="dq_block"):
+        kernels.emit(dataclasses.replace(desc, kind="dq", config=()), dev.limits, dev.features)
+
+
+def test_split_dq(run, rng):
+    """dQ over 3 key chunks (a causal rule hides whole chunks of some rows): the partials
+    (the op's reference) and their total."""
+    from meganeura.ops.attention import _dq_ref
+
+    n, dims = 3, (1, 4, 2, 13, 40, 8, 4)
+    x, a, ref = _problem(rng, dims, {"causal": True, "q_offset": 20})
+    a = {**a, "splits": n}
+    names = ("q", "k", "v", "dout", "lse", "delta")
+    (dqp,) = run(dataclasses.replace(_desc("dq", x, a), splits=n), [x[k] for k in names],
+                 [((n, 4, 13, 8), f32)])
+    (want,) = _dq_ref([x[k].astype(np.float64) for k in names], a)
+    _check(dqp, want, "partial dq")
+    _check(dqp.astype(np.float64).sum(0, keepdims=True), ref["dq"], "summed dq")

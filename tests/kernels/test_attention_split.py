@@ -24,7 +24,7 @@ def test_heuristic():
     assert fwd_splits(1, 9, 3, 1, 512) == 8
     assert fwd_splits(8, 9, 3, 1, 2048) == 32
     assert fwd_splits(1, 9, 3, 128, 128) == 1
-    assert fwd_splits(1, 6, 6, 1500, 1500) == 4
+    assert fwd_splits(1, 6, 6, 1500, 1500) == 6
     for items in (1, 3, 100):
         for length in (256, 300, 1000, 4097):
             n = split_count(items, length)
@@ -78,3 +78,46 @@ def test_split_combine_writes_bshd(gpu, monkeypatch):
     combine = [d.spec for d in sess.executable.infer.dispatches
                if d.spec.meta.get("archetype") == "attention_combine"]
     assert len(combine) == 1 and "orow = (r /" in combine[0].wgsl
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_fused_dq_and_split_dq(gpu, monkeypatch, gqa):
+    """Through the compiled program: a short causal problem gets its dQ from the dK/dV
+    kernel's 16-key partials (no dQ kernel); with the thresholds lowered so that its 45 keys
+    count as long, a masked problem takes 32-key partials, a sliding-window one keeps the dQ
+    kernel and splits it over key chunks; all match the reference."""
+    import numpy as np
+
+    dims = (1, 4, 2 if gqa else 4, 23, 45, 8, 8)
+    sess = _run_case(gpu, dims, {"causal": True, "q_offset": 4})
+    kinds = _archetypes(sess)
+    assert "attention_dkdv" in kinds and "attention_dq" not in kinds
+    monkeypatch.setattr(OPS, "FUSED_DQ_LONG", 16)
+    monkeypatch.setattr(OPS, "SPLIT_MIN_LEN_FULL", 16)
+    monkeypatch.setattr(OPS, "SPLIT_MIN_CHUNK", 8)
+    mask = np.random.default_rng(1).normal(size=(1, 1, 23, 45)).astype(np.float32)
+    sess = _run_case(gpu, dims, {}, mask=mask)
+    assert "attention_dq" not in _archetypes(sess)
+    sess = _run_case(gpu, dims, {"window": 30, "q_offset": 4})
+    dq = [d.spec for d in sess.executable.infer.dispatches
+          if d.spec.meta.get("archetype") == "attention_dq"]
+    assert len(dq) == 1 and "let sc = " in dq[0].wgsl  # split over key chunks
+
+
+def test_fused_dq_choice():
+    """Whisper's encoder takes 32-key partials, SmolLM2's causal 128 positions 16-key ones;
+    long causal/window loops, large heads and partials above the byte budget keep the dQ
+    kernel (a long D = 128 loop splits it)."""
+    from meganeura.ops.attention import dq_fused_block, grad_plan
+
+    assert dq_fused_block(1, 6, 1500, 1500, 64, False, 0) == 32
+    assert dq_fused_block(1, 9, 128, 128, 64, True, 0) == 16
+    assert dq_fused_block(1, 6, 1500, 1500, 64, False, 8) == 0
+    assert dq_fused_block(1, 6, 1500, 1500, 64, True, 0) == 0
+    assert dq_fused_block(8, 16, 4096, 4096, 64, False, 0) == 0
+    assert dq_fused_block(1, 8, 1024, 1024, 128, False, 0) == 0
+    assert grad_plan(1, 6, 6, 1500, 1500, 64, False, 0) == {
+        "dq_block": 32, "dq_splits": 1, "split_heads": False, "splits": 4}
+    assert grad_plan(1, 9, 3, 128, 128, 64, True, 0) == {
+        "dq_block": 16, "dq_splits": 1, "split_heads": True, "splits": 1}
+    assert grad_plan(1, 8, 8, 1024, 1024, 128, False, 0)["dq_splits"] == 4

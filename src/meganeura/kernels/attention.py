@@ -37,11 +37,19 @@ query heads of the group: dK/dV of a kv head are complete sums, no atomics) in t
 and δ are staged, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ in registers, P and dS to workgroup memory, then
 dV += Pᵀ·dO and dK += dSᵀ·Q.
 
+With ``dq_block`` the dK/dV kernel also produces dQ: after each tile's dS is in workgroup
+memory it multiplies dSᵀ by the block's (pre-scaled) K and stores the tile rows' partial dQ of
+this key block (zeros for rows the causal/window rules hide the block from); graph ops sum the
+blocks' partials in order.  dK, dV and the partials share one flat output (7 storage buffers
+at most).  One kernel instead of two: S and dP are computed once per (key, row) pair, not twice
+(Whisper's backward 803 → 509 µs of kernels + a 60 µs sum, H200).
+
 Split-K (``splits``): fwd walks one chunk of the keys per workgroup and stores that chunk's
-normalized output and lse (merged by ``attention_combine.py``); dK/dV walks one chunk of the
-query positions and stores partial sums (summed by graph ops).  The op's expansion chooses the
-count (``ops/attention.py``, ``split_count``): decoding over a long cache, batch-1 encoders
-(Whisper fwd 308 → 257 µs, dK/dV 507 → 409 µs with 4 chunks on the H200).  ``precision="fast"``
+normalized output and lse (merged by ``attention_combine.py``); dQ walks one chunk of the keys
+and dK/dV one chunk of the query positions, storing partial sums (summed by graph ops).
+The op's expansion chooses the count (``ops/attention.py``, ``split_count``): decoding over a
+long cache, batch-1 encoders (Whisper fwd 308 → 257 µs, dK/dV 507 → 409 µs with 4 chunks on
+the H200).  ``precision="fast"``
 forwards run ``attention_fast.py`` (tensor cores) where the device has f16 subgroup matrices.
 
 ``delta = rowsum(dO·O)`` is an ordinary fused reduce kernel (built by the op's VJP).  All sums
@@ -103,6 +111,14 @@ CONFIGS = (
     (4, 8, 1, 2),  # 4 × 16, 32 (decoding: a few rows)
     (1, 32, 1, 1),  # 1 × 32, 32
     (1, 8, 1, 1),  # 1 × 8, 8 (last resort for tiny workgroup storage)
+    # few invocations per row (TC = 4: a 4-entry row-max table), 8 loop indices each
+    (8, 4, 4, 8),  # 32 × 32, 32
+    (16, 4, 2, 8),  # 32 × 32, 64
+    (16, 4, 4, 8),  # 64 × 32, 64
+    (32, 4, 2, 8),  # 64 × 32, 128
+    # half-height loop tiles: less workgroup storage per block (more workgroups per SM)
+    (16, 8, 4, 2),  # 64 × 16, 128
+    (8, 16, 4, 1),  # 32 × 16, 128
 )
 
 
@@ -137,6 +153,12 @@ class AttentionKernel:
     # "fast": QKᵀ and PV on f16 subgroup matrices (f32 accumulation and softmax) where the
     # device has them (``attention_fast``); elsewhere exactly the strict kernel
     precision: str = "strict"
+    # dkdv only: also write dQ's partial sums per block of ``dq_block`` keys ((n_blocks·B, Hq,
+    # Sq, D), summed by the caller; zeros for rows the causal/window rules hide the block from)
+    # from the dS tile the kernel already has, so no separate dQ kernel recomputes S and dP;
+    # the own block must be ``dq_block``.  The three outputs are packed into one flat tensor
+    # (``packed_sizes``): 6 storage buffers (7 with a mask), within WebGPU's default 8
+    dq_block: int = 0
 
 
 # One description type per family (the registry maps types to families); ``kind`` still says
@@ -177,8 +199,31 @@ def _comp(v: str, i: int, n: int) -> str:
     return v if n == 1 else f"{v}[{i}]"
 
 
-def _dot(w: int, a: str, b: str) -> str:
-    return f"dot({a}, {b})" if w == 4 else f"({a} * {b})"
+# Explicit fma: score dot products as one fma chain into the accumulator (4 fma per vec4 unit)
+# instead of acc + dot(a, b) (a multiply, 3 fma and an add: the add is not contracted, since
+# that would reassociate), and fma(p, o, acc) in the outer products instead of acc + p * o
+# (contracted or not at the driver's choice); False restores the old forms (kept for
+# before/after timings in one process)
+FMA = True
+
+
+def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
+    """``acc`` plus the dot product of units ``a`` and ``b`` (width ``w``)."""
+    if w == 1:
+        return f"fma({a}, {b}, {acc})" if FMA else f"{acc} + ({a} * {b})"
+    if not FMA:
+        return f"{acc} + dot({a}, {b})"
+    e = acc
+    for c in "xyzw":
+        e = f"fma({a}.{c}, {b}.{c}, {e})"
+    return e
+
+
+def _acc_axpy(w: int, acc: str, p: str, o: str) -> str:
+    """``acc + p · o`` (``p`` a scalar, ``o`` and ``acc`` of width ``w``)."""
+    if not FMA:
+        return f"{acc} + {p} * {o}"
+    return f"fma({_vt(w)}({p}), {o}, {acc})" if w > 1 else f"fma({p}, {o}, {acc})"
 
 
 # ------------------------------------------------------------------------------ configurations
@@ -215,15 +260,25 @@ def config_fits(kind: str, cfg, D: int, Dv: int, t) -> bool:
             and 4 * config_words(kind, cfg, D, Dv) <= t.lim("max_compute_workgroup_storage_size"))
 
 
-def choose_config(kind: str, own_n: int, n_bh: int, D: int, Dv: int, t) -> tuple:
+# Forwards split into key chunks (batch-1 encoders) try these first: 64 rows × 32 keys per
+# workgroup, Whisper 209 µs against 255 with (8, 16, 4, 2) at 6 chunks (H200, 2026-12-01;
+# with the explicit fma chains RM = 4 with TR = 16 no longer loses)
+SPLIT_FWD_FIRST = ((16, 8, 4, 4),)
+
+
+def choose_config(kind: str, own_n: int, n_bh: int, D: int, Dv: int, t, own: int = 0,
+                  first: tuple = ()) -> tuple:
     """The heuristic configuration: the first of ``CONFIGS`` that fits the device, whose own
     block is not (much) larger than the problem nor smaller than ``MIN_OWN_BLOCK`` (tiny blocks
     re-stage every K/V tile for a few rows), and that gives ``MIN_WORKGROUPS`` workgroups; with
     fewer possible, the threshold halves (small problems take smaller blocks)."""
-    fit = [c for c in CONFIGS if config_fits(kind, c, D, Dv, t)]
+    order = list(first) + [c for c in CONFIGS if c not in first]
+    fit = [c for c in order if config_fits(kind, c, D, Dv, t) and own in (0, c[0] * c[2])]
     if not fit:
         raise CodegenError(f"attention {kind}: no tile configuration fits the device's "
-                           f"workgroup storage (D={D}, Dv={Dv})")
+                           f"workgroup storage (D={D}, Dv={Dv}, own block {own or 'any'})")
+    if own:  # the block is fixed (dK/dV with dQ partials): the first in order of preference
+        return fit[0]
     cap = pow2ceil(own_n)
     floor = min(MIN_OWN_BLOCK, cap)
     small = [c for c in fit if floor <= c[0] * c[2] <= cap]
@@ -238,6 +293,16 @@ def choose_config(kind: str, own_n: int, n_bh: int, D: int, Dv: int, t) -> tuple
                 return c
         need //= 2
     return small[-1]
+
+
+def packed_sizes(k: AttentionKernel) -> tuple[int, int, int]:
+    """Elements of dK, dV and dQ's partials in the one output of a dK/dV kernel with
+    ``dq_block`` (in that order, each contiguous: (splits·B, H, Skv, D), the same with Dv,
+    (key blocks·B, Hq, Sq, D))."""
+    B, Hq, Sq, D = k.q.shape
+    Hkv, Skv, Dv = k.k.shape[1], k.k.shape[2], k.v.shape[3]
+    lead = max(1, int(k.splits)) * B * (Hq if k.split_heads else Hkv) * Skv
+    return lead * D, lead * Dv, -(-Skv // k.dq_block) * B * Hq * Sq * D
 
 
 def _problem(k: AttentionKernel) -> tuple[int, int]:
@@ -257,9 +322,13 @@ def resolve_config(k: AttentionKernel, t) -> tuple:
         if len(cfg) != 4 or not config_fits(k.kind, cfg, D, Dv, t):
             raise CodegenError(f"kernel {k.name!r}: tile configuration {k.config} does not fit "
                                "the device (TR, TC, RM, RN with RM in 1, 2, 4)")
+        if k.dq_block and cfg[0] * cfg[2] != k.dq_block:
+            raise CodegenError(f"kernel {k.name!r}: tile configuration {k.config} has a key "
+                               f"block of {cfg[0] * cfg[2]}, dq_block is {k.dq_block}")
         return cfg
     own_n, n_bh = _problem(k)
-    return choose_config(k.kind, own_n, n_bh, D, Dv, t)
+    first = SPLIT_FWD_FIRST if k.kind == "fwd" and k.splits > 1 else ()
+    return choose_config(k.kind, own_n, n_bh, D, Dv, t, k.dq_block, first)
 
 
 def candidates(k: AttentionKernel, target) -> list:
@@ -270,7 +339,7 @@ def candidates(k: AttentionKernel, target) -> list:
     own_n, _ = _problem(k)
     D, Dv = k.q.shape[3], k.v.shape[3]
     rest = [c for c in CONFIGS if c != first and config_fits(k.kind, c, D, Dv, t)
-            and c[0] * c[2] <= pow2ceil(own_n)]
+            and c[0] * c[2] <= pow2ceil(own_n) and k.dq_block in (0, c[0] * c[2])]
     return [dataclasses.replace(k, config=c) for c in [first] + rest[:7]]
 
 
@@ -307,9 +376,18 @@ class _Gen:
             self.lst = bcast_strides(k.lse, (self.B, self.Hq, self.Sq), "lse")
             self.dlst = bcast_strides(k.delta, (self.B, self.Hq, self.Sq), "delta")
         outs = {"fwd": ["out", "lse_out"], "dq": ["dq"], "dkdv": ["dk", "dv"]}[k.kind]
+        self.base = {}  # first element of each output in its binding
+        if k.dq_block:  # dK, dV and dQ's partials packed in one binding (<= 8 storage buffers)
+            if k.kind != "dkdv":
+                raise CodegenError(f"kernel {k.name!r}: dq_block is for dK/dV kernels")
+            n_dk, n_dv, _ = packed_sizes(k)
+            self.base = {"dk": 0, "dv": n_dk, "dqp": n_dk + n_dv}
+            outs = ["dkdvq"]
         self.dts = dts + [self.dt] * len(outs)
         self.bd = Bindings(self.dts, alias)
         self.bind = {n: self.bd.name(i) for i, n in enumerate(names + outs)}
+        for n in self.base:
+            self.bind[n] = self.bind["dkdvq"]
         self.wd, self.du = _units(self.D)
         self.wv, self.vu = _units(self.Dv)
         self.TR, self.TC, self.RM, self.RN = resolve_config(k, t)
@@ -317,11 +395,17 @@ class _Gen:
         self.own, self.loop = self.TR * self.RM, self.TC * self.RN
         self.dp, self.vp = _pad(self.du, self.TC), _pad(self.vu, self.TC)
         self.shared: list[str] = []
+        self.widths: dict[str, int] = {}
         self.words = 0
         self.ns = int(k.splits)
-        if self.ns < 1 or (self.ns > 1 and (k.kind == "dq" or k.out_bshd)):
-            raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (fwd and dkdv only, >= 1, "
-                               "not with out_bshd)")
+        if self.ns < 1 or (self.ns > 1 and k.out_bshd):
+            raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (>= 1, not with "
+                               "out_bshd)")
+
+    def at(self, target: str) -> str:
+        """Offset prefix of output ``target`` in its (packed) binding."""
+        n = self.base.get(target, 0)
+        return f"{u(n)} + " if n else ""
 
     def bsplit(self) -> str:
         """Batch index of an output row: (chunk, batch) when split."""
@@ -363,6 +447,7 @@ class _Gen:
     def array(self, name: str, w: int, n_units: int) -> None:
         """Declare workgroup array ``name`` of ``n_units`` units of width ``w``."""
         self.shared.append(f"var<workgroup> {name}: array<{_vt(w)}, {max(1, n_units)}>;")
+        self.widths[name] = w
         self.words += max(1, n_units) * w
 
     def stage(self, L, ind, arr, nrows, which, w, pad, pre, valid, coords, scale=None):
@@ -443,7 +528,7 @@ class _Gen:
             L.append(f"{i2}let b{j} = {loop_arr}[(tc + {u(j * TC)}) * {u(pad)} + d];")
         for i in range(RM):
             for j in range(RN):
-                L.append(f"{i2}{acc}{i}_{j} = {acc}{i}_{j} + {_dot(w, f'a{i}', f'b{j}')};")
+                L.append(f"{i2}{acc}{i}_{j} = {_acc_dot(w, f'{acc}{i}_{j}', f'a{i}', f'b{j}')};")
         L.append(f"{ind}}}")
 
     def acc_decl(self, L, ind, acc, w, units) -> int:
@@ -464,8 +549,9 @@ class _Gen:
             for c in range(nc):
                 L.append(f"{i2}let o_{acc}{c} = {arr}[kk * {u(pad)} + tc + {u(c * TC)}];")
                 for i in range(RM):
-                    L.append(f"{i2}{acc}{i}_{c} = {acc}{i}_{c} + {_comp('p_' + acc, i, RM)} * "
-                             f"o_{acc}{c};")
+                    L.append(f"{i2}{acc}{i}_{c} = " + _acc_axpy(
+                        self.widths[arr], f"{acc}{i}_{c}", _comp('p_' + acc, i, RM), f"o_{acc}{c}")
+                        + ";")
         L.append(f"{ind}}}")
 
     def put_tile(self, L, ind, arr, val) -> None:
@@ -491,7 +577,8 @@ class _Gen:
                     e = f"val{c}[{comp}]" if w == 4 else f"val{c}"
                     dst = (f"{rbase(i)} * {u(dim)} + cu{c} * {u(w)} + {u(comp)}" if w == 4
                            else f"{rbase(i)} * {u(dim)} + cu{c}")
-                    L.append(f"{ii}{self.bind[target]}[{dst}] = {_store(e, self.dt)};")
+                    L.append(f"{ii}{self.bind[target]}[{self.at(target)}{dst}] = "
+                             f"{_store(e, self.dt)};")
                 if guard:
                     L.append(f"{i2}}}")
             L.append(f"{ind}}}")
@@ -719,7 +806,7 @@ def _dq_kernel(g: _Gen, t):
     g.array("Ks", g.wd, g.loop * g.dp)
     g.array("Vs", g.wv, g.loop * g.vp)
     g.array("Ps", g.RM, g.loop * g.TR)
-    total = -(-g.rows // g.own) * g.B * g.Hkv
+    total = -(-g.rows // g.own) * g.B * g.Hkv * g.ns
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
@@ -734,7 +821,7 @@ def _dq_kernel(g: _Gen, t):
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
     g.store_rows(L, ind, "dq", "o", nc, g.wd, g.du, g.D,
-                 lambda i: f"((b * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)",
+                 lambda i: f"(({g.bsplit()} * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)",
                  lambda i: f"rok{i}", lambda i: _f(k.scale))
     return L
 
@@ -765,10 +852,14 @@ def _keys_head(g: _Gen, L, ind, grid, total) -> None:
     if k.window:
         L.append(f"{ind}i_hi = clamp(i32(j1) - 1i + {_i(k.window)} - {_i(k.q_offset)}, 0i, "
                  f"{_i(g.Sq)});")
+    L.append(f"{ind}var c_lo: i32 = 0i;")
+    L.append(f"{ind}var c_hi: i32 = {_i(g.Sq)};")
     if g.ns > 1:  # this workgroup's chunk of the query positions
         ch = -(-g.Sq // g.ns)
-        L.append(f"{ind}i_lo = max(i_lo, i32(sc) * {_i(ch)});")
-        L.append(f"{ind}i_hi = min(i_hi, i32(sc) * {_i(ch)} + {_i(ch)});")
+        L.append(f"{ind}c_lo = i32(sc) * {_i(ch)};")
+        L.append(f"{ind}c_hi = min(c_lo + {_i(ch)}, {_i(g.Sq)});")
+        L.append(f"{ind}i_lo = max(i_lo, c_lo);")
+        L.append(f"{ind}i_hi = min(i_hi, c_hi);")
     L.append(f"{ind}let R_lo = u32(i_lo) * {u(g.P)};")
     L.append(f"{ind}let R_hi = u32(max(i_hi, i_lo)) * {u(g.P)};")
     pre = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
@@ -874,13 +965,83 @@ def _dkdv_kernel(g: _Gen, t):
     g.dots(L, i2, "t", "Vs", "Os", g.wv, g.vu, g.vp)
     _keys_p_ds(g, L, i2)
     g.outer(L, i2, g.loop, [("av", "Ps", "Os", g.vp, nv), ("ak", "Ds", "Qs", g.dp, nk)])
+    if k.dq_block:
+        _dq_partial(g, L, i2)
     L.append(f"{i2}workgroupBarrier();")
     L.append(f"{ind}}}")
+    if k.dq_block and (k.causal or k.window):
+        _dq_partial_zeros(g, L, ind)
     obase = lambda i: f"(({g.bsplit()} * {u(g.NH)} + hw) * {u(g.Skv)} + jk{i})"  # noqa: E731
     ok = lambda i: f"kok{i}"  # noqa: E731
     g.store_rows(L, ind, "dk", "ak", nk, g.wd, g.du, g.D, obase, ok, lambda i: _f(k.scale))
     g.store_rows(L, ind, "dv", "av", nv, g.wv, g.vu, g.Dv, obase, ok, lambda i: "1.0")
     return L
+
+
+def _dq_partial(g: _Gen, L, ind) -> None:
+    """dQ's partial sum over this key block for the tile's query rows: dS (``Ds``, keys tr' +
+    i·TR of row r at r·TR + tr') times K·scale (``Ks``); invocation (tr, tc) computes rows tr +
+    m·TR × units tc + c·TC and stores them (each (key block, row) once: no accumulation)."""
+    TR, TC, RM, w, i2 = g.TR, g.TC, g.RM, g.wd, ind + "    "
+    nm, nc = -(-g.loop // TR), -(-g.du // TC)
+    for m in range(nm):
+        for c in range(nc):
+            L.append(f"{ind}var dqa{m}_{c}: {_vt(w)} = {_vt(w)}(0.0);")
+    L.append(f"{ind}for (var t2: u32 = 0u; t2 < {u(TR)}; t2 = t2 + 1u) {{")
+    for c in range(nc):
+        for i in range(RM):
+            L.append(f"{i2}let kq{i}_{c} = Ks[(t2 + {u(i * TR)}) * {u(g.dp)} + tc + {u(c * TC)}];")
+    for m in range(nm):
+        row = f"tr + {u(m * TR)}"
+        guard = (m + 1) * TR > g.loop
+        L.append(f"{i2}let dsq{m} = Ds[min({row}, {u(g.loop - 1)}) * {u(TR)} + t2];" if guard
+                 else f"{i2}let dsq{m} = Ds[({row}) * {u(TR)} + t2];")
+        for c in range(nc):
+            for i in range(RM):
+                L.append(f"{i2}dqa{m}_{c} = "
+                         f"{_acc_axpy(w, f'dqa{m}_{c}', _comp(f'dsq{m}', i, RM), f'kq{i}_{c}')};")
+    L.append(f"{ind}}}")
+    for m in range(nm):
+        L.append(f"{ind}{{")
+        L.append(f"{i2}let RRq = R0 + tr + {u(m * TR)};")
+        cond = "RRq < R_hi" + (f" && tr + {u(m * TR)} < {u(g.loop)}" if (m + 1) * TR > g.loop
+                                 else "")
+        L += [i2 + x for x in g.packed("RRq", "w")]
+        L.append(f"{i2}let qrow = (((kb * {u(g.B)} + b) * {u(g.Hq)} + wh) * {u(g.Sq)} + wi) * "
+                 f"{u(g.D)};")
+        for c in range(nc):
+            cu = f"tc + {u(c * TC)}"
+            full = f"{cond} && {cu} < {u(g.du)}" if (c + 1) * TC > g.du else cond
+            L.append(f"{i2}if ({full}) {{")
+            for comp in range(w):
+                e = f"dqa{m}_{c}[{comp}]" if w == 4 else f"dqa{m}_{c}"
+                L.append(f"{i2}    {g.bind['dqp']}[{g.at('dqp')}qrow + ({cu}) * {u(w)} + "
+                         f"{u(comp)}] = "
+                         f"{_store(e, g.dt)};")
+            L.append(f"{i2}}}")
+        L.append(f"{ind}}}")
+
+
+def _dq_partial_zeros(g: _Gen, L, ind) -> None:
+    """Zeros into this key block's dQ partials of the rows of the workgroup's chunk that the
+    causal/window rules hide the block from (the loop never visits them; the caller sums every
+    block's partials)."""
+    i2 = ind + "    "
+    P, D = u(g.P), u(g.D)
+    L.append(f"{ind}let zc_lo = u32(c_lo) * {P};")
+    L.append(f"{ind}let zc_hi = u32(c_hi) * {P};")
+    L.append(f"{ind}let zv_lo = clamp(R_lo, zc_lo, zc_hi);")
+    L.append(f"{ind}let zv_hi = clamp(R_hi, zv_lo, zc_hi);")
+    L.append(f"{ind}let z_n = (zv_lo - zc_lo + zc_hi - zv_hi) * {D};")
+    L.append(f"{ind}for (var e: u32 = lid; e < z_n; e = e + {u(g.wg)}) {{")
+    L.append(f"{i2}let rr = e / {D};")
+    L.append(f"{i2}let RRz = select(zv_hi + rr - (zv_lo - zc_lo), zc_lo + rr, "
+             "rr < zv_lo - zc_lo);")
+    L += [i2 + x for x in g.packed("RRz", "z")]
+    L.append(f"{i2}{g.bind['dqp']}[{g.at('dqp')}(((kb * {u(g.B)} + b) * {u(g.Hq)} + zh) * "
+             f"{u(g.Sq)} + zi) * "
+             f"{D} + e % {D}] = {_store('0.0', g.dt)};")
+    L.append(f"{ind}}}")
 
 
 def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSpec:
@@ -909,6 +1070,7 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
     src = module_source(head + g.bd.decls() + g.shared, {"mn_inf"}, g.wg, lines)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)
+    flops += 2 * B * Hq * Sq * Skv * D if k.dq_block else 0  # the dQ partials' product
     cfg, tiles = (g.fast, (16 * g.fast[0], g.fast[1])) if fast else \
         ((g.TR, g.TC, g.RM, g.RN), (g.own, g.loop))
     meta = {"tiles": tiles, "config": cfg, "precision": "fast" if fast else "strict",
@@ -931,7 +1093,8 @@ def _make(kind):
                                 attrs["scale"], attrs["window"], attrs["q_offset"],
                                 name=f"attention_{kind}",
                                 split_heads=bool(attrs.get("split_heads", False)),
-                                splits=int(attrs.get("splits", 1)))
+                                splits=int(attrs.get("splits", 1)),
+                                dq_block=int(attrs.get("dq_block", 0)))
 
     return make
 
