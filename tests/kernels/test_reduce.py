@@ -652,3 +652,29 @@ def test_the_order_of_the_arithmetic_is_the_documented_one(run, rng, shape, layo
     assert run.last_spec.meta["layout"] == layout
     want = [_emitter_order_sum(row, layout[1]) for row in x]
     np.testing.assert_array_equal(y, np.array(want, np.float32))
+
+
+def test_wide_outputs_fold_longer_reductions_serially():
+    """Many contiguous outputs (partial sums of split-K, attention dQ blocks): one invocation
+    per output up to 48 reduced elements from 65,536 outputs, up to 128 from 262,144
+    (H200: 47 × 576,000 serial 97.5 µs vs lanes 209.6); a narrower output or a strided one
+    keeps the lanes."""
+    assert choose_layout((47,), True, 47, 576000, 256) == (64, 1)
+    assert choose_layout((48,), True, 48, 65536, 256) == (64, 1)
+    assert choose_layout((49,), True, 49, 65536, 256) == (32, 8)
+    assert choose_layout((47,), True, 47, 65535, 256) == (32, 8)
+    assert choose_layout((128,), True, 128, 262144, 256) == (64, 1)
+    assert choose_layout((129,), True, 129, 262144, 256) == (32, 8)
+    assert choose_layout((47,), False, 47, 576000, 256) == (1, 64)
+    assert choose_layout((24,), True, 24, 4096, 256) == (32, 8)
+
+
+def test_wide_serial_sum_exact(run, rng):
+    """The serial layout at a reduced extent above SERIAL_MAX (40 rows, 65,536 outputs: the
+    unrolled accumulators and the tail of 40 = 4·10) sums exactly like float64."""
+    shape = (40, 65536)
+    x = rng.standard_normal(shape).astype(np.float32)
+    desc = _plain(shape, (0,), "sum")
+    assert codegen.emit(desc).meta["layout"] == (64, 1)
+    (y,) = run(desc, [x], [((65536,), f32)])
+    assert_close(y, x.astype(np.float64).sum(0), 1e-5, 1e-5, what="wide serial sum")

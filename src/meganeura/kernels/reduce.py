@@ -65,6 +65,12 @@ from .ir import (
 )
 
 SERIAL_MAX = 16  # reduced extents up to this are folded by one invocation per output
+# ... and, with contiguous outputs, up to these extents once there are this many outputs:
+# (min outputs, max reduced extent).  H200, Dawn, a sum over the leading axis of (R, N)
+# (bench/reduce_layout_bench.py, docs/data/h200-reduce-layout-2026-12-01.json): at N = 576,000
+# R = 47 serial 97.5 µs vs lanes 209.6; at N = 65,536 serial wins to R = 47, lanes from 64; at
+# N = 4,096 lanes win from R = 24 (too few invocations to hide latency serially).
+SERIAL_WIDE = ((65536, 48), (262144, 128))
 UNROLL = 4  # independent partial accumulators per invocation (memory-level parallelism)
 MAX_THREADS = 256
 
@@ -79,7 +85,8 @@ def _extra_strides(s, shape, axes, out_shape, what):
 
 def choose_layout(rshape, kept_contig: bool, red_total: int, out_total: int, max_threads: int):
     """(TX, TY): outputs per workgroup and invocations per output."""
-    if red_total <= SERIAL_MAX:
+    wide = kept_contig and any(out_total >= n and red_total <= r for n, r in SERIAL_WIDE)
+    if red_total <= SERIAL_MAX or wide:
         return min(max_threads, 64 if out_total >= 64 else pow2ceil(out_total)), 1
     if kept_contig and out_total > 1:
         tx = min(32, max_threads, pow2ceil(out_total))
