@@ -140,10 +140,14 @@ class fan_in_uniform(Initializer):
         return rng.uniform(-b, b, shape)
 
 
-def init_leaves(graph, seed: int = 0, kinds=("param", "state")) -> dict[str, np.ndarray]:
-    """Initial values of the graph's parameters and states, deterministic in ``seed``."""
+def init_leaves(graph, seed: int = 0, kinds=("param", "state"),
+                names=None) -> dict[str, np.ndarray]:
+    """Initial values of the graph's parameters and states (only ``names``, when given),
+    deterministic in ``seed``; each leaf's values depend on its name, not on which others
+    are initialised with it."""
     out = {}
-    for name, lf in graph.leaves.items():
+    for name in graph.leaves if names is None else names:
+        lf = graph.leaves[name]
         if lf.kind in kinds:
             out[name] = lf.init(rng_for(seed, name), lf.value.shape, lf.value.dtype)
     return out

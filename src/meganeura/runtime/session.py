@@ -317,6 +317,8 @@ class GPUSession(Session):
         super().__init__(program, check_finite)
         shared = self._shared_names(share)
         self.executable, self.dev = executable, device
+        if share is not None:  # the values this session takes over must exist first
+            share.buffers.materialize()
         self.precision = executable.precision
         self.compile_seconds = executable.compile_seconds
         self.buffers = PinnedBuffers(device, executable,
@@ -326,6 +328,15 @@ class GPUSession(Session):
         self.infer = GPUStream(device, executable.infer, self.buffers) \
             if executable.infer is not None else None
         self._init_unshared(shared)
+
+    def _init_unshared(self, shared: list[str]) -> None:
+        """Initial values of the unshared parameters and states, deferred to their first use
+        (``PinnedBuffers.defer_init``): the same values as an eager init, computed per name."""
+        graph, skip = self.program.graph, set(shared)
+        names = [n for n, lf in graph.leaves.items() if lf.kind in ("param", "state")
+                 and n not in skip]
+        self.buffers.defer_init(names, lambda ns: init_leaves(graph, 0, names=ns))
+        self.step_count = 0
 
     # Session primitives ----------------------------------------------------------------------
     def _upload_feeds(self, feeds):
@@ -354,6 +365,7 @@ class GPUSession(Session):
             raise KeyError(f"{name!r} is not a parameter or state of this session; it has "
                            f"{sorted(self.program.persistent)[:8]}")
         t = self.executable.leaves[name].type
+        self.buffers.materialize()  # the host may read the buffer right away
         buf, off = self.buffers.home(name)
         return buf, off, max(t.size, 1) * t.dtype.gpu_itemsize
 
