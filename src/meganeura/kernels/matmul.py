@@ -15,7 +15,8 @@ or ``variant`` (a named one: ``tiled64``, ``tiled64v``, ``tiled128``, ``tiled128
   for the small-M GEMMs of transformer projections: they give enough workgroups to fill a big
   GPU.
 * **sgmat** (precision "fast", Dawn's f16 subgroup matrices, f32 accumulation) — the same
-  staging (rounded to f16), each subgroup owns a block of 16×16 accumulator fragments.
+  staging (rounded to f16), each subgroup owns a block of 16×16 accumulator fragments; emitted
+  by ``matmul_sgmat`` (double-buffered staging, grouped rasterization, direct fragment stores).
 * **gemv** — when one of M, N is ≤ 4 (a matrix–vector product, M = 1 decoding, a 1-wide output
   layer): invocations split the long dimension *and* K, fold their share of K serially with
   four loads in flight, and a tree in workgroup memory adds the K partial sums.
@@ -60,7 +61,9 @@ class Cfg(NamedTuple):
     """One matmul configuration (a hashable tuple: ``MatmulKernel.config``).  ``kind`` "tiled":
     TM x TN output tile, RM x RN results per invocation, K step BK, ``vr`` vec4 reads of
     workgroup memory (RM, RN multiples of 4), ``vl`` vec4 global loads where the operand allows.
-    "sgmat": rm x rn subgroups (of 32) along rows/columns.  "gemv": no fields."""
+    "sgmat": rm x rn subgroups (of 32) along rows/columns, ``vr`` option bits (1 double
+    buffering, 2 grouped rasterization: ``matmul_sgmat``), ``vl`` as above.  "gemv": no
+    fields."""
 
     kind: str
     tm: int = 0
@@ -108,7 +111,6 @@ STRICT_EXTRAS = (
 TC_EXTRAS = (Cfg("sgmat", 128, 128, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32))
 FILL_WORKGROUPS = 256
 GEMV_MAX = 4  # M or N up to this use the gemv variant
-SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 # the device's pseudo-feature for that (runtime.device derives it from Dawn's configs)
 SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
 GEMV_THREADS = 256
@@ -180,7 +182,9 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
     if g.kind == "gemv":
         body, shared, wg_size, grid, helpers, variant = _gemv(ctx, t)
     else:
-        gen = _sgmat if g.kind == "sgmat" else _tiled
+        gen = _tiled
+        if g.kind == "sgmat":
+            from .matmul_sgmat import sgmat as gen
         body, shared, wg_size, grid, helpers, ops = gen(ctx, t, g)
         variant = config_name(g)
     uses_f16 = uses_f16 or g.kind == "sgmat"
@@ -220,7 +224,8 @@ def config_name(g: Cfg) -> str:
         if cfg == g:
             return name
     if g.kind == "sgmat":
-        return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{'' if g.vl else 's'}"
+        opts = ("d" if g.vr & 1 else "") + ("g" if g.vr & 2 else "")
+        return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{opts}{'' if g.vl else 's'}"
     return f"tiled{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{'v' if g.vr else ''}{'' if g.vl else 's'}"
 
 
@@ -235,6 +240,8 @@ def _check_config(g: Cfg, name: str) -> Cfg:
     elif g.kind == "sgmat":
         if min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
             bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
+        elif g.vr not in (0, 1, 2, 3):
+            bad = "vr holds the option bits 1 (double buffering) and 2 (grouped rasterization)"
     elif g != GEMV:
         bad = "unknown kind"
     if bad:
@@ -614,86 +621,6 @@ def _tiled(c: _Ctx, t, g: Cfg):
     shared = ([f"var<workgroup> As: array<{et}, {g.bk * sa // div}>;",
                f"var<workgroup> Bs: array<{et}, {g.bk * sb // div}>;"], 4 * g.bk * (sa + sb))
     return L, shared, nthreads, grid, helpers, ops
-
-
-def _sgmat(c: _Ctx, t, g: Cfg):
-    """Tensor-core tile: operands rounded to f16 while staged through workgroup memory, 16x16x16
-    subgroup-matrix multiply-accumulate into f32 fragments (``g.rm`` x ``g.rn`` subgroups, each
-    owning a block of fragments), then each fragment goes through workgroup memory so every
-    invocation applies the epilogue to its share of elements with ordinary bounds checks (any
-    shape, stride and epilogue works)."""
-    TM, TN, SGM, SGN, BKs = g.tm, g.tn, g.rm, g.rn, g.bk
-    nsg = SGM * SGN
-    nthreads = 32 * nsg
-    FM, FN = TM // SGM // 16, TN // SGN // 16  # fragments per subgroup
-    astr, bstr = BKs + SG_PAD, TN + SG_PAD  # workgroup-memory row strides (f16 elements)
-    ind = "    "
-    L: list[str] = [
-        f"{ind}let sid = lid / 32u;",
-        f"{ind}let lane = lid % 32u;",
-        f"{ind}let fr = sid / {u(SGN)} * {u(FM * 16)};",  # subgroup's first row in the tile
-        f"{ind}let fc = sid % {u(SGN)} * {u(FN * 16)};",
-    ]
-    grid, live_check, full_m, full_n = _tile_start(c, t, TM, TN, L, ind)
-    frag = "subgroup_matrix_result<f32, 16, 16>"
-    L += [f"{ind}var c{i}_{j} = {frag}();" for i in range(FM) for j in range(FN)]
-    ops = _operands(c, L, ind, TM, TN, BKs, nthreads, bool(g.vl))
-
-    def sh(arr, kx, x, vec):
-        if vec:
-            return None
-        return (f"As[({x}) * {u(astr)} + {kx}]" if arr == "As"
-                else f"Bs[({kx}) * {u(bstr)} + {x}]")
-
-    def compute(out: list[str], ii: str) -> None:
-        for kk in range(0, BKs, 16):
-            for i in range(FM):
-                out.append(f"{ii}let a{i}_{kk} = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, "
-                           f"16>>(&As, (fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, "
-                           f"{u(astr)});")
-            for j in range(FN):
-                out.append(f"{ii}let b{j}_{kk} = subgroupMatrixLoad<subgroup_matrix_right<f16, "
-                           f"16, 16>>(&Bs, {u(kk * bstr)} + fc + {u(16 * j)}, false, "
-                           f"{u(bstr)});")
-            for i in range(FM):
-                for j in range(FN):
-                    out.append(f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, "
-                               f"b{j}_{kk}, c{i}_{j});")
-
-    _k_loop(c, L, ind, BKs, not (full_m and full_n) or live_check, live_check, ops, sh,
-            lambda v: f"f16({v})", compute)
-    helpers: set[str] = set()
-    guard = ([] if full_m else [f"r < {u(c.M)}"]) + ([] if full_n else [f"n < {u(c.N)}"])
-    guard += ["live"] if live_check else []
-    _sgmat_stores(c, L, FM, FN, guard, helpers)
-    nbytes = 2 * (TM * astr + BKs * bstr) + 4 * 256 * nsg
-    shared = ([f"var<workgroup> As: array<f16, {TM * astr}>;",
-               f"var<workgroup> Bs: array<f16, {BKs * bstr}>;",
-               f"var<workgroup> Cs: array<f32, {256 * nsg}>;"], nbytes)
-    return L, shared, nthreads, grid, helpers, ops
-
-
-def _sgmat_stores(c: _Ctx, L: list[str], FM: int, FN: int, guard: list[str], helpers) -> None:
-    """Each fragment through this subgroup's 16x16 f32 scratch in workgroup memory, then 8
-    elements per invocation through the ordinary (bounds-checked) epilogue and store."""
-    ind, i2, i3 = "    ", "        ", "            "
-    for i in range(FM):
-        for j in range(FN):
-            L.append(f"{ind}subgroupMatrixStore(&Cs, sid * 256u, c{i}_{j}, false, 16u);")
-            L.append(f"{ind}workgroupBarrier();")
-            L.append(f"{ind}for (var q: u32 = 0u; q < 8u; q = q + 1u) {{")
-            L.append(f"{i2}let e = lane + q * 32u;")
-            L.append(f"{i2}let r = row0 + fr + {u(16 * i)} + e / 16u;")
-            L.append(f"{i2}let n = col0 + fc + {u(16 * j)} + e % 16u;")
-            L.append(f"{i2}let v = Cs[sid * 256u + e];")
-            if guard:
-                L.append(f"{i2}if ({' && '.join(guard)}) {{")
-                c.store(L, i3, "bi", "r", "n", "v", helpers)
-                L.append(f"{i2}}}")
-            else:
-                c.store(L, i2, "bi", "r", "n", "v", helpers)
-            L.append(f"{ind}}}")
-            L.append(f"{ind}workgroupBarrier();")
 
 
 def _gemv_layout(c: _Ctx):
