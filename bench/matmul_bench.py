@@ -3,6 +3,7 @@ default for the SmolLM2 / Whisper projection shapes, split-K (partial products +
 kernel) where K is long, and 4096³ strict and fast; results checked against numpy float64.
 
   python bench/matmul_bench.py dawn [--before OLD_MATMUL.py] [--quick]
+  python bench/matmul_bench.py dawn --tc-sweep [--out DIR]   (tensor-core configurations)
 
 Timing: after ≥ 0.5 s of warm-up work, one compute pass holding ``reps`` back-to-back
 dispatches between two GPU timestamps (≥ 5 ms in all, so Dawn's 65.5 µs timestamp
@@ -23,6 +24,7 @@ from meganeura import kernels as codegen
 from meganeura.dtypes import f32
 from meganeura.kernels import MatmulKernel, ReduceKernel, Strided
 from meganeura.kernels.ir import Instr
+from meganeura.kernels.matmul import SG_FEATURE, Cfg
 from meganeura.runtime.device import get_device
 
 ADD = (Instr("({0} + {1})", (("acc", 0), ("x", 0)), f32),)
@@ -158,15 +160,107 @@ def bench_shape(dev, timer, rng, M, N, K, add, b_nk, fast, before, rows_out) -> 
 
 
 
+# --tc-sweep: tensor-core (sgmat) configurations at 4096³ and at workload shapes.
+TC_SWEEP = [Cfg("sgmat", *x) for x in (  # tm, tn, rm, rn, bk, vr (1 double buffer, 2 raster)
+    (128, 128, 2, 4, 32, 0), (128, 128, 2, 4, 32, 1), (128, 128, 2, 4, 32, 2),
+    (128, 128, 2, 4, 32, 3), (128, 128, 2, 4, 32, 0, 0), (128, 128, 4, 2, 32, 0),
+    (128, 128, 4, 2, 32, 3), (128, 128, 2, 2, 32, 0), (128, 128, 2, 2, 32, 1),
+    (128, 128, 2, 2, 32, 3), (128, 128, 2, 2, 64, 0), (128, 128, 2, 2, 64, 2),
+    (128, 128, 2, 2, 16, 3), (128, 128, 2, 4, 64, 0), (128, 128, 2, 4, 64, 2),
+    (128, 128, 2, 4, 16, 1), (128, 128, 2, 4, 16, 3), (128, 128, 1, 4, 32, 3),
+    (128, 256, 2, 4, 32, 0), (128, 256, 2, 4, 32, 2), (128, 256, 2, 4, 16, 1),
+    (128, 256, 2, 4, 16, 3), (256, 128, 4, 2, 32, 0), (256, 128, 4, 2, 32, 2),
+    (256, 128, 4, 2, 16, 3), (64, 256, 1, 4, 32, 3), (256, 64, 4, 1, 16, 3),
+    (128, 64, 2, 2, 32, 1), (128, 64, 2, 2, 32, 3), (64, 128, 2, 2, 32, 3),
+    (64, 64, 2, 2, 32, 1), (64, 64, 2, 2, 32, 0))]
+TC_SHAPES = [(4096, 4096, 4096, 1), (1500, 384, 1536, 1), (128, 576, 960, 1),
+             (1024, 196, 256, 4)]  # M, N, K, batch
+
+
+def _tc_problem(dev, rng, M, N, K, B):
+    """A fast matmul of f32 operands and its float64 reference (of the f16-rounded operands)
+    on every 37th row of each batch (all tile rows and fragment rows are hit)."""
+    a = rng.standard_normal((B, M, K), dtype=np.float32)
+    b = rng.standard_normal((B, K, N), dtype=np.float32)
+    rows = np.unique(np.r_[np.arange(0, M, 37), M - 1])
+    r16 = lambda x: x.astype(np.float16).astype(np.float64)  # noqa: E731
+    ref = np.stack([r16(a[i, rows]) @ r16(b[i]) for i in range(B)])
+    desc = MatmulKernel(B, M, N, K, Strided.contiguous(f32, (B, M, K)),
+                        Strided.contiguous(f32, (B, K, N)), precision="fast")
+    bufs = [dev.upload(a), dev.upload(b), dev.create_buffer(4 * B * M * N)]
+    return desc, bufs, ref, rows
+
+
+def _tc_configs(dev, desc, big: bool):
+    """What to time at one shape: the heuristic default and the tuner's candidates, then
+    (4096³) the whole sweep or (workload shapes) the sweep's smaller tiles."""
+    from dataclasses import replace
+
+    out = codegen.candidates(desc, codegen.make_target(dev))
+    extra = TC_SWEEP if big else [g for g in TC_SWEEP if g.tm * g.tn <= 128 * 128]
+    have = {d.config for d in out}
+    return out + [replace(desc, config=tuple(g)) for g in extra if tuple(g) not in have]
+
+
+def tc_sweep(dev, timer, rng, out_dir: str | None) -> None:
+    """Compile, check and time tensor-core configurations; one line each, then a table of the
+    best per shape.  A configuration that fails to emit or compile is reported and skipped."""
+    if SG_FEATURE not in dev.features:
+        print(f"tc-sweep: {dev.implementation} has no f16 subgroup matrices ({SG_FEATURE}); "
+              "nothing to time", flush=True)
+        return
+    lines, best = [], []
+    for M, N, K, B in TC_SHAPES:
+        desc, bufs, ref, rows = _tc_problem(dev, rng, M, N, K, B)
+        flops, res = 2 * B * M * N * K, []
+        for d in _tc_configs(dev, desc, M == 4096):
+            try:
+                spec = codegen.emit(d, dev)
+                if not res:  # clocks up before the shape's first timing
+                    timer.warm([(spec, bufs)], 0.3)
+                t = timer([(spec, bufs)])
+            except Exception as e:  # a configuration the device rejects: report, go on
+                print(f"  {M}x{N}x{K}x{B} {d.config} FAILED {type(e).__name__}: "
+                      f"{str(e)[:300]}", flush=True)
+                continue
+            y = dev.read_array(bufs[-1], (B, M, N), f32)[:, rows].astype(np.float64)
+            err = float(np.abs(y - ref).max() / np.abs(ref).max())
+            ln = (f"{B}x{M}x{N}x{K} {spec.meta['variant']:28} {t * 1e6:9.1f} us "
+                  f"{flops / t / 1e12:7.1f} TFLOP/s err {err:.1e} smem "
+                  f"{spec.meta['workgroup_storage']}")
+            print("  " + ln, flush=True)
+            lines.append(ln)
+            res.append((t, spec.meta["variant"], err))
+        ok = sorted(r for r in res if r[2] < 1e-3)
+        best.append((f"{B}x{M}x{N}x{K}", res[0] if res else None, ok[:3], flops))
+    _tc_table(best, lines, out_dir)
+
+
+def _tc_table(best, lines, out_dir) -> None:
+    table = [f"{'shape':20} {'heuristic':36} best three (TFLOP/s)"]
+    for shape, heur, top, flops in best:
+        h = f"{heur[1]} {flops / heur[0] / 1e12:.1f}" if heur else "-"
+        table.append(f"{shape:20} {h:36} " + ", ".join(
+            f"{v} {flops / t / 1e12:.1f}" for t, v, _ in top))
+    print("\n" + "\n".join(table), flush=True)
+    if out_dir:
+        with open(f"{out_dir}/tc_sweep.txt", "w") as f:
+            f.write("\n".join(lines + [""] + table) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("impl", nargs="?", default="dawn")
     ap.add_argument("--before")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tc-sweep", action="store_true")
+    ap.add_argument("--out")
     args = ap.parse_args()
     dev = get_device(args.impl)
     print(args.impl, dev.adapter_name, flush=True)
     timer, rng = Timer(dev), np.random.default_rng(0)
+    if args.tc_sweep:
+        return tc_sweep(dev, timer, rng, args.out)
     before = _load_before(args.before) if args.before else None
     big = 1024 if args.quick else 4096
     d0, b0, _, _ = _problem(dev, rng, big, big, big, False, False)

@@ -9,7 +9,15 @@ import pytest
 from meganeura import kernels as codegen
 from meganeura.dtypes import f16, f32
 from meganeura.kernels import CodegenError, Instr, MatmulKernel, Strided
-from meganeura.kernels.matmul import SG_FEATURE, SGMAT, TC_EXTRAS, TC_LADDER, choose_variant
+from meganeura.kernels.matmul import (
+    SG_FEATURE,
+    SGMAT,
+    TC_EXTRAS,
+    TC_LADDER,
+    Cfg,
+    choose_variant,
+    config_name,
+)
 
 from ._util import assert_close, no_subgroup_matrix_reason, view_of
 from .test_matmul import BIAS_RELU, _operand
@@ -64,6 +72,48 @@ def test_workgroup_storage_fits_every_variant(variant):
     spec = codegen.emit(_desc(2, 300, 260, 200, variant=variant), TC_LIMITS, TC_FEATURES)
     assert spec.meta["workgroup_storage"] <= 48 * 1024
     assert spec.meta["workgroup_size"] == 32 * SGMAT[variant][2] * SGMAT[variant][3]
+
+
+# configurations with the option bits (matmul_sgmat: 1 double buffering, 2 rasterization)
+OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 32, 3),
+               Cfg("sgmat", 128, 128, 2, 2, 16, 3), Cfg("sgmat", 128, 256, 2, 4, 16, 1)]
+
+
+def _loop_body(wgsl: str) -> str:
+    body = wgsl[wgsl.index("for (var k0"):]
+    return body[:body.index("\n    }\n")]
+
+
+@pytest.mark.parametrize("vr", [0, 1, 2, 3])
+def test_option_bits_shape_the_code(vr):
+    """Double buffering: one barrier per K step and twice the staging memory; rasterization:
+    grouped tile order only where there are more tile rows than one group."""
+    g = Cfg("sgmat", 128, 128, 2, 4, 32, vr)
+    spec = codegen.emit(_desc(1, 2048, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
+    single = 2 * (128 * 40 + 32 * 136)
+    assert _loop_body(spec.wgsl).count("workgroupBarrier") == (1 if vr & 1 else 2)
+    assert spec.meta["workgroup_storage"] == single * (2 if vr & 1 else 1)
+    assert ("let gs = min(" in spec.wgsl) == bool(vr & 2)
+    assert spec.meta["variant"] == config_name(g) == ("sgmat128x128_2x4k32" + (
+        "d" if vr & 1 else "") + ("g" if vr & 2 else "") if vr else "sgmat128")
+    few_rows = codegen.emit(_desc(1, 1024, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
+    assert "let gs = min(" not in few_rows.wgsl  # 8 tile rows: one group, plain order
+    with pytest.raises(CodegenError, match="option bits"):
+        codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=4)), TC_LIMITS, TC_FEATURES)
+
+
+def test_results_go_straight_to_c_only_where_they_can():
+    """Whole tiles without an epilogue store fragments into C (no scratch); edge tiles and
+    epilogues go through the per-subgroup scratch."""
+    g = Cfg("sgmat", 64, 64, 2, 2, 32, 1)
+    whole = codegen.emit(_desc(2, 128, 192, 64, config=g), TC_LIMITS, TC_FEATURES)
+    assert "subgroupMatrixStore(&b2" in whole.wgsl and "Cs" not in whole.wgsl
+    edge = codegen.emit(_desc(2, 100, 192, 64, config=g), TC_LIMITS, TC_FEATURES)
+    assert "subgroupMatrixStore(&b2" in edge.wgsl and "var<workgroup> Cs" in edge.wgsl
+    epi = codegen.emit(_desc(1, 128, 192, 64, config=g, epilogue=BIAS_RELU,
+                             extra=(Strided(f32, (1, 1, 192), (0, 0, 1), 0, 192),)),
+                       TC_LIMITS, TC_FEATURES)
+    assert "subgroupMatrixStore(&b3" not in epi.wgsl and "var<workgroup> Cs" in epi.wgsl
 
 
 # --------------------------------------------------------------------------- on the device
@@ -140,7 +190,8 @@ def test_tensor_core_f16_operands(tc_run, rng):
     assert_close(y, a.astype(np.float64) @ b.astype(np.float64), 1e-4, 1e-4, what="f16 in")
 
 
-@pytest.mark.parametrize("g", list(dict.fromkeys(TC_LADDER + TC_EXTRAS)), ids=str)
+@pytest.mark.parametrize("g", list(dict.fromkeys(TC_LADDER + TC_EXTRAS + tuple(OPTION_CFGS))),
+                         ids=config_name)
 def test_tensor_core_configs(tc_run, rng, g):
     """Every tensor-core configuration on edges, a K tail, transposes and vec4/scalar loads."""
     for b, m, n, k, ta, tb in ((2, 300, 260, 200, True, False), (1, 70, 65, 33, False, True),
@@ -151,3 +202,16 @@ def test_tensor_core_configs(tc_run, rng, g):
         (y,) = tc_run(desc, [am, bm], [((b, m, n), f32)])
         assert tc_run.last_spec.meta["config"] == tuple(g)
         assert_close(y, _r16(a) @ _r16(bb), 1e-4, 1e-5 * np.sqrt(k), what=str(g))
+
+
+@pytest.mark.parametrize("b,m,n,k", [(1, 600, 70, 40), (2, 640, 128, 64)])
+def test_tensor_core_rasterized_groups(tc_run, rng, b, m, n, k):
+    """Grouped rasterization with a partial last group (10 tile rows: 8 + 2), edges, batches;
+    the second case has whole tiles only (direct fragment stores)."""
+    g = Cfg("sgmat", 64, 64, 2, 2, 32, 3)
+    am, a, sa = _operand(rng, b, m, k, False)
+    bm, bb, sb = _operand(rng, b, k, n, False)
+    (y,) = tc_run(MatmulKernel(b, m, n, k, sa, sb, precision="fast", config=g), [am, bm],
+                  [((b, m, n), f32)])
+    assert "let gs = min(" in tc_run.last_spec.wgsl
+    assert_close(y, _r16(a) @ _r16(bb), 1e-4, 1e-5 * np.sqrt(k), what=config_name(g))
