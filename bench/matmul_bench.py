@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from meganeura import kernels as codegen
-from meganeura.dtypes import f32
+from meganeura.dtypes import f16, f32
 from meganeura.kernels import MatmulKernel, ReduceKernel, Strided
 from meganeura.kernels.ir import Instr
 from meganeura.kernels.matmul import SG_FEATURE, Cfg
@@ -173,31 +173,39 @@ TC_SWEEP = [Cfg("sgmat", *x) for x in (  # tm, tn, rm, rn, bk, vr (1 double buff
     (256, 128, 4, 2, 16, 3), (64, 256, 1, 4, 32, 3), (256, 64, 4, 1, 16, 3),
     (128, 64, 2, 2, 32, 1), (128, 64, 2, 2, 32, 3), (64, 128, 2, 2, 32, 3),
     (64, 64, 2, 2, 32, 1), (64, 64, 2, 2, 32, 0))]
-TC_SHAPES = [(4096, 4096, 4096, 1), (1500, 384, 1536, 1), (128, 576, 960, 1),
-             (1024, 196, 256, 4)]  # M, N, K, batch
+TC_SHAPES = [(4096, 4096, 4096, 1, f32), (1500, 384, 1536, 1, f32), (128, 576, 960, 1, f32),
+             (1024, 196, 256, 4, f32), (4096, 4096, 4096, 1, f16)]  # M, N, K, batch, operands
+# f16 operands in global memory (half the bytes through L2): a few configurations
+TC_F16 = [Cfg("sgmat", *x) for x in (
+    (128, 128, 2, 4, 32, 0), (128, 128, 2, 4, 32, 3), (128, 128, 2, 2, 32, 3),
+    (128, 256, 2, 4, 16, 1), (128, 256, 2, 4, 32, 2), (256, 128, 4, 2, 32, 2))]
 
 
-def _tc_problem(dev, rng, M, N, K, B):
-    """A fast matmul of f32 operands and its float64 reference (of the f16-rounded operands)
+def _tc_problem(dev, rng, M, N, K, B, dt=f32):
+    """A fast matmul of ``dt`` operands and its float64 reference (of the f16-rounded operands)
     on every 37th row of each batch (all tile rows and fragment rows are hit)."""
-    a = rng.standard_normal((B, M, K), dtype=np.float32)
-    b = rng.standard_normal((B, K, N), dtype=np.float32)
+    npt = np.float16 if dt is f16 else np.float32
+    a = rng.standard_normal((B, M, K), dtype=np.float32).astype(npt)
+    b = rng.standard_normal((B, K, N), dtype=np.float32).astype(npt)
     rows = np.unique(np.r_[np.arange(0, M, 37), M - 1])
     r16 = lambda x: x.astype(np.float16).astype(np.float64)  # noqa: E731
     ref = np.stack([r16(a[i, rows]) @ r16(b[i]) for i in range(B)])
-    desc = MatmulKernel(B, M, N, K, Strided.contiguous(f32, (B, M, K)),
-                        Strided.contiguous(f32, (B, K, N)), precision="fast")
+    desc = MatmulKernel(B, M, N, K, Strided.contiguous(dt, (B, M, K)),
+                        Strided.contiguous(dt, (B, K, N)), precision="fast", out_dtype=f32)
     bufs = [dev.upload(a), dev.upload(b), dev.create_buffer(4 * B * M * N)]
     return desc, bufs, ref, rows
 
 
 def _tc_configs(dev, desc, big: bool):
     """What to time at one shape: the heuristic default and the tuner's candidates, then
-    (4096³) the whole sweep or (workload shapes) the sweep's smaller tiles."""
+    (4096³) the whole sweep or (workload shapes) the sweep's smaller tiles; f16 operands: the
+    heuristic and ``TC_F16``."""
     from dataclasses import replace
 
     out = codegen.candidates(desc, codegen.make_target(dev))
     extra = TC_SWEEP if big else [g for g in TC_SWEEP if g.tm * g.tn <= 128 * 128]
+    if desc.a.dtype is f16:
+        out, extra = out[:1], TC_F16
     have = {d.config for d in out}
     return out + [replace(desc, config=tuple(g)) for g in extra if tuple(g) not in have]
 
@@ -210,30 +218,38 @@ def tc_sweep(dev, timer, rng, out_dir: str | None) -> None:
               "nothing to time", flush=True)
         return
     lines, best = [], []
-    for M, N, K, B in TC_SHAPES:
-        desc, bufs, ref, rows = _tc_problem(dev, rng, M, N, K, B)
-        flops, res = 2 * B * M * N * K, []
-        for d in _tc_configs(dev, desc, M == 4096):
-            try:
-                spec = codegen.emit(d, dev)
-                if not res:  # clocks up before the shape's first timing
-                    timer.warm([(spec, bufs)], 0.3)
-                t = timer([(spec, bufs)])
-            except Exception as e:  # a configuration the device rejects: report, go on
-                print(f"  {M}x{N}x{K}x{B} {d.config} FAILED {type(e).__name__}: "
-                      f"{str(e)[:300]}", flush=True)
-                continue
-            y = dev.read_array(bufs[-1], (B, M, N), f32)[:, rows].astype(np.float64)
-            err = float(np.abs(y - ref).max() / np.abs(ref).max())
-            ln = (f"{B}x{M}x{N}x{K} {spec.meta['variant']:28} {t * 1e6:9.1f} us "
-                  f"{flops / t / 1e12:7.1f} TFLOP/s err {err:.1e} smem "
-                  f"{spec.meta['workgroup_storage']}")
-            print("  " + ln, flush=True)
-            lines.append(ln)
-            res.append((t, spec.meta["variant"], err))
-        ok = sorted(r for r in res if r[2] < 1e-3)
-        best.append((f"{B}x{M}x{N}x{K}", res[0] if res else None, ok[:3], flops))
+    for shape in TC_SHAPES:
+        best.append(_tc_shape(dev, timer, rng, shape, lines))
     _tc_table(best, lines, out_dir)
+
+
+def _tc_shape(dev, timer, rng, shape, lines: list[str]):
+    """Every configuration of one shape (lines appended to ``lines``); returns (shape label,
+    heuristic result, best three correct results, flops)."""
+    M, N, K, B, dt = shape
+    desc, bufs, ref, rows = _tc_problem(dev, rng, M, N, K, B, dt)
+    flops, res = 2 * B * M * N * K, []
+    label = f"{B}x{M}x{N}x{K}{' f16' if dt is f16 else ''}"
+    for d in _tc_configs(dev, desc, M == 4096):
+        try:
+            spec = codegen.emit(d, dev)
+            if not res:  # clocks up before the shape's first timing
+                timer.warm([(spec, bufs)], 0.3)
+            t = timer([(spec, bufs)])
+        except Exception as e:  # a configuration the device rejects: report, go on
+            print(f"  {label} {d.config} FAILED {type(e).__name__}: {str(e)[:300]}",
+                  flush=True)
+            continue
+        y = dev.read_array(bufs[-1], (B, M, N), f32)[:, rows].astype(np.float64)
+        err = float(np.abs(y - ref).max() / np.abs(ref).max())
+        ln = (f"{label:22} {spec.meta['variant']:28} {t * 1e6:9.1f} us "
+              f"{flops / t / 1e12:7.1f} TFLOP/s err {err:.1e} "
+              f"smem {spec.meta['workgroup_storage']}")
+        print("  " + ln, flush=True)
+        lines.append(ln)
+        res.append((t, spec.meta["variant"], err))
+    ok = sorted(r for r in res if r[2] < 1e-3)
+    return label, res[0] if res else None, ok[:3], flops
 
 
 def _tc_table(best, lines, out_dir) -> None:

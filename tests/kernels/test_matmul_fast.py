@@ -116,6 +116,18 @@ def test_results_go_straight_to_c_only_where_they_can():
     assert "subgroupMatrixStore(&b3" not in epi.wgsl and "var<workgroup> Cs" in epi.wgsl
 
 
+def test_f16_operands_load_as_vec4_without_conversion():
+    """The tensor-core tile reads f16 operands four at a time and keeps them f16 (the strict
+    tile converts them to f32 one by one)."""
+    desc = MatmulKernel(1, 128, 64, 48, Strided.contiguous(f16, (1, 128, 48)),
+                        Strided.contiguous(f16, (1, 48, 64)), out_dtype=f32, precision="fast")
+    wgsl = codegen.emit(desc, TC_LIMITS, TC_FEATURES).wgsl
+    assert wgsl.count("array<vec4<f16>>") == 2 and "var ar0: vec4<f16>;" in wgsl
+    odd = desc.__class__(1, 128, 64, 50, Strided.contiguous(f16, (1, 128, 50)),
+                         Strided.contiguous(f16, (1, 50, 64)), out_dtype=f32, precision="fast")
+    assert codegen.emit(odd, TC_LIMITS, TC_FEATURES).wgsl.count("array<vec4<f16>>") == 1
+
+
 # --------------------------------------------------------------------------- on the device
 
 
@@ -187,6 +199,7 @@ def test_tensor_core_f16_operands(tc_run, rng):
                         Strided.contiguous(f16, (1, 48, 72)), out_dtype=f32, precision="fast")
     (y,) = tc_run(desc, [a, b], [((1, 80, 72), f32)])
     assert tc_run.last_spec.meta["variant"].startswith("sgmat")
+    assert "array<vec4<f16>>" in tc_run.last_spec.wgsl
     assert_close(y, a.astype(np.float64) @ b.astype(np.float64), 1e-4, 1e-4, what="f16 in")
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..dtypes import DType, f32
+from ..dtypes import DType, f16, f32
 from ..errors import LimitError
 from .archetypes import kernel_family
 from .common import (
@@ -207,12 +207,13 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
 
 
 def _decls(bd: Bindings, ops, acc_t) -> list[str]:
-    """Binding declarations; operands loaded as vec4 are declared as arrays of vec4."""
+    """Binding declarations; operands loaded as vec4 are declared as arrays of vec4 (of f32,
+    or of f16 for the tensor-core tile's f16 operands: ``_Operand.rt``)."""
     lines = bd.decls()
     for o in ops:
         if o.w > 1:
             var = bd.name(o.slot)
-            lines = [ln.replace(f"{var}: array<{acc_t.wgsl}>", f"{var}: array<vec4<{acc_t.wgsl}>>")
+            lines = [ln.replace(f"{var}: array<{o.rt}>", f"{var}: array<vec4<{o.rt}>>")
                      for ln in lines]
     return lines
 
@@ -396,7 +397,8 @@ class _Operand:
     consecutive elements (w = 4: one vec4 load) along the operand's contiguous axis
     (``k_fast``: along K), so neighbouring invocations read neighbouring addresses."""
 
-    def __init__(self, c: _Ctx, which: str, T: int, bk: int, nthreads: int, want_vec: bool):
+    def __init__(self, c: _Ctx, which: str, T: int, bk: int, nthreads: int, want_vec: bool,
+                 f16_vec: bool = False):
         self.which, self.T, self.bk = which, T, bk
         self.arr, self.p = ("As", "a") if which == "a" else ("Bs", "b")
         _, s_x, s_k = (c.sa if which == "a" else (c.sb[0], c.sb[2], c.sb[1]))
@@ -404,8 +406,10 @@ class _Operand:
         self.k_fast = not (s_x == 1 and s_k != 1)
         self.dim = c.M if which == "a" else c.N
         self.slot = 0 if which == "a" else 1
-        self.w = 4 if want_vec and _vec_ok(c, which, self) and (
+        self.w = 4 if want_vec and _vec_ok(c, which, self, f16_vec) and (
             T * bk // 4) % nthreads in (0, T * bk // 4) else 1
+        # register element type of vec4 loads: f16 operands stay f16 (``f16_vec``)
+        self.rt = c.op_dt.wgsl if self.w > 1 else c.acc_t.wgsl
         self.items = T * bk // self.w  # loads per step; fewer than invocations: some idle
         self.n = max(1, self.items // nthreads)
         self.part = self.items < nthreads
@@ -422,10 +426,10 @@ class _Operand:
             L += [f"{ind}let {self.p}x{l} = {x};", f"{ind}let {self.p}k{l} = {kx};"]
 
 
-def _vec_ok(c: _Ctx, which: str, o: _Operand) -> bool:
-    """vec4 loads need f32 elements, the contiguous axis of stride 1 and every other stride,
-    the offset, the bound range and the contiguous extent multiples of 4, and a binding no
-    other slot shares (its declared element type changes)."""
+def _vec_ok(c: _Ctx, which: str, o: _Operand, f16_vec: bool = False) -> bool:
+    """vec4 loads need f32 elements (or f16 with ``f16_vec``), the contiguous axis of stride 1
+    and every other stride, the offset, the bound range and the contiguous extent multiples of
+    4, and a binding no other slot shares (its declared element type changes)."""
     v = c.a if which == "a" else c.b
     sbatch = (c.sa if which == "a" else c.sb)[0]
     other = o.s_x if o.k_fast else o.s_k
@@ -434,7 +438,8 @@ def _vec_ok(c: _Ctx, which: str, o: _Operand) -> bool:
     slot = 0 if which == "a" else 1
     alias = c.bd.alias
     shared = any(alias[i] == alias[slot] for i in range(len(alias)) if i != slot)
-    return (c.op_dt is f32 and contig == 1 and other % 4 == 0 and sbatch % 4 == 0
+    elem_ok = c.op_dt is f32 or (f16_vec and c.op_dt is f16)
+    return (elem_ok and contig == 1 and other % 4 == 0 and sbatch % 4 == 0
             and v.offset % 4 == 0 and v.extent % 4 == 0 and ext % 4 == 0 and not shared)
 
 
@@ -443,7 +448,7 @@ def _load_items(c: _Ctx, out: list[str], ii: str, o: _Operand, check_mn: bool, c
     """Step ``kb``'s loads of operand ``o`` into its registers, zero outside the matrices."""
     full = o.dim % o.T == 0
     origin = "row0" if o.which == "a" else "col0"
-    zero = f"vec4<{c.acc_t.wgsl}>(0)" if o.w > 1 else f"{c.acc_t.wgsl}(0)"
+    zero = f"vec4<{o.rt}>(0)" if o.w > 1 else f"{c.acc_t.wgsl}(0)"
     if o.part:
         out.append(f"{ii}if (lid < {u(o.items)}) {{")
         ii += "    "
@@ -530,15 +535,15 @@ def _k_loop(c: _Ctx, L: list[str], ind: str, bk: int, edges: bool, live_check: b
 
 
 def _operands(c: _Ctx, L: list[str], ind: str, TM: int, TN: int, bk: int, nthreads: int,
-              vec: bool):
+              vec: bool, f16_vec: bool = False):
     """Both operands' staging plans, their per-invocation coordinates and registers."""
-    ops = [_Operand(c, "a", TM, bk, nthreads, vec), _Operand(c, "b", TN, bk, nthreads, vec)]
+    ops = [_Operand(c, w, T, bk, nthreads, vec, f16_vec) for w, T in (("a", TM), ("b", TN))]
     for o in ops:
         if o.items > nthreads and o.items % nthreads:
             raise CodegenError(f"kernel {c.name!r}: a {o.T}x{bk} tile does not split over "
                                f"{nthreads} invocations")
         o.coords(L, ind, nthreads)
-        t = f"vec4<{c.acc_t.wgsl}>" if o.w > 1 else c.acc_t.wgsl
+        t = f"vec4<{o.rt}>" if o.w > 1 else c.acc_t.wgsl
         L += [f"{ind}var {o.p}r{l}: {t};" for l in range(o.n)]
     return ops
 

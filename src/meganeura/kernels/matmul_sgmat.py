@@ -6,7 +6,8 @@ of C; each subgroup owns a block of (tm / rm / 16) x (tn / rn / 16) accumulator 
 every A and B fragment it loads from workgroup memory feeds several multiply-accumulates.  The
 operands are read from global memory as f32 (vec4 where the view allows: ``vl``), rounded to
 f16 while staged into padded workgroup rows (the padding keeps fragment rows on distinct banks)
-and prefetched into registers one K step ahead.  ``vr`` holds option bits:
+and prefetched into registers one K step ahead (f16 operands: vec4<f16> loads, no conversion).
+``vr`` holds option bits:
 
 * ``DB`` — two workgroup buffers per operand: step k + 1's tiles are stored while step k is
   multiplied, so one barrier per K step instead of two;
@@ -47,7 +48,7 @@ def sgmat(c, t, g):
                     f"{ind}let fc = sid % {u(g.rn)} * {u(FN * 16)};"]
     grid, live_check, full_m, full_n = _tile_start(c, t, g, L, ind)
     L += [f"{ind}var c{i}_{j} = {FRAG_C}();" for i in range(FM) for j in range(FN)]
-    ops = _operands(c, L, ind, TM, TN, BK, nthreads, bool(g.vl))
+    ops = _operands(c, L, ind, TM, TN, BK, nthreads, bool(g.vl), f16_vec=True)
 
     def sh(off: str):
         def f(arr, kx, x, vec):
