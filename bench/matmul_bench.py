@@ -172,13 +172,21 @@ TC_SWEEP = [Cfg("sgmat", *x) for x in (  # tm, tn, rm, rn, bk, vr (1 double buff
     (128, 256, 2, 4, 16, 3), (256, 128, 4, 2, 32, 0), (256, 128, 4, 2, 32, 2),
     (256, 128, 4, 2, 16, 3), (64, 256, 1, 4, 32, 3), (256, 64, 4, 1, 16, 3),
     (128, 64, 2, 2, 32, 1), (128, 64, 2, 2, 32, 3), (64, 128, 2, 2, 32, 3),
-    (64, 64, 2, 2, 32, 1), (64, 64, 2, 2, 32, 0))]
+    (64, 64, 2, 2, 32, 1), (64, 64, 2, 2, 32, 0),
+    # 16 subgroups: 256x256 tiles (half the L2 traffic per flop of 128x128), 64 accumulators
+    (256, 256, 4, 8, 16, 1), (256, 256, 4, 8, 16, 3), (256, 256, 4, 8, 32, 0),
+    (256, 256, 4, 8, 32, 2), (256, 256, 8, 4, 16, 1), (256, 128, 8, 2, 16, 1))]
+# a few configurations for the side experiment (--toggles)
+TC_QUICK = [Cfg("sgmat", *x) for x in (
+    (128, 128, 2, 4, 32, 0), (128, 128, 2, 4, 32, 3), (128, 256, 2, 4, 16, 1),
+    (256, 128, 4, 2, 32, 2), (256, 256, 4, 8, 16, 1), (256, 256, 4, 8, 32, 0))]
 TC_SHAPES = [(4096, 4096, 4096, 1, f32), (1500, 384, 1536, 1, f32), (128, 576, 960, 1, f32),
              (1024, 196, 256, 4, f32), (4096, 4096, 4096, 1, f16)]  # M, N, K, batch, operands
 # f16 operands in global memory (half the bytes through L2): a few configurations
 TC_F16 = [Cfg("sgmat", *x) for x in (
     (128, 128, 2, 4, 32, 0), (128, 128, 2, 4, 32, 3), (128, 128, 2, 2, 32, 3),
-    (128, 256, 2, 4, 16, 1), (128, 256, 2, 4, 32, 2), (256, 128, 4, 2, 32, 2))]
+    (128, 256, 2, 4, 16, 1), (128, 256, 2, 4, 32, 2), (256, 128, 4, 2, 32, 2),
+    (256, 256, 4, 8, 16, 1))]
 
 
 def _tc_problem(dev, rng, M, N, K, B, dt=f32):
@@ -202,7 +210,7 @@ def _tc_configs(dev, desc, big: bool):
     heuristic and ``TC_F16``."""
     from dataclasses import replace
 
-    out = codegen.candidates(desc, codegen.make_target(dev))
+    out = codegen.candidates(desc, codegen.make_target(dev))[:1 if TC_SWEEP is TC_QUICK else None]
     extra = TC_SWEEP if big else [g for g in TC_SWEEP if g.tm * g.tn <= 128 * 128]
     if desc.a.dtype is f16:
         out, extra = out[:1], TC_F16
@@ -217,6 +225,13 @@ def tc_sweep(dev, timer, rng, out_dir: str | None) -> None:
         print(f"tc-sweep: {dev.implementation} has no f16 subgroup matrices ({SG_FEATURE}); "
               "nothing to time", flush=True)
         return
+    if dev.implementation == "dawn":  # the toggles really in force (robustness, ...)
+        try:
+            from wgpudawn.backends.dawn import extras
+
+            print("dawn device toggles:", extras.get_toggles(dev.device), flush=True)
+        except Exception as e:  # an older wgpudawn: say so, time anyway
+            print(f"dawn device toggles unknown: {e}", flush=True)
     lines, best = [], []
     for shape in TC_SHAPES:
         best.append(_tc_shape(dev, timer, rng, shape, lines))
@@ -271,7 +286,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tc-sweep", action="store_true")
     ap.add_argument("--out")
+    ap.add_argument("--toggles", default="",
+                    help="extra Dawn toggles, comma-separated (e.g. disable_robustness); the "
+                         "tensor-core sweep then times only TC_QUICK at 4096³")
     args = ap.parse_args()
+    if args.toggles:
+        from meganeura.runtime import device as devmod
+
+        devmod._DAWN_TOGGLES += tuple(args.toggles.split(","))
+        global TC_SHAPES, TC_SWEEP
+        TC_SHAPES, TC_SWEEP = TC_SHAPES[:1], TC_QUICK
     dev = get_device(args.impl)
     print(args.impl, dev.adapter_name, flush=True)
     timer, rng = Timer(dev), np.random.default_rng(0)
