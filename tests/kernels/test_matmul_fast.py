@@ -74,9 +74,10 @@ def test_workgroup_storage_fits_every_variant(variant):
     assert spec.meta["workgroup_size"] == 32 * SGMAT[variant][2] * SGMAT[variant][3]
 
 
-# configurations with the option bits (matmul_sgmat: 1 double buffering, 2 rasterization)
-OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 32, 3),
-               Cfg("sgmat", 128, 128, 2, 2, 16, 3), Cfg("sgmat", 128, 256, 2, 4, 16, 1)]
+# configurations with the option bits (matmul_sgmat: 1 double buffering, 2 rasterization,
+# 4 two K steps per iteration)
+OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 32, 7),
+               Cfg("sgmat", 128, 128, 2, 2, 16, 3), Cfg("sgmat", 128, 256, 2, 4, 16, 5)]
 
 
 def _loop_body(wgsl: str) -> str:
@@ -84,22 +85,30 @@ def _loop_body(wgsl: str) -> str:
     return body[:body.index("\n    }\n")]
 
 
-@pytest.mark.parametrize("vr", [0, 1, 2, 3])
+@pytest.mark.parametrize("vr", [0, 1, 2, 3, 5, 7])
 def test_option_bits_shape_the_code(vr):
-    """Double buffering: one barrier per K step and twice the staging memory; rasterization:
-    grouped tile order only where there are more tile rows than one group."""
+    """Double buffering: one barrier per K step and twice the staging memory (unrolled: two
+    steps per iteration, constant buffer offsets); rasterization: grouped tile order only where
+    there are more tile rows than one group."""
     g = Cfg("sgmat", 128, 128, 2, 4, 32, vr)
     spec = codegen.emit(_desc(1, 2048, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
     single = 2 * (128 * 40 + 32 * 136)
-    assert _loop_body(spec.wgsl).count("workgroupBarrier") == (1 if vr & 1 else 2)
+    body = _loop_body(spec.wgsl)
+    assert body.count("workgroupBarrier") == (1 if vr & 5 == 1 else 2)
+    assert ("let ca = " in body) == (vr & 5 == 1)  # a computed buffer offset
+    if vr & 4:  # 3 steps: the second of each pair is guarded
+        assert "k0 = k0 + 64u" in body and "if (k1 < 96u)" in body
     assert spec.meta["workgroup_storage"] == single * (2 if vr & 1 else 1)
     assert ("let gs = min(" in spec.wgsl) == bool(vr & 2)
-    assert spec.meta["variant"] == config_name(g) == ("sgmat128x128_2x4k32" + (
-        "d" if vr & 1 else "") + ("g" if vr & 2 else "") if vr else "sgmat128")
+    suffix = ("d" if vr & 1 else "") + ("u" if vr & 4 else "") + ("g" if vr & 2 else "")
+    assert spec.meta["variant"] == config_name(g) == (
+        f"sgmat128x128_2x4k32{suffix}" if vr else "sgmat128")
     few_rows = codegen.emit(_desc(1, 1024, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
     assert "let gs = min(" not in few_rows.wgsl  # 8 tile rows: one group, plain order
-    with pytest.raises(CodegenError, match="option bits"):
-        codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=4)), TC_LIMITS, TC_FEATURES)
+    for bad in (4, 6, 8):  # unrolling without double buffering; unknown bits
+        with pytest.raises(CodegenError, match="option bits"):
+            codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=bad)), TC_LIMITS,
+                         TC_FEATURES)
 
 
 def test_results_go_straight_to_c_only_where_they_can():

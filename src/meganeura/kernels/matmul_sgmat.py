@@ -11,6 +11,8 @@ and prefetched into registers one K step ahead (f16 operands: vec4<f16> loads, n
 
 * ``DB`` — two workgroup buffers per operand: step k + 1's tiles are stored while step k is
   multiplied, so one barrier per K step instead of two;
+* ``UNROLL`` (with ``DB``) — the K loop does two steps per iteration, so the buffer offsets
+  of every workgroup access are constants;
 * ``SWZ`` — grouped rasterization: consecutive workgroups walk ``SWZ_ROWS`` tile rows column by
   column, so the operand tiles a wave of workgroups shares stay in L2.
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from .common import make_grid, u
 
-DB, SWZ = 1, 2  # option bits of Cfg.vr for "sgmat"
+DB, SWZ, UNROLL = 1, 2, 4  # option bits of Cfg.vr for "sgmat"
 SWZ_ROWS = 8  # tile rows per rasterization group
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 FRAG_L = "subgroup_matrix_left<f16, 16, 16>"
@@ -69,8 +71,11 @@ def sgmat(c, t, g):
                     f"c{i}_{j});" for i in range(FM) for j in range(FN)]
 
     edges = not (full_m and full_n) or live_check
-    loop = _k_loop_db if db else _k_loop_single
-    loop(c, L, ind, BK, edges, live_check, ops, sh, compute, (asz, bsz))
+    if db:
+        _k_loop_db(c, L, ind, BK, edges, live_check, ops, sh, compute, (asz, bsz),
+                   bool(g.vr & UNROLL))
+    else:
+        _k_loop_single(c, L, ind, BK, edges, live_check, ops, sh, compute, (asz, bsz))
     helpers: set[str] = set()
     direct = _direct_ok(c)
     scratch = _stores(c, L, g, FM, FN, (full_m, full_n, live_check), direct, helpers)
@@ -171,35 +176,56 @@ def _k_loop_single(c, L, ind, bk, edges, live_check, ops, sh, compute, sizes) ->
     L += [f"{i2}workgroupBarrier();", f"{ind}}}"]
 
 
-def _k_loop_db(c, L, ind, bk, edges, live_check, ops, sh, compute, sizes) -> None:
+def _k_loop_db(c, L, ind, bk, edges, live_check, ops, sh, compute, sizes,
+               unroll: bool = False) -> None:
     """Two workgroup buffers per operand, one barrier per K step: step k stores the registers
     (step k + 1's tiles) into the other buffer, issues step k + 2's loads, multiplies step k.
-    The other buffer was last read before the previous step's barrier, so no second one."""
+    The other buffer was last read before the previous step's barrier, so no second one.
+    ``unroll``: two steps per iteration, so every buffer offset is a constant."""
     from .matmul import _store_items
 
-    i2, i3 = ind + "    ", ind + "        "
+    i2 = ind + "    "
     asz, bsz = sizes
     conv = lambda v: f"f16({v})"  # noqa: E731
     load = _loader(c, L, edges, live_check, ops)
-    ks = -(-c.K // bk) * bk
+    nsteps = -(-c.K // bk)
+    ks = nsteps * bk
     L += [f"{ind}{{", f"{i2}let kb = 0u;"]
     load(i2, c.K < bk)
     for o in ops:
         _store_items(L, i2, o, sh(""), conv)
     L += [f"{ind}}}", f"{ind}{{", f"{i2}let kb = {u(bk)};"]
     _next_loads(c, L, i2, bk, load)
-    L += [f"{ind}}}", f"{ind}workgroupBarrier();",
-          f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(bk)}) {{",
-          f"{i2}let cur = (k0 / {u(bk)}) & 1u;",
-          f"{i2}let ca = cur * {u(asz)};", f"{i2}let cb = cur * {u(bsz)};",
-          f"{i2}let na = {u(asz)} - ca;", f"{i2}let nb = {u(bsz)} - cb;",
-          f"{i2}if (k0 + {u(bk)} < {u(ks)}) {{"]
-    for o in ops:
-        _store_items(L, i3, o, sh("na + " if o.which == "a" else "nb + "), conv)
-    L += [f"{i2}}}", f"{i2}let kb = k0 + {u(2 * bk)};"]
-    _next_loads(c, L, i2, bk, load)
-    compute(L, i2, "ca + ", "cb + ")
-    L += [f"{i2}workgroupBarrier();", f"{ind}}}"]
+    L += [f"{ind}}}", f"{ind}workgroupBarrier();"]
+
+    def step(ii: str, k: str, cur) -> None:
+        """One K step at ``k`` on buffer ``cur`` (0/1, or a WGSL expression)."""
+        i3 = ii + "    "
+        if isinstance(cur, int):
+            offs = [u(cur * asz), u(cur * bsz), u((1 - cur) * asz), u((1 - cur) * bsz)]
+        else:
+            L.extend([f"{ii}let ca = {cur} * {u(asz)};", f"{ii}let cb = {cur} * {u(bsz)};",
+                      f"{ii}let na = {u(asz)} - ca;", f"{ii}let nb = {u(bsz)} - cb;"])
+            offs = ["ca", "cb", "na", "nb"]
+        L.append(f"{ii}if ({k} + {u(bk)} < {u(ks)}) {{")
+        for o in ops:
+            _store_items(L, i3, o, sh(f"{offs[2] if o.which == 'a' else offs[3]} + "), conv)
+        L.extend([f"{ii}}}", f"{ii}let kb = {k} + {u(2 * bk)};"])
+        _next_loads(c, L, ii, bk, load)
+        compute(L, ii, f"{offs[0]} + ", f"{offs[1]} + ")
+        L.append(f"{ii}workgroupBarrier();")
+
+    if not unroll:
+        L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(bk)}) {{")
+        step(i2, "k0", f"((k0 / {u(bk)}) & 1u)")
+        L.append(f"{ind}}}")
+        return
+    L += [f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(2 * bk)}) {{", f"{i2}{{"]
+    step(i2 + "    ", "k0", 0)
+    L += [f"{i2}}}", f"{i2}let k1 = k0 + {u(bk)};"]
+    L.append(f"{i2}if (k1 < {u(ks)}) {{" if nsteps % 2 else f"{i2}{{")
+    step(i2 + "    ", "k1", 1)
+    L += [f"{i2}}}", f"{ind}}}"]
 
 
 def _direct_ok(c) -> bool:
