@@ -191,6 +191,9 @@ TC_SMALL = [Cfg("sgmat", *x) for x in (
     (128, 64, 2, 2, 32, 3), (64, 128, 2, 2, 32, 3), (128, 128, 2, 2, 32, 1),
     (128, 128, 2, 2, 32, 7), (128, 128, 2, 4, 32, 1), (32, 64, 1, 2, 32, 1),
     (64, 32, 2, 1, 32, 1), (32, 32, 1, 1, 32, 1))]
+# ablations (wrong results, timing only): where a configuration's time goes
+TC_ABLATE = [Cfg("sgmat", *x) for x in (
+    (128, 128, 2, 4, 32, 0), (128, 256, 2, 4, 16, 5), (256, 256, 4, 8, 16, 5))]
 TC_SHAPES = [(4096, 4096, 4096, 1, f32), (1500, 384, 1536, 1, f32), (128, 576, 960, 1, f32),
              (1024, 196, 256, 4, f32), (4096, 4096, 4096, 1, f16)]  # M, N, K, batch, operands
 # f16 operands in global memory (half the bytes through L2): a few configurations
@@ -246,6 +249,8 @@ def tc_sweep(dev, timer, rng, out_dir: str | None) -> None:
     lines, best = [], []
     for shape in TC_SHAPES:
         best.append(_tc_shape(dev, timer, rng, shape, lines))
+    if TC_SWEEP is not TC_QUICK:
+        lines += tc_ablation(dev, timer, rng)
     _tc_table(best, lines, out_dir)
 
 
@@ -276,6 +281,40 @@ def _tc_shape(dev, timer, rng, shape, lines: list[str]):
         res.append((t, spec.meta["variant"], err))
     ok = sorted(r for r in res if r[2] < 1e-3)
     return label, res[0] if res else None, ok[:3], flops
+
+
+def _ablated(spec, what: str):
+    """``spec`` with the K loop's global loads removed ("noload") or also its workgroup
+    stores ("nostage": the fragment loads and multiplies alone)."""
+    import dataclasses
+    import re
+
+    head, loop = spec.wgsl.split("for (var k0", 1)
+    pat = r"^\s+[ab]r\d+ = b[01]\[.*$" if what == "noload" else \
+        r"^\s+([ab]r\d+ = b[01]\[|[AB]s\[).*$"
+    loop = re.sub(pat, "", loop, flags=re.M)
+    return dataclasses.replace(spec, wgsl=head + "for (var k0" + loop)
+
+
+def tc_ablation(dev, timer, rng) -> list[str]:
+    """``TC_ABLATE`` at 4096³ whole, without global loads and without staging."""
+    desc, bufs, _, _ = _tc_problem(dev, rng, 4096, 4096, 4096, 1)
+    flops, out = 2 * 4096**3, []
+    from dataclasses import replace
+
+    for g in TC_ABLATE:
+        spec = codegen.emit(replace(desc, config=tuple(g)), dev)
+        for what in ("whole", "noload", "nostage"):
+            sp = spec if what == "whole" else _ablated(spec, what)
+            try:
+                t = timer([(sp, bufs)])
+            except Exception as e:
+                out.append(f"ablation {spec.meta['variant']} {what} FAILED {str(e)[:200]}")
+                continue
+            out.append(f"ablation {spec.meta['variant']:28} {what:8} {t * 1e6:9.1f} us "
+                       f"{flops / t / 1e12:7.1f} TFLOP/s")
+            print("  " + out[-1], flush=True)
+    return out
 
 
 def _tc_table(best, lines, out_dir) -> None:
