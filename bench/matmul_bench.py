@@ -295,13 +295,14 @@ def tc_ablation(dev, timer, rng) -> list[str]:
     from dataclasses import replace
 
     for g in TC_ABLATE:
-        spec = codegen.emit(replace(desc, config=tuple(g)), dev)
         for what in ("whole", "noload", "nostage"):
-            sp = spec if what == "whole" else _ablated(spec, what)
             try:
+                spec = codegen.emit(replace(desc, config=tuple(g)), dev)
+                sp = spec if what == "whole" else _ablated(spec, what)
                 t = timer([(sp, bufs)])
-            except Exception as e:
-                out.append(f"ablation {spec.meta['variant']} {what} FAILED {str(e)[:200]}")
+            except Exception as e:  # reported, the sweep goes on
+                out.append(f"ablation {tuple(g)} {what} FAILED {str(e)[:200]}")
+                print("  " + out[-1], flush=True)
                 continue
             out.append(f"ablation {spec.meta['variant']:28} {what:8} {t * 1e6:9.1f} us "
                        f"{flops / t / 1e12:7.1f} TFLOP/s")
