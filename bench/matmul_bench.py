@@ -187,8 +187,8 @@ TC_SMALL = [Cfg("sgmat", *x) for x in (
 # ablations (wrong results, timing only): where a configuration's time goes
 TC_ABLATE = [Cfg("sgmat", *x) for x in (
     (128, 128, 2, 4, 32, 0), (128, 256, 2, 4, 16, 5), (256, 256, 4, 8, 16, 5))]
-TC_SHAPES = [(4096, 4096, 4096, 1, f32), (1500, 384, 1536, 1, f32), (128, 576, 960, 1, f32),
-             (1024, 196, 256, 4, f32), (4096, 4096, 4096, 1, f16)]  # M, N, K, batch, operands
+TC_SHAPES = [(4096, 4096, 4096, 1, f32), (4096, 4096, 4096, 1, f16), (1500, 384, 1536, 1, f32),
+             (128, 576, 960, 1, f32), (1024, 196, 256, 4, f32)]  # M, N, K, batch, operands
 # f16 operands in global memory (half the bytes through L2): a few configurations
 TC_F16 = [Cfg("sgmat", *x) for x in (
     (128, 128, 2, 4, 32, 3), (128, 256, 2, 4, 16, 1), (256, 128, 4, 2, 32, 2),
