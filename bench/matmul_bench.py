@@ -177,8 +177,13 @@ TC_SWEEP = [Cfg("sgmat", *x) for x in (  # tm, tn, rm, rn, bk, vr (see kernels/m
     (256, 256, 8, 4, 16, 1), (256, 128, 8, 2, 16, 1), (64, 256, 1, 4, 32, 3))]
 # a few configurations for the side experiment (--toggles)
 TC_QUICK = [Cfg("sgmat", *x) for x in (
-    (128, 128, 2, 4, 32, 0), (128, 128, 2, 4, 32, 3), (128, 256, 2, 4, 16, 1),
-    (256, 128, 4, 2, 32, 2), (256, 256, 4, 8, 16, 1), (256, 256, 4, 8, 16, 5))]
+    (128, 256, 2, 4, 32, 0), (128, 256, 2, 4, 32, 8), (128, 256, 2, 4, 16, 1),
+    (128, 128, 2, 4, 64, 2))]
+# --set final: the new default's neighbours (round 2), 4096³ f32 and f16 operands
+TC_FINAL = [Cfg("sgmat", *x) for x in (
+    (128, 256, 2, 4, 32, 8), (128, 256, 2, 4, 16, 0), (128, 256, 2, 4, 16, 8),
+    (128, 128, 2, 4, 64, 0), (128, 128, 2, 4, 64, 10), (128, 128, 2, 4, 32, 8),
+    (256, 128, 4, 2, 32, 8))]
 # the workload shapes (small M or N): the candidates and these
 TC_SMALL = [Cfg("sgmat", *x) for x in (
     (64, 64, 2, 2, 32, 1), (64, 64, 2, 2, 32, 5), (128, 64, 2, 2, 32, 1), (64, 128, 2, 2, 32, 3),
@@ -329,15 +334,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tc-sweep", action="store_true")
     ap.add_argument("--out")
+    ap.add_argument("--set", choices=("full", "final"), default="full",
+                    help="tensor-core sweep: the full exploration or the short final list")
     ap.add_argument("--toggles", default="",
                     help="extra Dawn toggles, comma-separated (e.g. disable_robustness); the "
                          "tensor-core sweep then times only TC_QUICK at 4096³")
     args = ap.parse_args()
+    global TC_SHAPES, TC_SWEEP, TC_F16, TC_ABLATE
+    if args.set == "final":
+        TC_SHAPES, TC_SWEEP, TC_F16 = TC_SHAPES[:2], TC_FINAL, TC_FINAL[:1]
+        TC_ABLATE = [Cfg("sgmat", 128, 256, 2, 4, 32)]
     if args.toggles:
         from meganeura.runtime import device as devmod
 
         devmod._DAWN_TOGGLES += tuple(args.toggles.split(","))
-        global TC_SHAPES, TC_SWEEP
         TC_SHAPES, TC_SWEEP = TC_SHAPES[:1], TC_QUICK
     dev = get_device(args.impl)
     print(args.impl, dev.adapter_name, flush=True)

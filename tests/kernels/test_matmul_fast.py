@@ -56,7 +56,8 @@ def test_fast_picks_tensor_cores_only_where_the_device_has_them():
 
 
 def test_variant_choice_and_errors():
-    assert choose_variant(1, 4096, 4096, 4096, tensor_cores=True) == "sgmat128"
+    assert choose_variant(1, 4096, 4096, 4096, tensor_cores=True) == "sgmat128x256_2x4k32"
+    assert choose_variant(1, 2048, 2048, 2048, tensor_cores=True) == "sgmat128x128_2x4k64g"
     assert choose_variant(1, 512, 512, 4096, tensor_cores=True).startswith("sgmat")
     assert choose_variant(1, 3, 512, 64, tensor_cores=True) == "gemv"
     with pytest.raises(CodegenError, match="needs f16 subgroup matrices"):
@@ -77,7 +78,8 @@ def test_workgroup_storage_fits_every_variant(variant):
 # configurations with the option bits (matmul_sgmat: 1 double buffering, 2 rasterization,
 # 4 two K steps per iteration)
 OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 32, 7),
-               Cfg("sgmat", 128, 128, 2, 2, 16, 3), Cfg("sgmat", 128, 256, 2, 4, 16, 5)]
+               Cfg("sgmat", 128, 128, 2, 2, 16, 3), Cfg("sgmat", 128, 256, 2, 4, 16, 5),
+               Cfg("sgmat", 64, 64, 2, 2, 32, 8)]
 
 
 def _loop_body(wgsl: str) -> str:
@@ -105,7 +107,7 @@ def test_option_bits_shape_the_code(vr):
         f"sgmat128x128_2x4k32{suffix}" if vr else "sgmat128")
     few_rows = codegen.emit(_desc(1, 1024, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
     assert "let gs = min(" not in few_rows.wgsl  # 8 tile rows: one group, plain order
-    for bad in (4, 6, 8):  # unrolling without double buffering; unknown bits
+    for bad in (4, 6, 16):  # unrolling without double buffering; unknown bits
         with pytest.raises(CodegenError, match="option bits"):
             codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=bad)), TC_LIMITS,
                          TC_FEATURES)
@@ -123,6 +125,18 @@ def test_results_go_straight_to_c_only_where_they_can():
                              extra=(Strided(f32, (1, 1, 192), (0, 0, 1), 0, 192),)),
                        TC_LIMITS, TC_FEATURES)
     assert "subgroupMatrixStore(&b3" not in epi.wgsl and "var<workgroup> Cs" in epi.wgsl
+
+
+def test_half_staging_registers():
+    """Option bit 8: f32 operands rounded to f16 as they are loaded (registers vec4<f16>, the
+    binding still vec4<f32>); scalar loads keep f32 registers."""
+    g = Cfg("sgmat", 64, 64, 2, 2, 32, 8)
+    wgsl = codegen.emit(_desc(1, 64, 64, 64, config=g), TC_LIMITS, TC_FEATURES).wgsl
+    assert wgsl.count("array<vec4<f32>>") == 2 and "var ar0: vec4<f16>;" in wgsl
+    assert "ar0 = vec4<f16>(b0[" in wgsl
+    odd = codegen.emit(_desc(1, 64, 64, 66, config=g), TC_LIMITS, TC_FEATURES).wgsl
+    assert "var ar0: f32;" in odd and "var br0: vec4<f16>;" in odd
+    assert config_name(g) == "sgmat64x64_2x2k32h"
 
 
 def test_f16_operands_load_as_vec4_without_conversion():
@@ -159,7 +173,7 @@ TC_CASES = [
     (3, 17, 130, 50, False, True, ""),
     (1, 100, 90, 41, True, True, ""),
     (1, 128, 256, 64, False, False, "sgmat64"),  # whole tiles: no bounds checks
-    (1, 256, 384, 96, False, True, "sgmat128"),
+    (1, 256, 384, 96, False, True, "sgmat128"),  # (no longer a default: forced by name)
     (2, 300, 260, 200, True, False, "sgmat128"),  # edges of big tiles, K tail
     (1, 33, 47, 5, False, False, ""),  # K smaller than one fragment
 ]

@@ -62,8 +62,8 @@ class Cfg(NamedTuple):
     TM x TN output tile, RM x RN results per invocation, K step BK, ``vr`` vec4 reads of
     workgroup memory (RM, RN multiples of 4), ``vl`` vec4 global loads where the operand allows.
     "sgmat": rm x rn subgroups (of 32) along rows/columns, ``vr`` option bits (1 double
-    buffering, 2 grouped rasterization, 4 two K steps per iteration: ``matmul_sgmat``), ``vl``
-    as above.  "gemv": no
+    buffering, 2 grouped rasterization, 4 two K steps per iteration, 8 f16 staging registers:
+    ``matmul_sgmat``), ``vl`` as above.  "gemv": no
     fields."""
 
     kind: str
@@ -96,20 +96,25 @@ STRICT_LADDER = (
     Cfg("tiled", 128, 64, 8, 4, 16, 1),
     NAMED["tiled64v"],
 )
+# Tensor-core tiles (precision "fast"), H200, Dawn, 4096³ (bench/matmul_bench.py --tc-sweep,
+# docs/benchmarks.md): 128x256 (8 subgroups of 64x64 fragments, K step 32) 218.9 TFLOP/s,
+# 128x128 K step 64 182.2, the former default sgmat128 (64x32 per subgroup) 145.4.  Small
+# shapes: 32x64 tiles (1500x384x1536: 51 TFLOP/s against 2-17 for 64x64 and larger).
 TC_LADDER = (
-    NAMED["sgmat128"],
+    Cfg("sgmat", 128, 256, 2, 4, 32),
+    Cfg("sgmat", 128, 128, 2, 4, 64, 2),
     Cfg("sgmat", 128, 64, 2, 2, 32),
     NAMED["sgmat64"],
     Cfg("sgmat", 32, 64, 1, 2, 32),
 )
-# (4096³ fast: sgmat128 148 TFLOP/s, its K-step-16 twin 117, 256x128 80, 64x64 83)
 # further configurations the tuner times (candidates) besides the ladders
 STRICT_EXTRAS = (
     NAMED["tiled128v"], Cfg("tiled", 64, 64, 4, 4, 32, 1), Cfg("tiled", 128, 128, 8, 8, 8, 1),
     Cfg("tiled", 64, 32, 4, 2, 16, 0), Cfg("tiled", 32, 32, 2, 2, 16, 0),
     Cfg("tiled", 32, 64, 2, 4, 16, 0),
 )
-TC_EXTRAS = (Cfg("sgmat", 128, 128, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32))
+TC_EXTRAS = (NAMED["sgmat128"], Cfg("sgmat", 128, 256, 2, 4, 32, 8),
+             Cfg("sgmat", 128, 256, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32, 2))
 FILL_WORKGROUPS = 256
 GEMV_MAX = 4  # M or N up to this use the gemv variant
 # the device's pseudo-feature for that (runtime.device derives it from Dawn's configs)
@@ -209,12 +214,12 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
 
 def _decls(bd: Bindings, ops, acc_t) -> list[str]:
     """Binding declarations; operands loaded as vec4 are declared as arrays of vec4 (of f32,
-    or of f16 for the tensor-core tile's f16 operands: ``_Operand.rt``)."""
+    or of f16 for the tensor-core tile's f16 operands: ``_Operand.bt``)."""
     lines = bd.decls()
     for o in ops:
         if o.w > 1:
             var = bd.name(o.slot)
-            lines = [ln.replace(f"{var}: array<{o.rt}>", f"{var}: array<vec4<{o.rt}>>")
+            lines = [ln.replace(f"{var}: array<{o.bt}>", f"{var}: array<vec4<{o.bt}>>")
                      for ln in lines]
     return lines
 
@@ -226,7 +231,7 @@ def config_name(g: Cfg) -> str:
         if cfg == g:
             return name
     if g.kind == "sgmat":
-        opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g")) if g.vr & bit)
+        opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g"), (8, "h")) if g.vr & bit)
         return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{opts}{'' if g.vl else 's'}"
     return f"tiled{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{'v' if g.vr else ''}{'' if g.vl else 's'}"
 
@@ -242,9 +247,10 @@ def _check_config(g: Cfg, name: str) -> Cfg:
     elif g.kind == "sgmat":
         if min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
             bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
-        elif not 0 <= g.vr < 8 or g.vr & 5 == 4:
-            bad = ("vr holds the option bits 1 (double buffering), 2 (grouped rasterization) "
-                   "and 4 (two K steps per iteration, with double buffering only)")
+        elif not 0 <= g.vr < 16 or g.vr & 5 == 4:
+            bad = ("vr holds the option bits 1 (double buffering), 2 (grouped rasterization), "
+                   "4 (two K steps per iteration, with double buffering only) and 8 (f16 "
+                   "staging registers)")
     elif g != GEMV:
         bad = "unknown kind"
     if bad:
@@ -400,7 +406,7 @@ class _Operand:
     (``k_fast``: along K), so neighbouring invocations read neighbouring addresses."""
 
     def __init__(self, c: _Ctx, which: str, T: int, bk: int, nthreads: int, want_vec: bool,
-                 f16_vec: bool = False):
+                 f16_vec: bool = False, rt16: bool = False):
         self.which, self.T, self.bk = which, T, bk
         self.arr, self.p = ("As", "a") if which == "a" else ("Bs", "b")
         _, s_x, s_k = (c.sa if which == "a" else (c.sb[0], c.sb[2], c.sb[1]))
@@ -410,8 +416,10 @@ class _Operand:
         self.slot = 0 if which == "a" else 1
         self.w = 4 if want_vec and _vec_ok(c, which, self, f16_vec) and (
             T * bk // 4) % nthreads in (0, T * bk // 4) else 1
-        # register element type of vec4 loads: f16 operands stay f16 (``f16_vec``)
-        self.rt = c.op_dt.wgsl if self.w > 1 else c.acc_t.wgsl
+        # element types of vec4 loads in the binding (bt) and the registers (rt): f16 operands
+        # stay f16 (``f16_vec``); ``rt16`` rounds f32 operands to f16 as they are loaded
+        self.bt = c.op_dt.wgsl if self.w > 1 else c.acc_t.wgsl
+        self.rt = "f16" if rt16 and self.w > 1 else self.bt
         self.items = T * bk // self.w  # loads per step; fewer than invocations: some idle
         self.n = max(1, self.items // nthreads)
         self.part = self.items < nthreads
@@ -459,6 +467,8 @@ def _load_items(c: _Ctx, out: list[str], ii: str, o: _Operand, check_mn: bool, c
         idx = f"{o.p}base + " + index_code([f"({origin} + {x})", f"(kb + {kx})"],
                                            [o.s_x, o.s_k])
         val = (f"{c.bd.name(o.slot)}[({idx}) / 4u]" if o.w > 1 else c.read(o.which, idx))
+        if o.w > 1 and o.rt != o.bt:
+            val = f"vec4<{o.rt}>({val})"
         conds = [f"{origin} + {x} < {u(o.dim)}"] if check_mn and not full else []
         conds += [f"kb + {kx} < {u(c.K)}"] if check_k else []
         conds += ["live"] if check_mn and live_check else []
@@ -537,9 +547,10 @@ def _k_loop(c: _Ctx, L: list[str], ind: str, bk: int, edges: bool, live_check: b
 
 
 def _operands(c: _Ctx, L: list[str], ind: str, TM: int, TN: int, bk: int, nthreads: int,
-              vec: bool, f16_vec: bool = False):
+              vec: bool, f16_vec: bool = False, rt16: bool = False):
     """Both operands' staging plans, their per-invocation coordinates and registers."""
-    ops = [_Operand(c, w, T, bk, nthreads, vec, f16_vec) for w, T in (("a", TM), ("b", TN))]
+    ops = [_Operand(c, w, T, bk, nthreads, vec, f16_vec, rt16)
+           for w, T in (("a", TM), ("b", TN))]
     for o in ops:
         if o.items > nthreads and o.items % nthreads:
             raise CodegenError(f"kernel {c.name!r}: a {o.T}x{bk} tile does not split over "

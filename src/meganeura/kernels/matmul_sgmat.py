@@ -13,6 +13,8 @@ and prefetched into registers one K step ahead (f16 operands: vec4<f16> loads, n
   multiplied, so one barrier per K step instead of two;
 * ``UNROLL`` (with ``DB``) — the K loop does two steps per iteration, so the buffer offsets
   of every workgroup access are constants;
+* ``HALF`` — f32 operands are rounded to f16 as they are loaded (vec4 loads only), so the
+  prefetch registers hold half the bits (register pressure binds the big tiles);
 * ``SWZ`` — grouped rasterization: consecutive workgroups walk ``SWZ_ROWS`` tile rows column by
   column, so the operand tiles a wave of workgroups shares stay in L2.
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from .common import make_grid, u
 
-DB, SWZ, UNROLL = 1, 2, 4  # option bits of Cfg.vr for "sgmat"
+DB, SWZ, UNROLL, HALF = 1, 2, 4, 8  # option bits of Cfg.vr for "sgmat"
 SWZ_ROWS = 8  # tile rows per rasterization group
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 FRAG_L = "subgroup_matrix_left<f16, 16, 16>"
@@ -50,7 +52,8 @@ def sgmat(c, t, g):
                     f"{ind}let fc = sid % {u(g.rn)} * {u(FN * 16)};"]
     grid, live_check, full_m, full_n = _tile_start(c, t, g, L, ind)
     L += [f"{ind}var c{i}_{j} = {FRAG_C}();" for i in range(FM) for j in range(FN)]
-    ops = _operands(c, L, ind, TM, TN, BK, nthreads, bool(g.vl), f16_vec=True)
+    ops = _operands(c, L, ind, TM, TN, BK, nthreads, bool(g.vl), f16_vec=True,
+                    rt16=bool(g.vr & HALF))
 
     def sh(off: str):
         def f(arr, kx, x, vec):
