@@ -79,7 +79,7 @@ def test_workgroup_storage_fits_every_variant(variant):
 # 4 two K steps per iteration)
 OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 32, 7),
                Cfg("sgmat", 128, 128, 2, 2, 16, 3), Cfg("sgmat", 128, 256, 2, 4, 16, 5),
-               Cfg("sgmat", 64, 64, 2, 2, 32, 8)]
+               Cfg("sgmat", 64, 64, 2, 2, 32, 24), Cfg("sgmat", 128, 256, 2, 4, 48, 8)]
 
 
 def _loop_body(wgsl: str) -> str:
@@ -107,7 +107,7 @@ def test_option_bits_shape_the_code(vr):
         f"sgmat128x128_2x4k32{suffix}" if vr else "sgmat128")
     few_rows = codegen.emit(_desc(1, 1024, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
     assert "let gs = min(" not in few_rows.wgsl  # 8 tile rows: one group, plain order
-    for bad in (4, 6, 16):  # unrolling without double buffering; unknown bits
+    for bad in (4, 6, 32):  # unrolling without double buffering; unknown bits
         with pytest.raises(CodegenError, match="option bits"):
             codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=bad)), TC_LIMITS,
                          TC_FEATURES)
@@ -137,6 +137,19 @@ def test_half_staging_registers():
     odd = codegen.emit(_desc(1, 64, 64, 66, config=g), TC_LIMITS, TC_FEATURES).wgsl
     assert "var ar0: f32;" in odd and "var br0: vec4<f16>;" in odd
     assert config_name(g) == "sgmat64x64_2x2k32h"
+
+
+def test_lean_fragment_order():
+    """Option bit 16: each A fragment loaded right before its row of products."""
+    def order(vr):
+        g = Cfg("sgmat", 64, 64, 2, 2, 16, vr)
+        body = _loop_body(codegen.emit(_desc(1, 64, 64, 64, config=g), TC_LIMITS,
+                                       TC_FEATURES).wgsl)
+        return [ln.split()[0] if ln.startswith("c") else ln.split()[1][0]
+                for ln in (x.strip() for x in body.splitlines())
+                if "subgroupMatrix" in ln and "Store" not in ln]
+    assert order(0) == ["a", "a", "b", "b"] + ["c0_0", "c0_1", "c1_0", "c1_1"]
+    assert order(16) == ["b", "b", "a", "c0_0", "c0_1", "a", "c1_0", "c1_1"]
 
 
 def test_f16_operands_load_as_vec4_without_conversion():

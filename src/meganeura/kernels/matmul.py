@@ -62,8 +62,8 @@ class Cfg(NamedTuple):
     TM x TN output tile, RM x RN results per invocation, K step BK, ``vr`` vec4 reads of
     workgroup memory (RM, RN multiples of 4), ``vl`` vec4 global loads where the operand allows.
     "sgmat": rm x rn subgroups (of 32) along rows/columns, ``vr`` option bits (1 double
-    buffering, 2 grouped rasterization, 4 two K steps per iteration, 8 f16 staging registers:
-    ``matmul_sgmat``), ``vl`` as above.  "gemv": no
+    buffering, 2 grouped rasterization, 4 two K steps per iteration, 8 f16 staging registers,
+    16 A fragments loaded one at a time: ``matmul_sgmat``), ``vl`` as above.  "gemv": no
     fields."""
 
     kind: str
@@ -231,7 +231,8 @@ def config_name(g: Cfg) -> str:
         if cfg == g:
             return name
     if g.kind == "sgmat":
-        opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g"), (8, "h")) if g.vr & bit)
+        opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g"), (8, "h"), (16, "l"))
+                       if g.vr & bit)
         return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{opts}{'' if g.vl else 's'}"
     return f"tiled{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{'v' if g.vr else ''}{'' if g.vl else 's'}"
 
@@ -247,10 +248,10 @@ def _check_config(g: Cfg, name: str) -> Cfg:
     elif g.kind == "sgmat":
         if min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
             bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
-        elif not 0 <= g.vr < 16 or g.vr & 5 == 4:
+        elif not 0 <= g.vr < 32 or g.vr & 5 == 4:
             bad = ("vr holds the option bits 1 (double buffering), 2 (grouped rasterization), "
-                   "4 (two K steps per iteration, with double buffering only) and 8 (f16 "
-                   "staging registers)")
+                   "4 (two K steps per iteration, with double buffering only), 8 (f16 "
+                   "staging registers) and 16 (A fragments loaded one at a time)")
     elif g != GEMV:
         bad = "unknown kind"
     if bad:

@@ -15,6 +15,7 @@ and prefetched into registers one K step ahead (f16 operands: vec4<f16> loads, n
   of every workgroup access are constants;
 * ``HALF`` — f32 operands are rounded to f16 as they are loaded (vec4 loads only), so the
   prefetch registers hold half the bits (register pressure binds the big tiles);
+* ``LEAN`` — each A fragment is loaded right before its row of products (one live at a time);
 * ``SWZ`` — grouped rasterization: consecutive workgroups walk ``SWZ_ROWS`` tile rows column by
   column, so the operand tiles a wave of workgroups shares stay in L2.
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from .common import make_grid, u
 
-DB, SWZ, UNROLL, HALF = 1, 2, 4, 8  # option bits of Cfg.vr for "sgmat"
+DB, SWZ, UNROLL, HALF, LEAN = 1, 2, 4, 8, 16  # option bits of Cfg.vr for "sgmat"
 SWZ_ROWS = 8  # tile rows per rasterization group
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 FRAG_L = "subgroup_matrix_left<f16, 16, 16>"
@@ -64,14 +65,23 @@ def sgmat(c, t, g):
         return f
 
     def compute(out: list[str], ii: str, aoff: str, boff: str) -> None:
+        """Per 16-deep slice: the B fragments, then the A fragments and the products (``LEAN``:
+        each A fragment right before its row of products, so one is live at a time)."""
+        def a_load(i: int, kk: int) -> str:
+            return (f"{ii}let a{i}_{kk} = subgroupMatrixLoad<{FRAG_L}>(&As, {aoff}"
+                    f"(fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, {u(astr)});")
+
+        def row(i: int, kk: int) -> list[str]:
+            return [f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, b{j}_{kk}, "
+                    f"c{i}_{j});" for j in range(FN)]
+
         for kk in range(0, BK, 16):
-            out += [f"{ii}let a{i}_{kk} = subgroupMatrixLoad<{FRAG_L}>(&As, {aoff}"
-                    f"(fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, {u(astr)});"
-                    for i in range(FM)]
+            if not g.vr & LEAN:
+                out += [a_load(i, kk) for i in range(FM)]
             out += [f"{ii}let b{j}_{kk} = subgroupMatrixLoad<{FRAG_R}>(&Bs, {boff}"
                     f"{u(kk * bstr)} + fc + {u(16 * j)}, false, {u(bstr)});" for j in range(FN)]
-            out += [f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, b{j}_{kk}, "
-                    f"c{i}_{j});" for i in range(FM) for j in range(FN)]
+            for i in range(FM):
+                out += ([a_load(i, kk)] if g.vr & LEAN else []) + row(i, kk)
 
     edges = not (full_m and full_n) or live_check
     if db:
