@@ -3,6 +3,7 @@ default for the SmolLM2 / Whisper projection shapes, split-K (partial products +
 kernel) where K is long, and 4096³ strict and fast; results checked against numpy float64.
 
   python bench/matmul_bench.py dawn [--before OLD_MATMUL.py] [--quick]
+  python bench/matmul_bench.py dawn --tc-sweep [--out DIR]   (tensor-core configurations)
 
 Timing: after ≥ 0.5 s of warm-up work, one compute pass holding ``reps`` back-to-back
 dispatches between two GPU timestamps (≥ 5 ms in all, so Dawn's 65.5 µs timestamp
@@ -20,9 +21,10 @@ import time
 import numpy as np
 
 from meganeura import kernels as codegen
-from meganeura.dtypes import f32
+from meganeura.dtypes import f16, f32
 from meganeura.kernels import MatmulKernel, ReduceKernel, Strided
 from meganeura.kernels.ir import Instr
+from meganeura.kernels.matmul import SG_FEATURE, Cfg
 from meganeura.runtime.device import get_device
 
 ADD = (Instr("({0} + {1})", (("acc", 0), ("x", 0)), f32),)
@@ -158,15 +160,198 @@ def bench_shape(dev, timer, rng, M, N, K, add, b_nk, fast, before, rows_out) -> 
 
 
 
+# --tc-sweep: tensor-core (sgmat) configurations at 4096³ and at workload shapes.
+TC_SWEEP = [Cfg("sgmat", *x) for x in (  # tm, tn, rm, rn, bk, vr (see kernels/matmul_sgmat)
+    # 128x128: 8 subgroups of 64x32, 4 of 64x64, 4 of 128x32; option bits; K steps
+    (128, 128, 2, 4, 32, 1), (128, 128, 2, 4, 32, 2), (128, 128, 2, 4, 32, 3),
+    (128, 128, 2, 4, 32, 5), (128, 128, 2, 4, 32, 7), (128, 128, 4, 2, 32, 3),
+    (128, 128, 2, 2, 32, 1), (128, 128, 2, 2, 32, 7), (128, 128, 2, 2, 64, 2),
+    (128, 128, 2, 4, 64, 2), (128, 128, 2, 4, 16, 3), (128, 128, 1, 4, 32, 3),
+    # 8 subgroups of 64x64: 128x256 and 256x128 (3/4 of the L2 traffic per flop of 128x128)
+    (128, 256, 2, 4, 32, 0), (128, 256, 2, 4, 32, 2), (128, 256, 2, 4, 16, 1),
+    (128, 256, 2, 4, 16, 3), (128, 256, 2, 4, 16, 5), (256, 128, 4, 2, 32, 0),
+    (256, 128, 4, 2, 32, 2), (256, 128, 4, 2, 16, 3), (256, 128, 4, 2, 16, 7),
+    # 16 subgroups: 256x256 tiles (half the L2 traffic per flop of 128x128), 64 accumulators
+    (256, 256, 4, 8, 16, 1), (256, 256, 4, 8, 16, 3), (256, 256, 4, 8, 16, 5),
+    (256, 256, 4, 8, 16, 7), (256, 256, 4, 8, 32, 0), (256, 256, 4, 8, 32, 2),
+    (256, 256, 8, 4, 16, 1), (256, 128, 8, 2, 16, 1), (64, 256, 1, 4, 32, 3))]
+# a few configurations for the side experiment (--toggles)
+TC_QUICK = [Cfg("sgmat", *x) for x in (
+    (128, 256, 2, 4, 32, 0), (128, 256, 2, 4, 32, 8), (128, 256, 2, 4, 16, 1),
+    (128, 256, 2, 4, 48, 8))]
+# --set final: the new default's neighbours (round 2), 4096³ f32 and f16 operands
+TC_FINAL = [Cfg("sgmat", *x) for x in (
+    (128, 256, 2, 4, 32, 8), (128, 256, 2, 4, 32, 16), (128, 256, 2, 4, 48, 8),
+    (128, 128, 2, 4, 64, 0))]
+# the workload shapes (small M or N): the candidates and these
+TC_SMALL = [Cfg("sgmat", *x) for x in (
+    (64, 64, 2, 2, 32, 1), (64, 64, 2, 2, 32, 5), (128, 64, 2, 2, 32, 1), (64, 128, 2, 2, 32, 3),
+    (128, 128, 2, 2, 32, 1), (128, 128, 2, 4, 32, 1), (32, 64, 1, 2, 32, 1),
+    (64, 32, 2, 1, 32, 1))]
+# ablations (wrong results, timing only): where a configuration's time goes
+TC_ABLATE = [Cfg("sgmat", *x) for x in (
+    (128, 128, 2, 4, 32, 0), (128, 256, 2, 4, 16, 5), (256, 256, 4, 8, 16, 5))]
+TC_SHAPES = [(4096, 4096, 4096, 1, f32), (4096, 4096, 4096, 1, f16), (1500, 384, 1536, 1, f32),
+             (128, 576, 960, 1, f32), (1024, 196, 256, 4, f32)]  # M, N, K, batch, operands
+# f16 operands in global memory (half the bytes through L2): a few configurations
+TC_F16 = [Cfg("sgmat", *x) for x in (
+    (128, 128, 2, 4, 32, 3), (128, 256, 2, 4, 16, 1), (256, 128, 4, 2, 32, 2),
+    (256, 256, 4, 8, 16, 1), (256, 256, 4, 8, 16, 5))]
+
+
+def _tc_problem(dev, rng, M, N, K, B, dt=f32):
+    """A fast matmul of ``dt`` operands and its float64 reference (of the f16-rounded operands)
+    on every 37th row of each batch (all tile rows and fragment rows are hit)."""
+    npt = np.float16 if dt is f16 else np.float32
+    a = rng.standard_normal((B, M, K), dtype=np.float32).astype(npt)
+    b = rng.standard_normal((B, K, N), dtype=np.float32).astype(npt)
+    rows = np.unique(np.r_[np.arange(0, M, 37), M - 1])
+    r16 = lambda x: x.astype(np.float16).astype(np.float64)  # noqa: E731
+    ref = np.stack([r16(a[i, rows]) @ r16(b[i]) for i in range(B)])
+    desc = MatmulKernel(B, M, N, K, Strided.contiguous(dt, (B, M, K)),
+                        Strided.contiguous(dt, (B, K, N)), precision="fast", out_dtype=f32)
+    bufs = [dev.upload(a), dev.upload(b), dev.create_buffer(4 * B * M * N)]
+    return desc, bufs, ref, rows
+
+
+def _tc_configs(dev, desc, big: bool):
+    """What to time at one shape (each tensor-core pipeline costs Dawn ~0.7 s to compile, so
+    the lists are short): the heuristic default, then ``TC_SWEEP`` (4096³), ``TC_SMALL``
+    (workload shapes) or ``TC_F16`` (f16 operands)."""
+    from dataclasses import replace
+
+    out = codegen.candidates(desc, codegen.make_target(dev))[:1]
+    extra = TC_SWEEP if big else TC_SMALL
+    if desc.a.dtype is f16:
+        extra = TC_F16
+    have = {d.config for d in out}
+    return out + [replace(desc, config=tuple(g)) for g in extra if tuple(g) not in have]
+
+
+def tc_sweep(dev, timer, rng, out_dir: str | None) -> None:
+    """Compile, check and time tensor-core configurations; one line each, then a table of the
+    best per shape.  A configuration that fails to emit or compile is reported and skipped."""
+    if SG_FEATURE not in dev.features:
+        print(f"tc-sweep: {dev.implementation} has no f16 subgroup matrices ({SG_FEATURE}); "
+              "nothing to time", flush=True)
+        return
+    if dev.implementation == "dawn":  # the toggles really in force (robustness, ...)
+        try:
+            from wgpudawn.backends.dawn import extras
+
+            print("dawn device toggles:", extras.get_toggles(dev.device), flush=True)
+        except Exception as e:  # an older wgpudawn: say so, time anyway
+            print(f"dawn device toggles unknown: {e}", flush=True)
+    lines, best = [], []
+    for shape in TC_SHAPES:
+        best.append(_tc_shape(dev, timer, rng, shape, lines))
+    if TC_SWEEP is not TC_QUICK:
+        lines += tc_ablation(dev, timer, rng)
+    _tc_table(best, lines, out_dir)
+
+
+def _tc_shape(dev, timer, rng, shape, lines: list[str]):
+    """Every configuration of one shape (lines appended to ``lines``); returns (shape label,
+    heuristic result, best three correct results, flops)."""
+    M, N, K, B, dt = shape
+    desc, bufs, ref, rows = _tc_problem(dev, rng, M, N, K, B, dt)
+    flops, res = 2 * B * M * N * K, []
+    label = f"{B}x{M}x{N}x{K}{' f16' if dt is f16 else ''}"
+    for d in _tc_configs(dev, desc, M == 4096):
+        try:
+            spec = codegen.emit(d, dev)
+            if not res:  # clocks up before the shape's first timing
+                timer.warm([(spec, bufs)], 0.3)
+            t = timer([(spec, bufs)])
+        except Exception as e:  # a configuration the device rejects: report, go on
+            print(f"  {label} {d.config} FAILED {type(e).__name__}: {str(e)[:300]}",
+                  flush=True)
+            continue
+        y = dev.read_array(bufs[-1], (B, M, N), f32)[:, rows].astype(np.float64)
+        err = float(np.abs(y - ref).max() / np.abs(ref).max())
+        ln = (f"{label:22} {spec.meta['variant']:28} {t * 1e6:9.1f} us "
+              f"{flops / t / 1e12:7.1f} TFLOP/s err {err:.1e} "
+              f"smem {spec.meta['workgroup_storage']}")
+        print("  " + ln, flush=True)
+        lines.append(ln)
+        res.append((t, spec.meta["variant"], err))
+    ok = sorted(r for r in res if r[2] < 1e-3)
+    return label, res[0] if res else None, ok[:3], flops
+
+
+def _ablated(spec, what: str):
+    """``spec`` with the K loop's global loads removed ("noload") or also its workgroup
+    stores ("nostage": the fragment loads and multiplies alone)."""
+    import dataclasses
+    import re
+
+    head, loop = spec.wgsl.split("for (var k0", 1)
+    pat = r"^\s+[ab]r\d+ = b[01]\[.*$" if what == "noload" else \
+        r"^\s+([ab]r\d+ = b[01]\[|[AB]s\[).*$"
+    loop = re.sub(pat, "", loop, flags=re.M)
+    return dataclasses.replace(spec, wgsl=head + "for (var k0" + loop)
+
+
+def tc_ablation(dev, timer, rng) -> list[str]:
+    """``TC_ABLATE`` at 4096³ whole, without global loads and without staging."""
+    desc, bufs, _, _ = _tc_problem(dev, rng, 4096, 4096, 4096, 1)
+    flops, out = 2 * 4096**3, []
+    from dataclasses import replace
+
+    for g in TC_ABLATE:
+        for what in ("whole", "noload", "nostage"):
+            try:
+                spec = codegen.emit(replace(desc, config=tuple(g)), dev)
+                sp = spec if what == "whole" else _ablated(spec, what)
+                t = timer([(sp, bufs)])
+            except Exception as e:  # reported, the sweep goes on
+                out.append(f"ablation {tuple(g)} {what} FAILED {str(e)[:200]}")
+                print("  " + out[-1], flush=True)
+                continue
+            out.append(f"ablation {spec.meta['variant']:28} {what:8} {t * 1e6:9.1f} us "
+                       f"{flops / t / 1e12:7.1f} TFLOP/s")
+            print("  " + out[-1], flush=True)
+    return out
+
+
+def _tc_table(best, lines, out_dir) -> None:
+    table = [f"{'shape':20} {'heuristic':36} best three (TFLOP/s)"]
+    for shape, heur, top, flops in best:
+        h = f"{heur[1]} {flops / heur[0] / 1e12:.1f}" if heur else "-"
+        table.append(f"{shape:20} {h:36} " + ", ".join(
+            f"{v} {flops / t / 1e12:.1f}" for t, v, _ in top))
+    print("\n" + "\n".join(table), flush=True)
+    if out_dir:
+        with open(f"{out_dir}/tc_sweep.txt", "w") as f:
+            f.write("\n".join(lines + [""] + table) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("impl", nargs="?", default="dawn")
     ap.add_argument("--before")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tc-sweep", action="store_true")
+    ap.add_argument("--out")
+    ap.add_argument("--set", choices=("full", "final"), default="full",
+                    help="tensor-core sweep: the full exploration or the short final list")
+    ap.add_argument("--toggles", default="",
+                    help="extra Dawn toggles, comma-separated (e.g. disable_robustness); the "
+                         "tensor-core sweep then times only TC_QUICK at 4096³")
     args = ap.parse_args()
+    global TC_SHAPES, TC_SWEEP, TC_F16, TC_ABLATE
+    if args.set == "final":
+        TC_SHAPES, TC_SWEEP, TC_F16, TC_ABLATE = TC_SHAPES[:2], TC_FINAL, [], []
+    if args.toggles:
+        from meganeura.runtime import device as devmod
+
+        devmod._DAWN_TOGGLES += tuple(args.toggles.split(","))
+        TC_SHAPES, TC_SWEEP = TC_SHAPES[:1], TC_QUICK
     dev = get_device(args.impl)
     print(args.impl, dev.adapter_name, flush=True)
     timer, rng = Timer(dev), np.random.default_rng(0)
+    if args.tc_sweep:
+        return tc_sweep(dev, timer, rng, args.out)
     before = _load_before(args.before) if args.before else None
     big = 1024 if args.quick else 4096
     d0, b0, _, _ = _problem(dev, rng, big, big, big, False, False)

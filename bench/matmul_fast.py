@@ -1,7 +1,7 @@
 """Strict f32 vs fast (tensor-core) matmul throughput and compile time on one implementation:
 the table in docs/gpu-runtime.md ("Tensor-core matmul").  Run on the GPU machine:
 
-  python bench/matmul_fast.py dawn
+  python bench/matmul_fast.py dawn [N ...]      (default sizes 2048 4096 8192)
 
 Time = the kernel's GPU timestamp, mean over 30 profiled runs; compile = graph to ready session
 (one square matmul).  Prints one line per size and precision."""
@@ -17,10 +17,10 @@ import meganeura as mn
 from meganeura.runtime.device import get_device
 
 
-def main(backend: str = "dawn") -> None:
+def main(backend: str = "dawn", *sizes: str) -> None:
     dev = get_device(backend)
     r = np.random.default_rng(0)
-    for n in (2048, 4096, 8192):
+    for n in [int(x) for x in sizes] or (2048, 4096, 8192):
         a_v = r.standard_normal((n, n), dtype=np.float32)
         b_v = r.standard_normal((n, n), dtype=np.float32)
         for precision in ("strict", "fast"):

@@ -9,7 +9,15 @@ import pytest
 from meganeura import kernels as codegen
 from meganeura.dtypes import f16, f32
 from meganeura.kernels import CodegenError, Instr, MatmulKernel, Strided
-from meganeura.kernels.matmul import SG_FEATURE, SGMAT, TC_EXTRAS, TC_LADDER, choose_variant
+from meganeura.kernels.matmul import (
+    SG_FEATURE,
+    SGMAT,
+    TC_EXTRAS,
+    TC_LADDER,
+    Cfg,
+    choose_variant,
+    config_name,
+)
 
 from ._util import assert_close, no_subgroup_matrix_reason, view_of
 from .test_matmul import BIAS_RELU, _operand
@@ -48,7 +56,8 @@ def test_fast_picks_tensor_cores_only_where_the_device_has_them():
 
 
 def test_variant_choice_and_errors():
-    assert choose_variant(1, 4096, 4096, 4096, tensor_cores=True) == "sgmat128"
+    assert choose_variant(1, 4096, 4096, 4096, tensor_cores=True) == "sgmat128x256_2x4k32"
+    assert choose_variant(1, 2048, 2048, 2048, tensor_cores=True) == "sgmat128x128_2x4k64g"
     assert choose_variant(1, 512, 512, 4096, tensor_cores=True).startswith("sgmat")
     assert choose_variant(1, 3, 512, 64, tensor_cores=True) == "gemv"
     with pytest.raises(CodegenError, match="needs f16 subgroup matrices"):
@@ -64,6 +73,95 @@ def test_workgroup_storage_fits_every_variant(variant):
     spec = codegen.emit(_desc(2, 300, 260, 200, variant=variant), TC_LIMITS, TC_FEATURES)
     assert spec.meta["workgroup_storage"] <= 48 * 1024
     assert spec.meta["workgroup_size"] == 32 * SGMAT[variant][2] * SGMAT[variant][3]
+
+
+# configurations with the option bits (matmul_sgmat: 1 double buffering, 2 rasterization,
+# 4 two K steps per iteration)
+OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 32, 7),
+               Cfg("sgmat", 128, 128, 2, 2, 16, 3), Cfg("sgmat", 128, 256, 2, 4, 16, 5),
+               Cfg("sgmat", 64, 64, 2, 2, 32, 24), Cfg("sgmat", 128, 256, 2, 4, 48, 8)]
+
+
+def _loop_body(wgsl: str) -> str:
+    body = wgsl[wgsl.index("for (var k0"):]
+    return body[:body.index("\n    }\n")]
+
+
+@pytest.mark.parametrize("vr", [0, 1, 2, 3, 5, 7])
+def test_option_bits_shape_the_code(vr):
+    """Double buffering: one barrier per K step and twice the staging memory (unrolled: two
+    steps per iteration, constant buffer offsets); rasterization: grouped tile order only where
+    there are more tile rows than one group."""
+    g = Cfg("sgmat", 128, 128, 2, 4, 32, vr)
+    spec = codegen.emit(_desc(1, 2048, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
+    single = 2 * (128 * 40 + 32 * 136)
+    body = _loop_body(spec.wgsl)
+    assert body.count("workgroupBarrier") == (1 if vr & 5 == 1 else 2)
+    assert ("let ca = " in body) == (vr & 5 == 1)  # a computed buffer offset
+    if vr & 4:  # 3 steps: the second of each pair is guarded
+        assert "k0 = k0 + 64u" in body and "if (k1 < 96u)" in body
+    assert spec.meta["workgroup_storage"] == single * (2 if vr & 1 else 1)
+    assert ("let gs = min(" in spec.wgsl) == bool(vr & 2)
+    suffix = ("d" if vr & 1 else "") + ("u" if vr & 4 else "") + ("g" if vr & 2 else "")
+    assert spec.meta["variant"] == config_name(g) == (
+        f"sgmat128x128_2x4k32{suffix}" if vr else "sgmat128")
+    few_rows = codegen.emit(_desc(1, 1024, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
+    assert "let gs = min(" not in few_rows.wgsl  # 8 tile rows: one group, plain order
+    for bad in (4, 6, 32):  # unrolling without double buffering; unknown bits
+        with pytest.raises(CodegenError, match="option bits"):
+            codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=bad)), TC_LIMITS,
+                         TC_FEATURES)
+
+
+def test_results_go_straight_to_c_only_where_they_can():
+    """Whole tiles without an epilogue store fragments into C (no scratch); edge tiles and
+    epilogues go through the per-subgroup scratch."""
+    g = Cfg("sgmat", 64, 64, 2, 2, 32, 1)
+    whole = codegen.emit(_desc(2, 128, 192, 64, config=g), TC_LIMITS, TC_FEATURES)
+    assert "subgroupMatrixStore(&b2" in whole.wgsl and "Cs" not in whole.wgsl
+    edge = codegen.emit(_desc(2, 100, 192, 64, config=g), TC_LIMITS, TC_FEATURES)
+    assert "subgroupMatrixStore(&b2" in edge.wgsl and "var<workgroup> Cs" in edge.wgsl
+    epi = codegen.emit(_desc(1, 128, 192, 64, config=g, epilogue=BIAS_RELU,
+                             extra=(Strided(f32, (1, 1, 192), (0, 0, 1), 0, 192),)),
+                       TC_LIMITS, TC_FEATURES)
+    assert "subgroupMatrixStore(&b3" not in epi.wgsl and "var<workgroup> Cs" in epi.wgsl
+
+
+def test_half_staging_registers():
+    """Option bit 8: f32 operands rounded to f16 as they are loaded (registers vec4<f16>, the
+    binding still vec4<f32>); scalar loads keep f32 registers."""
+    g = Cfg("sgmat", 64, 64, 2, 2, 32, 8)
+    wgsl = codegen.emit(_desc(1, 64, 64, 64, config=g), TC_LIMITS, TC_FEATURES).wgsl
+    assert wgsl.count("array<vec4<f32>>") == 2 and "var ar0: vec4<f16>;" in wgsl
+    assert "ar0 = vec4<f16>(b0[" in wgsl
+    odd = codegen.emit(_desc(1, 64, 64, 66, config=g), TC_LIMITS, TC_FEATURES).wgsl
+    assert "var ar0: f32;" in odd and "var br0: vec4<f16>;" in odd
+    assert config_name(g) == "sgmat64x64_2x2k32h"
+
+
+def test_lean_fragment_order():
+    """Option bit 16: each A fragment loaded right before its row of products."""
+    def order(vr):
+        g = Cfg("sgmat", 64, 64, 2, 2, 16, vr)
+        body = _loop_body(codegen.emit(_desc(1, 64, 64, 64, config=g), TC_LIMITS,
+                                       TC_FEATURES).wgsl)
+        return [ln.split()[0] if ln.startswith("c") else ln.split()[1][0]
+                for ln in (x.strip() for x in body.splitlines())
+                if "subgroupMatrix" in ln and "Store" not in ln]
+    assert order(0) == ["a", "a", "b", "b"] + ["c0_0", "c0_1", "c1_0", "c1_1"]
+    assert order(16) == ["b", "b", "a", "c0_0", "c0_1", "a", "c1_0", "c1_1"]
+
+
+def test_f16_operands_load_as_vec4_without_conversion():
+    """The tensor-core tile reads f16 operands four at a time and keeps them f16 (the strict
+    tile converts them to f32 one by one)."""
+    desc = MatmulKernel(1, 128, 64, 48, Strided.contiguous(f16, (1, 128, 48)),
+                        Strided.contiguous(f16, (1, 48, 64)), out_dtype=f32, precision="fast")
+    wgsl = codegen.emit(desc, TC_LIMITS, TC_FEATURES).wgsl
+    assert wgsl.count("array<vec4<f16>>") == 2 and "var ar0: vec4<f16>;" in wgsl
+    odd = desc.__class__(1, 128, 64, 50, Strided.contiguous(f16, (1, 128, 50)),
+                         Strided.contiguous(f16, (1, 50, 64)), out_dtype=f32, precision="fast")
+    assert codegen.emit(odd, TC_LIMITS, TC_FEATURES).wgsl.count("array<vec4<f16>>") == 1
 
 
 # --------------------------------------------------------------------------- on the device
@@ -88,7 +186,7 @@ TC_CASES = [
     (3, 17, 130, 50, False, True, ""),
     (1, 100, 90, 41, True, True, ""),
     (1, 128, 256, 64, False, False, "sgmat64"),  # whole tiles: no bounds checks
-    (1, 256, 384, 96, False, True, "sgmat128"),
+    (1, 256, 384, 96, False, True, "sgmat128"),  # (no longer a default: forced by name)
     (2, 300, 260, 200, True, False, "sgmat128"),  # edges of big tiles, K tail
     (1, 33, 47, 5, False, False, ""),  # K smaller than one fragment
 ]
@@ -137,10 +235,12 @@ def test_tensor_core_f16_operands(tc_run, rng):
                         Strided.contiguous(f16, (1, 48, 72)), out_dtype=f32, precision="fast")
     (y,) = tc_run(desc, [a, b], [((1, 80, 72), f32)])
     assert tc_run.last_spec.meta["variant"].startswith("sgmat")
+    assert "array<vec4<f16>>" in tc_run.last_spec.wgsl
     assert_close(y, a.astype(np.float64) @ b.astype(np.float64), 1e-4, 1e-4, what="f16 in")
 
 
-@pytest.mark.parametrize("g", list(dict.fromkeys(TC_LADDER + TC_EXTRAS)), ids=str)
+@pytest.mark.parametrize("g", list(dict.fromkeys(TC_LADDER + TC_EXTRAS + tuple(OPTION_CFGS))),
+                         ids=config_name)
 def test_tensor_core_configs(tc_run, rng, g):
     """Every tensor-core configuration on edges, a K tail, transposes and vec4/scalar loads."""
     for b, m, n, k, ta, tb in ((2, 300, 260, 200, True, False), (1, 70, 65, 33, False, True),
@@ -151,3 +251,16 @@ def test_tensor_core_configs(tc_run, rng, g):
         (y,) = tc_run(desc, [am, bm], [((b, m, n), f32)])
         assert tc_run.last_spec.meta["config"] == tuple(g)
         assert_close(y, _r16(a) @ _r16(bb), 1e-4, 1e-5 * np.sqrt(k), what=str(g))
+
+
+@pytest.mark.parametrize("b,m,n,k", [(1, 600, 70, 40), (2, 640, 128, 64)])
+def test_tensor_core_rasterized_groups(tc_run, rng, b, m, n, k):
+    """Grouped rasterization with a partial last group (10 tile rows: 8 + 2), edges, batches;
+    the second case has whole tiles only (direct fragment stores)."""
+    g = Cfg("sgmat", 64, 64, 2, 2, 32, 3)
+    am, a, sa = _operand(rng, b, m, k, False)
+    bm, bb, sb = _operand(rng, b, k, n, False)
+    (y,) = tc_run(MatmulKernel(b, m, n, k, sa, sb, precision="fast", config=g), [am, bm],
+                  [((b, m, n), f32)])
+    assert "let gs = min(" in tc_run.last_spec.wgsl
+    assert_close(y, _r16(a) @ _r16(bb), 1e-4, 1e-5 * np.sqrt(k), what=config_name(g))

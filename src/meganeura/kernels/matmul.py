@@ -15,7 +15,8 @@ or ``variant`` (a named one: ``tiled64``, ``tiled64v``, ``tiled128``, ``tiled128
   for the small-M GEMMs of transformer projections: they give enough workgroups to fill a big
   GPU.
 * **sgmat** (precision "fast", Dawn's f16 subgroup matrices, f32 accumulation) — the same
-  staging (rounded to f16), each subgroup owns a block of 16×16 accumulator fragments.
+  staging (rounded to f16), each subgroup owns a block of 16×16 accumulator fragments; emitted
+  by ``matmul_sgmat`` (double-buffered staging, grouped rasterization, direct fragment stores).
 * **gemv** — when one of M, N is ≤ 4 (a matrix–vector product, M = 1 decoding, a 1-wide output
   layer): invocations split the long dimension *and* K, fold their share of K serially with
   four loads in flight, and a tree in workgroup memory adds the K partial sums.
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..dtypes import DType, f32
+from ..dtypes import DType, f16, f32
 from ..errors import LimitError
 from .archetypes import kernel_family
 from .common import (
@@ -60,7 +61,10 @@ class Cfg(NamedTuple):
     """One matmul configuration (a hashable tuple: ``MatmulKernel.config``).  ``kind`` "tiled":
     TM x TN output tile, RM x RN results per invocation, K step BK, ``vr`` vec4 reads of
     workgroup memory (RM, RN multiples of 4), ``vl`` vec4 global loads where the operand allows.
-    "sgmat": rm x rn subgroups (of 32) along rows/columns.  "gemv": no fields."""
+    "sgmat": rm x rn subgroups (of 32) along rows/columns, ``vr`` option bits (1 double
+    buffering, 2 grouped rasterization, 4 two K steps per iteration, 8 f16 staging registers,
+    16 A fragments loaded one at a time: ``matmul_sgmat``), ``vl`` as above.  "gemv": no
+    fields."""
 
     kind: str
     tm: int = 0
@@ -92,23 +96,27 @@ STRICT_LADDER = (
     Cfg("tiled", 128, 64, 8, 4, 16, 1),
     NAMED["tiled64v"],
 )
+# Tensor-core tiles (precision "fast"), H200, Dawn, 4096³ (bench/matmul_bench.py --tc-sweep,
+# docs/benchmarks.md): 128x256 (8 subgroups of 64x64 fragments, K step 32) 218.9 TFLOP/s,
+# 128x128 K step 64 182.2, the former default sgmat128 (64x32 per subgroup) 145.4.  Small
+# shapes: 32x64 tiles (1500x384x1536: 51 TFLOP/s against 2-17 for 64x64 and larger).
 TC_LADDER = (
-    NAMED["sgmat128"],
+    Cfg("sgmat", 128, 256, 2, 4, 32),
+    Cfg("sgmat", 128, 128, 2, 4, 64, 2),
     Cfg("sgmat", 128, 64, 2, 2, 32),
     NAMED["sgmat64"],
     Cfg("sgmat", 32, 64, 1, 2, 32),
 )
-# (4096³ fast: sgmat128 148 TFLOP/s, its K-step-16 twin 117, 256x128 80, 64x64 83)
 # further configurations the tuner times (candidates) besides the ladders
 STRICT_EXTRAS = (
     NAMED["tiled128v"], Cfg("tiled", 64, 64, 4, 4, 32, 1), Cfg("tiled", 128, 128, 8, 8, 8, 1),
     Cfg("tiled", 64, 32, 4, 2, 16, 0), Cfg("tiled", 32, 32, 2, 2, 16, 0),
     Cfg("tiled", 32, 64, 2, 4, 16, 0),
 )
-TC_EXTRAS = (Cfg("sgmat", 128, 128, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32))
+TC_EXTRAS = (NAMED["sgmat128"], Cfg("sgmat", 128, 256, 2, 4, 32, 8),
+             Cfg("sgmat", 128, 256, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32, 2))
 FILL_WORKGROUPS = 256
 GEMV_MAX = 4  # M or N up to this use the gemv variant
-SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 # the device's pseudo-feature for that (runtime.device derives it from Dawn's configs)
 SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
 GEMV_THREADS = 256
@@ -180,7 +188,9 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
     if g.kind == "gemv":
         body, shared, wg_size, grid, helpers, variant = _gemv(ctx, t)
     else:
-        gen = _sgmat if g.kind == "sgmat" else _tiled
+        gen = _tiled
+        if g.kind == "sgmat":
+            from .matmul_sgmat import sgmat as gen
         body, shared, wg_size, grid, helpers, ops = gen(ctx, t, g)
         variant = config_name(g)
     uses_f16 = uses_f16 or g.kind == "sgmat"
@@ -203,12 +213,13 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
 
 
 def _decls(bd: Bindings, ops, acc_t) -> list[str]:
-    """Binding declarations; operands loaded as vec4 are declared as arrays of vec4."""
+    """Binding declarations; operands loaded as vec4 are declared as arrays of vec4 (of f32,
+    or of f16 for the tensor-core tile's f16 operands: ``_Operand.bt``)."""
     lines = bd.decls()
     for o in ops:
         if o.w > 1:
             var = bd.name(o.slot)
-            lines = [ln.replace(f"{var}: array<{acc_t.wgsl}>", f"{var}: array<vec4<{acc_t.wgsl}>>")
+            lines = [ln.replace(f"{var}: array<{o.bt}>", f"{var}: array<vec4<{o.bt}>>")
                      for ln in lines]
     return lines
 
@@ -220,7 +231,9 @@ def config_name(g: Cfg) -> str:
         if cfg == g:
             return name
     if g.kind == "sgmat":
-        return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{'' if g.vl else 's'}"
+        opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g"), (8, "h"), (16, "l"))
+                       if g.vr & bit)
+        return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{opts}{'' if g.vl else 's'}"
     return f"tiled{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{'v' if g.vr else ''}{'' if g.vl else 's'}"
 
 
@@ -235,6 +248,10 @@ def _check_config(g: Cfg, name: str) -> Cfg:
     elif g.kind == "sgmat":
         if min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
             bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
+        elif not 0 <= g.vr < 32 or g.vr & 5 == 4:
+            bad = ("vr holds the option bits 1 (double buffering), 2 (grouped rasterization), "
+                   "4 (two K steps per iteration, with double buffering only), 8 (f16 "
+                   "staging registers) and 16 (A fragments loaded one at a time)")
     elif g != GEMV:
         bad = "unknown kind"
     if bad:
@@ -389,7 +406,8 @@ class _Operand:
     consecutive elements (w = 4: one vec4 load) along the operand's contiguous axis
     (``k_fast``: along K), so neighbouring invocations read neighbouring addresses."""
 
-    def __init__(self, c: _Ctx, which: str, T: int, bk: int, nthreads: int, want_vec: bool):
+    def __init__(self, c: _Ctx, which: str, T: int, bk: int, nthreads: int, want_vec: bool,
+                 f16_vec: bool = False, rt16: bool = False):
         self.which, self.T, self.bk = which, T, bk
         self.arr, self.p = ("As", "a") if which == "a" else ("Bs", "b")
         _, s_x, s_k = (c.sa if which == "a" else (c.sb[0], c.sb[2], c.sb[1]))
@@ -397,8 +415,12 @@ class _Operand:
         self.k_fast = not (s_x == 1 and s_k != 1)
         self.dim = c.M if which == "a" else c.N
         self.slot = 0 if which == "a" else 1
-        self.w = 4 if want_vec and _vec_ok(c, which, self) and (
+        self.w = 4 if want_vec and _vec_ok(c, which, self, f16_vec) and (
             T * bk // 4) % nthreads in (0, T * bk // 4) else 1
+        # element types of vec4 loads in the binding (bt) and the registers (rt): f16 operands
+        # stay f16 (``f16_vec``); ``rt16`` rounds f32 operands to f16 as they are loaded
+        self.bt = c.op_dt.wgsl if self.w > 1 else c.acc_t.wgsl
+        self.rt = "f16" if rt16 and self.w > 1 else self.bt
         self.items = T * bk // self.w  # loads per step; fewer than invocations: some idle
         self.n = max(1, self.items // nthreads)
         self.part = self.items < nthreads
@@ -415,10 +437,10 @@ class _Operand:
             L += [f"{ind}let {self.p}x{l} = {x};", f"{ind}let {self.p}k{l} = {kx};"]
 
 
-def _vec_ok(c: _Ctx, which: str, o: _Operand) -> bool:
-    """vec4 loads need f32 elements, the contiguous axis of stride 1 and every other stride,
-    the offset, the bound range and the contiguous extent multiples of 4, and a binding no
-    other slot shares (its declared element type changes)."""
+def _vec_ok(c: _Ctx, which: str, o: _Operand, f16_vec: bool = False) -> bool:
+    """vec4 loads need f32 elements (or f16 with ``f16_vec``), the contiguous axis of stride 1
+    and every other stride, the offset, the bound range and the contiguous extent multiples of
+    4, and a binding no other slot shares (its declared element type changes)."""
     v = c.a if which == "a" else c.b
     sbatch = (c.sa if which == "a" else c.sb)[0]
     other = o.s_x if o.k_fast else o.s_k
@@ -427,7 +449,8 @@ def _vec_ok(c: _Ctx, which: str, o: _Operand) -> bool:
     slot = 0 if which == "a" else 1
     alias = c.bd.alias
     shared = any(alias[i] == alias[slot] for i in range(len(alias)) if i != slot)
-    return (c.op_dt is f32 and contig == 1 and other % 4 == 0 and sbatch % 4 == 0
+    elem_ok = c.op_dt is f32 or (f16_vec and c.op_dt is f16)
+    return (elem_ok and contig == 1 and other % 4 == 0 and sbatch % 4 == 0
             and v.offset % 4 == 0 and v.extent % 4 == 0 and ext % 4 == 0 and not shared)
 
 
@@ -436,7 +459,7 @@ def _load_items(c: _Ctx, out: list[str], ii: str, o: _Operand, check_mn: bool, c
     """Step ``kb``'s loads of operand ``o`` into its registers, zero outside the matrices."""
     full = o.dim % o.T == 0
     origin = "row0" if o.which == "a" else "col0"
-    zero = f"vec4<{c.acc_t.wgsl}>(0)" if o.w > 1 else f"{c.acc_t.wgsl}(0)"
+    zero = f"vec4<{o.rt}>(0)" if o.w > 1 else f"{c.acc_t.wgsl}(0)"
     if o.part:
         out.append(f"{ii}if (lid < {u(o.items)}) {{")
         ii += "    "
@@ -445,6 +468,8 @@ def _load_items(c: _Ctx, out: list[str], ii: str, o: _Operand, check_mn: bool, c
         idx = f"{o.p}base + " + index_code([f"({origin} + {x})", f"(kb + {kx})"],
                                            [o.s_x, o.s_k])
         val = (f"{c.bd.name(o.slot)}[({idx}) / 4u]" if o.w > 1 else c.read(o.which, idx))
+        if o.w > 1 and o.rt != o.bt:
+            val = f"vec4<{o.rt}>({val})"
         conds = [f"{origin} + {x} < {u(o.dim)}"] if check_mn and not full else []
         conds += [f"kb + {kx} < {u(c.K)}"] if check_k else []
         conds += ["live"] if check_mn and live_check else []
@@ -523,15 +548,16 @@ def _k_loop(c: _Ctx, L: list[str], ind: str, bk: int, edges: bool, live_check: b
 
 
 def _operands(c: _Ctx, L: list[str], ind: str, TM: int, TN: int, bk: int, nthreads: int,
-              vec: bool):
+              vec: bool, f16_vec: bool = False, rt16: bool = False):
     """Both operands' staging plans, their per-invocation coordinates and registers."""
-    ops = [_Operand(c, "a", TM, bk, nthreads, vec), _Operand(c, "b", TN, bk, nthreads, vec)]
+    ops = [_Operand(c, w, T, bk, nthreads, vec, f16_vec, rt16)
+           for w, T in (("a", TM), ("b", TN))]
     for o in ops:
         if o.items > nthreads and o.items % nthreads:
             raise CodegenError(f"kernel {c.name!r}: a {o.T}x{bk} tile does not split over "
                                f"{nthreads} invocations")
         o.coords(L, ind, nthreads)
-        t = f"vec4<{c.acc_t.wgsl}>" if o.w > 1 else c.acc_t.wgsl
+        t = f"vec4<{o.rt}>" if o.w > 1 else c.acc_t.wgsl
         L += [f"{ind}var {o.p}r{l}: {t};" for l in range(o.n)]
     return ops
 
@@ -614,86 +640,6 @@ def _tiled(c: _Ctx, t, g: Cfg):
     shared = ([f"var<workgroup> As: array<{et}, {g.bk * sa // div}>;",
                f"var<workgroup> Bs: array<{et}, {g.bk * sb // div}>;"], 4 * g.bk * (sa + sb))
     return L, shared, nthreads, grid, helpers, ops
-
-
-def _sgmat(c: _Ctx, t, g: Cfg):
-    """Tensor-core tile: operands rounded to f16 while staged through workgroup memory, 16x16x16
-    subgroup-matrix multiply-accumulate into f32 fragments (``g.rm`` x ``g.rn`` subgroups, each
-    owning a block of fragments), then each fragment goes through workgroup memory so every
-    invocation applies the epilogue to its share of elements with ordinary bounds checks (any
-    shape, stride and epilogue works)."""
-    TM, TN, SGM, SGN, BKs = g.tm, g.tn, g.rm, g.rn, g.bk
-    nsg = SGM * SGN
-    nthreads = 32 * nsg
-    FM, FN = TM // SGM // 16, TN // SGN // 16  # fragments per subgroup
-    astr, bstr = BKs + SG_PAD, TN + SG_PAD  # workgroup-memory row strides (f16 elements)
-    ind = "    "
-    L: list[str] = [
-        f"{ind}let sid = lid / 32u;",
-        f"{ind}let lane = lid % 32u;",
-        f"{ind}let fr = sid / {u(SGN)} * {u(FM * 16)};",  # subgroup's first row in the tile
-        f"{ind}let fc = sid % {u(SGN)} * {u(FN * 16)};",
-    ]
-    grid, live_check, full_m, full_n = _tile_start(c, t, TM, TN, L, ind)
-    frag = "subgroup_matrix_result<f32, 16, 16>"
-    L += [f"{ind}var c{i}_{j} = {frag}();" for i in range(FM) for j in range(FN)]
-    ops = _operands(c, L, ind, TM, TN, BKs, nthreads, bool(g.vl))
-
-    def sh(arr, kx, x, vec):
-        if vec:
-            return None
-        return (f"As[({x}) * {u(astr)} + {kx}]" if arr == "As"
-                else f"Bs[({kx}) * {u(bstr)} + {x}]")
-
-    def compute(out: list[str], ii: str) -> None:
-        for kk in range(0, BKs, 16):
-            for i in range(FM):
-                out.append(f"{ii}let a{i}_{kk} = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, "
-                           f"16>>(&As, (fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, "
-                           f"{u(astr)});")
-            for j in range(FN):
-                out.append(f"{ii}let b{j}_{kk} = subgroupMatrixLoad<subgroup_matrix_right<f16, "
-                           f"16, 16>>(&Bs, {u(kk * bstr)} + fc + {u(16 * j)}, false, "
-                           f"{u(bstr)});")
-            for i in range(FM):
-                for j in range(FN):
-                    out.append(f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, "
-                               f"b{j}_{kk}, c{i}_{j});")
-
-    _k_loop(c, L, ind, BKs, not (full_m and full_n) or live_check, live_check, ops, sh,
-            lambda v: f"f16({v})", compute)
-    helpers: set[str] = set()
-    guard = ([] if full_m else [f"r < {u(c.M)}"]) + ([] if full_n else [f"n < {u(c.N)}"])
-    guard += ["live"] if live_check else []
-    _sgmat_stores(c, L, FM, FN, guard, helpers)
-    nbytes = 2 * (TM * astr + BKs * bstr) + 4 * 256 * nsg
-    shared = ([f"var<workgroup> As: array<f16, {TM * astr}>;",
-               f"var<workgroup> Bs: array<f16, {BKs * bstr}>;",
-               f"var<workgroup> Cs: array<f32, {256 * nsg}>;"], nbytes)
-    return L, shared, nthreads, grid, helpers, ops
-
-
-def _sgmat_stores(c: _Ctx, L: list[str], FM: int, FN: int, guard: list[str], helpers) -> None:
-    """Each fragment through this subgroup's 16x16 f32 scratch in workgroup memory, then 8
-    elements per invocation through the ordinary (bounds-checked) epilogue and store."""
-    ind, i2, i3 = "    ", "        ", "            "
-    for i in range(FM):
-        for j in range(FN):
-            L.append(f"{ind}subgroupMatrixStore(&Cs, sid * 256u, c{i}_{j}, false, 16u);")
-            L.append(f"{ind}workgroupBarrier();")
-            L.append(f"{ind}for (var q: u32 = 0u; q < 8u; q = q + 1u) {{")
-            L.append(f"{i2}let e = lane + q * 32u;")
-            L.append(f"{i2}let r = row0 + fr + {u(16 * i)} + e / 16u;")
-            L.append(f"{i2}let n = col0 + fc + {u(16 * j)} + e % 16u;")
-            L.append(f"{i2}let v = Cs[sid * 256u + e];")
-            if guard:
-                L.append(f"{i2}if ({' && '.join(guard)}) {{")
-                c.store(L, i3, "bi", "r", "n", "v", helpers)
-                L.append(f"{i2}}}")
-            else:
-                c.store(L, i2, "bi", "r", "n", "v", helpers)
-            L.append(f"{ind}}}")
-            L.append(f"{ind}workgroupBarrier();")
 
 
 def _gemv_layout(c: _Ctx):

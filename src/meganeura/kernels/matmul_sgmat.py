@@ -1,0 +1,303 @@
+"""The tensor-core matmul tile (``Cfg`` kind "sgmat", precision "fast"): Dawn's f16 subgroup
+matrices (16x16x16, f32 accumulation), called from ``matmul.emit``.
+
+A workgroup of ``rm`` x ``rn`` subgroups (32 invocations each) computes a ``tm`` x ``tn`` tile
+of C; each subgroup owns a block of (tm / rm / 16) x (tn / rn / 16) accumulator fragments, so
+every A and B fragment it loads from workgroup memory feeds several multiply-accumulates.  The
+operands are read from global memory as f32 (vec4 where the view allows: ``vl``), rounded to
+f16 while staged into padded workgroup rows (the padding keeps fragment rows on distinct banks)
+and prefetched into registers one K step ahead (f16 operands: vec4<f16> loads, no conversion).
+``vr`` holds option bits:
+
+* ``DB`` — two workgroup buffers per operand: step k + 1's tiles are stored while step k is
+  multiplied, so one barrier per K step instead of two;
+* ``UNROLL`` (with ``DB``) — the K loop does two steps per iteration, so the buffer offsets
+  of every workgroup access are constants;
+* ``HALF`` — f32 operands are rounded to f16 as they are loaded (vec4 loads only), so the
+  prefetch registers hold half the bits (register pressure binds the big tiles);
+* ``LEAN`` — each A fragment is loaded right before its row of products (one live at a time);
+* ``SWZ`` — grouped rasterization: consecutive workgroups walk ``SWZ_ROWS`` tile rows column by
+  column, so the operand tiles a wave of workgroups shares stay in L2.
+
+Results go straight from the fragments to C (``subgroupMatrixStore``) where a tile lies inside
+C and there is no epilogue; otherwise each fragment goes through a per-subgroup f32 scratch so
+every invocation applies the epilogue to its share of elements with ordinary bounds checks (any
+shape, stride and epilogue works).
+"""
+
+from __future__ import annotations
+
+from .common import make_grid, u
+
+DB, SWZ, UNROLL, HALF, LEAN = 1, 2, 4, 8, 16  # option bits of Cfg.vr for "sgmat"
+SWZ_ROWS = 8  # tile rows per rasterization group
+SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
+FRAG_L = "subgroup_matrix_left<f16, 16, 16>"
+FRAG_R = "subgroup_matrix_right<f16, 16, 16>"
+FRAG_C = "subgroup_matrix_result<f32, 16, 16>"
+
+
+def sgmat(c, t, g):
+    """Emit the tile for configuration ``g`` (see the module docstring); returns what
+    ``matmul.emit`` expects: (body, (shared decls, bytes), workgroup size, grid, helpers, ops)."""
+    from .matmul import _operands
+
+    TM, TN, BK, nsg = g.tm, g.tn, g.bk, g.rm * g.rn
+    nthreads, db = 32 * nsg, bool(g.vr & DB)
+    FM, FN = TM // g.rm // 16, TN // g.rn // 16  # fragments per subgroup
+    astr, bstr = BK + SG_PAD, TN + SG_PAD  # workgroup-memory row strides (f16 elements)
+    asz, bsz = TM * astr, BK * bstr  # one buffer of each operand
+    ind = "    "
+    L: list[str] = [f"{ind}let sid = lid / 32u;", f"{ind}let lane = lid % 32u;",
+                    f"{ind}let fr = sid / {u(g.rn)} * {u(FM * 16)};",  # first row in the tile
+                    f"{ind}let fc = sid % {u(g.rn)} * {u(FN * 16)};"]
+    grid, live_check, full_m, full_n = _tile_start(c, t, g, L, ind)
+    L += [f"{ind}var c{i}_{j} = {FRAG_C}();" for i in range(FM) for j in range(FN)]
+    ops = _operands(c, L, ind, TM, TN, BK, nthreads, bool(g.vl), f16_vec=True,
+                    rt16=bool(g.vr & HALF))
+
+    def sh(off: str):
+        def f(arr, kx, x, vec):
+            if vec:
+                return None
+            return (f"As[{off}({x}) * {u(astr)} + {kx}]" if arr == "As"
+                    else f"Bs[{off}({kx}) * {u(bstr)} + {x}]")
+        return f
+
+    def compute(out: list[str], ii: str, aoff: str, boff: str) -> None:
+        """Per 16-deep slice: the B fragments, then the A fragments and the products (``LEAN``:
+        each A fragment right before its row of products, so one is live at a time)."""
+        def a_load(i: int, kk: int) -> str:
+            return (f"{ii}let a{i}_{kk} = subgroupMatrixLoad<{FRAG_L}>(&As, {aoff}"
+                    f"(fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, {u(astr)});")
+
+        def row(i: int, kk: int) -> list[str]:
+            return [f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, b{j}_{kk}, "
+                    f"c{i}_{j});" for j in range(FN)]
+
+        for kk in range(0, BK, 16):
+            if not g.vr & LEAN:
+                out += [a_load(i, kk) for i in range(FM)]
+            out += [f"{ii}let b{j}_{kk} = subgroupMatrixLoad<{FRAG_R}>(&Bs, {boff}"
+                    f"{u(kk * bstr)} + fc + {u(16 * j)}, false, {u(bstr)});" for j in range(FN)]
+            for i in range(FM):
+                out += ([a_load(i, kk)] if g.vr & LEAN else []) + row(i, kk)
+
+    edges = not (full_m and full_n) or live_check
+    if db:
+        _k_loop_db(c, L, ind, BK, edges, live_check, ops, sh, compute, (asz, bsz),
+                   bool(g.vr & UNROLL))
+    else:
+        _k_loop_single(c, L, ind, BK, edges, live_check, ops, sh, compute, (asz, bsz))
+    helpers: set[str] = set()
+    direct = _direct_ok(c)
+    scratch = _stores(c, L, g, FM, FN, (full_m, full_n, live_check), direct, helpers)
+    nb = 2 if db else 1
+    decls = [f"var<workgroup> As: array<f16, {nb * asz}>;",
+             f"var<workgroup> Bs: array<f16, {nb * bsz}>;"]
+    if scratch:
+        decls.append(f"var<workgroup> Cs: array<f32, {256 * nsg}>;")
+    nbytes = 2 * nb * (asz + bsz) + (4 * 256 * nsg if scratch else 0)
+    return L, (decls, nbytes), nthreads, grid, helpers, ops
+
+
+def _tile_start(c, t, g, L: list[str], ind: str):
+    """Lines mapping the workgroup to (batch ``bi``, tile origin ``row0``/``col0``), row-major
+    over the tile grid or (``SWZ``) in groups of ``SWZ_ROWS`` tile rows walked column by
+    column; the uniform ``interior`` test and the operands' batch bases.  Returns (grid,
+    live_check, full_m, full_n) like ``matmul._tile_start``."""
+    from .matmul import index_code
+
+    B, M, N, TM, TN = c.B, c.M, c.N, g.tm, g.tn
+    mt, nt = -(-M // TM), -(-N // TN)
+    grid = make_grid(c.name, mt * nt * B, t)
+    L += [f"{ind}let wg = {grid.wg_expr};", f"{ind}let ti = wg % {u(mt * nt)};",
+          f"{ind}let bi = wg / {u(mt * nt)};"]
+    if g.vr & SWZ and mt > SWZ_ROWS:
+        span = SWZ_ROWS * nt
+        L += [f"{ind}let gm = ti / {u(span)} * {u(SWZ_ROWS)};",
+              f"{ind}let gs = min({u(mt)} - gm, {u(SWZ_ROWS)});",
+              f"{ind}let gr = ti % {u(span)};",
+              f"{ind}let tm = gm + gr % gs;", f"{ind}let tn = gr / gs;"]
+    else:
+        L += [f"{ind}let tn = ti % {u(nt)};", f"{ind}let tm = ti / {u(nt)};"]
+    L += [f"{ind}let row0 = tm * {u(TM)};", f"{ind}let col0 = tn * {u(TN)};"]
+    live_check = not grid.exact
+    if live_check:
+        L.append(f"{ind}let live = bi < {u(B)};")
+    full_m, full_n = M % TM == 0, N % TN == 0
+    conds = ([] if full_m else [f"row0 + {u(TM)} <= {u(M)}"])
+    conds += ([] if full_n else [f"col0 + {u(TN)} <= {u(N)}"])
+    conds += (["live"] if live_check else [])
+    if conds:
+        L.append(f"{ind}let interior = {' && '.join(conds)};")
+    L.append(f"{ind}let abase = {index_code(['bi'], [c.sa[0]], c.a.offset)};")
+    L.append(f"{ind}let bbase = {index_code(['bi'], [c.sb[0]], c.b.offset)};")
+    return grid, live_check, full_m, full_n
+
+
+def _loader(c, L: list[str], edges: bool, live_check: bool, ops):
+    """``load(indent, check_k)``: step ``kb``'s global loads into the staging registers (edge
+    tiles check rows/columns, interior ones not; ``check_k`` zero-fills a K tail)."""
+    from .matmul import _load_items
+
+    def load(ii: str, check_k: bool) -> None:
+        if edges:
+            L.append(f"{ii}if (interior) {{")
+            for o in ops:
+                _load_items(c, L, ii + "    ", o, False, check_k, live_check)
+            L.append(f"{ii}}} else {{")
+            for o in ops:
+                _load_items(c, L, ii + "    ", o, True, check_k, live_check)
+            L.append(f"{ii}}}")
+        else:
+            for o in ops:
+                _load_items(c, L, ii, o, False, check_k, live_check)
+    return load
+
+
+def _next_loads(c, L: list[str], ii: str, bk: int, load) -> None:
+    """The loads of step ``kb`` (already defined): whole steps unguarded along K, the K tail
+    zero-filled, nothing past it."""
+    kf, K = c.K - c.K % bk, c.K
+    if kf > 0:
+        L.append(f"{ii}if (kb < {u(kf)}) {{")
+        load(ii + "    ", False)
+        L.append(f"{ii}}}")
+    if kf != K:
+        L.append(f"{ii}if (kb == {u(kf)}) {{")
+        load(ii + "    ", True)
+        L.append(f"{ii}}}")
+
+
+def _k_loop_single(c, L, ind, bk, edges, live_check, ops, sh, compute, sizes) -> None:
+    """One workgroup buffer per operand: store step k's registers, barrier, issue step
+    k + 1's loads, multiply step k, barrier."""
+    from .matmul import _store_items
+
+    i2 = ind + "    "
+    load = _loader(c, L, edges, live_check, ops)
+    ks = -(-c.K // bk) * bk
+    L += [f"{ind}{{", f"{i2}let kb = 0u;"]
+    load(i2, c.K < bk)
+    L += [f"{ind}}}", f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(bk)}) {{"]
+    for o in ops:
+        _store_items(L, i2, o, sh(""), lambda v: f"f16({v})")
+    L += [f"{i2}workgroupBarrier();", f"{i2}let kb = k0 + {u(bk)};"]
+    _next_loads(c, L, i2, bk, load)
+    compute(L, i2, "", "")
+    L += [f"{i2}workgroupBarrier();", f"{ind}}}"]
+
+
+def _k_loop_db(c, L, ind, bk, edges, live_check, ops, sh, compute, sizes,
+               unroll: bool = False) -> None:
+    """Two workgroup buffers per operand, one barrier per K step: step k stores the registers
+    (step k + 1's tiles) into the other buffer, issues step k + 2's loads, multiplies step k.
+    The other buffer was last read before the previous step's barrier, so no second one.
+    ``unroll``: two steps per iteration, so every buffer offset is a constant."""
+    from .matmul import _store_items
+
+    i2 = ind + "    "
+    asz, bsz = sizes
+    conv = lambda v: f"f16({v})"  # noqa: E731
+    load = _loader(c, L, edges, live_check, ops)
+    nsteps = -(-c.K // bk)
+    ks = nsteps * bk
+    L += [f"{ind}{{", f"{i2}let kb = 0u;"]
+    load(i2, c.K < bk)
+    for o in ops:
+        _store_items(L, i2, o, sh(""), conv)
+    L += [f"{ind}}}", f"{ind}{{", f"{i2}let kb = {u(bk)};"]
+    _next_loads(c, L, i2, bk, load)
+    L += [f"{ind}}}", f"{ind}workgroupBarrier();"]
+
+    def step(ii: str, k: str, cur) -> None:
+        """One K step at ``k`` on buffer ``cur`` (0/1, or a WGSL expression)."""
+        i3 = ii + "    "
+        if isinstance(cur, int):
+            offs = [u(cur * asz), u(cur * bsz), u((1 - cur) * asz), u((1 - cur) * bsz)]
+        else:
+            L.extend([f"{ii}let ca = {cur} * {u(asz)};", f"{ii}let cb = {cur} * {u(bsz)};",
+                      f"{ii}let na = {u(asz)} - ca;", f"{ii}let nb = {u(bsz)} - cb;"])
+            offs = ["ca", "cb", "na", "nb"]
+        L.append(f"{ii}if ({k} + {u(bk)} < {u(ks)}) {{")
+        for o in ops:
+            _store_items(L, i3, o, sh(f"{offs[2] if o.which == 'a' else offs[3]} + "), conv)
+        L.extend([f"{ii}}}", f"{ii}let kb = {k} + {u(2 * bk)};"])
+        _next_loads(c, L, ii, bk, load)
+        compute(L, ii, f"{offs[0]} + ", f"{offs[1]} + ")
+        L.append(f"{ii}workgroupBarrier();")
+
+    if not unroll:
+        L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(bk)}) {{")
+        step(i2, "k0", f"((k0 / {u(bk)}) & 1u)")
+        L.append(f"{ind}}}")
+        return
+    L += [f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(2 * bk)}) {{", f"{i2}{{"]
+    step(i2 + "    ", "k0", 0)
+    L += [f"{i2}}}", f"{i2}let k1 = k0 + {u(bk)};"]
+    L.append(f"{i2}if (k1 < {u(ks)}) {{" if nsteps % 2 else f"{i2}{{")
+    step(i2 + "    ", "k1", 1)
+    L += [f"{i2}}}", f"{ind}}}"]
+
+
+def _direct_ok(c) -> bool:
+    """Fragments can go straight to C: no epilogue, an f32 result, and an output binding no
+    operand shares (its declaration stays ``array<f32>``)."""
+    from ..dtypes import f32
+
+    alias = c.bd.alias
+    out = c.n_in
+    shared = any(alias[i] == alias[out] for i in range(len(alias)) if i != out)
+    return not c.k.epilogue and c.out_dt is f32 and not shared
+
+
+def _stores(c, L: list[str], g, FM: int, FN: int, fit, direct: bool, helpers) -> bool:
+    """The result fragments into C: directly where the tile is interior and ``direct``,
+    through the scratch otherwise.  Returns whether the scratch ``Cs`` is used."""
+    full_m, full_n, live_check = fit
+    ind, i2 = "    ", "        "
+    guard = ([] if full_m else [f"r < {u(c.M)}"]) + ([] if full_n else [f"n < {u(c.N)}"])
+    guard += ["live"] if live_check else []
+    edges = bool(guard)
+    if not direct:
+        _scratch_stores(c, L, ind, FM, FN, guard, helpers)
+        return True
+    tgt = i2 if edges else ind
+    if edges:
+        L.append(f"{ind}if (interior) {{")
+    out = c.bd.name(c.n_in)
+    for i in range(FM):
+        for j in range(FN):
+            L.append(f"{tgt}subgroupMatrixStore(&{out}, bi * {u(c.M * c.N)} + (row0 + fr + "
+                     f"{u(16 * i)}) * {u(c.N)} + col0 + fc + {u(16 * j)}, c{i}_{j}, false, "
+                     f"{u(c.N)});")
+    if not edges:
+        return False
+    L.append(f"{ind}}} else {{")
+    _scratch_stores(c, L, i2, FM, FN, guard, helpers)
+    L.append(f"{ind}}}")
+    return True
+
+
+def _scratch_stores(c, L: list[str], ind: str, FM: int, FN: int, guard: list[str],
+                    helpers) -> None:
+    """Each fragment through this subgroup's 16x16 f32 scratch in workgroup memory, then 8
+    elements per invocation through the ordinary (bounds-checked) epilogue and store."""
+    i2, i3 = ind + "    ", ind + "        "
+    for i in range(FM):
+        for j in range(FN):
+            L += [f"{ind}subgroupMatrixStore(&Cs, sid * 256u, c{i}_{j}, false, 16u);",
+                  f"{ind}workgroupBarrier();",
+                  f"{ind}for (var q: u32 = 0u; q < 8u; q = q + 1u) {{",
+                  f"{i2}let e = lane + q * 32u;",
+                  f"{i2}let r = row0 + fr + {u(16 * i)} + e / 16u;",
+                  f"{i2}let n = col0 + fc + {u(16 * j)} + e % 16u;",
+                  f"{i2}let v = Cs[sid * 256u + e];"]
+            if guard:
+                L.append(f"{i2}if ({' && '.join(guard)}) {{")
+                c.store(L, i3, "bi", "r", "n", "v", helpers)
+                L.append(f"{i2}}}")
+            else:
+                c.store(L, i2, "bi", "r", "n", "v", helpers)
+            L += [f"{ind}}}", f"{ind}workgroupBarrier();"]
