@@ -35,7 +35,7 @@ def _desc(b, m, n, k, **kw):
 
 
 def test_fast_picks_tensor_cores_only_where_the_device_has_them():
-    spec = codegen.emit(_desc(1, 256, 256, 64), TC_LIMITS, TC_FEATURES)
+    spec = codegen.emit(_desc(1, 512, 512, 64), TC_LIMITS, TC_FEATURES)
     assert spec.meta["variant"].startswith("sgmat")
     assert "subgroupMatrixMultiplyAccumulate" in spec.wgsl
     assert spec.wgsl.index("enable chromium_experimental_subgroup_matrix;") < spec.wgsl.index(
@@ -48,8 +48,8 @@ def test_fast_picks_tensor_cores_only_where_the_device_has_them():
                           TC_LIMITS, {"shader-f16"})
     assert plain.wgsl == strict.wgsl and plain.meta["variant"].startswith("tiled")
     # strict never uses them, even where they exist
-    s = codegen.emit(MatmulKernel(1, 256, 256, 64, Strided.contiguous(f32, (1, 256, 64)),
-                                  Strided.contiguous(f32, (1, 64, 256))), TC_LIMITS, TC_FEATURES)
+    s = codegen.emit(MatmulKernel(1, 512, 512, 64, Strided.contiguous(f32, (1, 512, 64)),
+                                  Strided.contiguous(f32, (1, 64, 512))), TC_LIMITS, TC_FEATURES)
     assert s.meta["variant"].startswith("tiled")
     # gemv shapes stay gemv (memory-bound; tensor cores do not help)
     assert codegen.emit(_desc(1, 1, 512, 64), TC_LIMITS, TC_FEATURES).meta["variant"] == "gemv"
@@ -60,6 +60,10 @@ def test_variant_choice_and_errors():
     assert choose_variant(1, 2048, 2048, 2048, tensor_cores=True) == "sgmat128x128_2x4k64g"
     assert choose_variant(1, 512, 512, 4096, tensor_cores=True).startswith("sgmat")
     assert choose_variant(1, 3, 512, 64, tensor_cores=True) == "gemv"
+    # below TC_MIN_TILES 64×64 output tiles the strict kernels (split-K) are faster
+    assert choose_variant(1, 128, 960, 576, tensor_cores=True).startswith("tiled")
+    assert choose_variant(1, 448, 512, 64, tensor_cores=True).startswith("tiled")
+    assert choose_variant(4, 256, 256, 64, tensor_cores=True).startswith("sgmat")
     with pytest.raises(CodegenError, match="needs f16 subgroup matrices"):
         codegen.emit(_desc(1, 64, 64, 64, variant="sgmat64"), TC_LIMITS, {"shader-f16"})
     with pytest.raises(CodegenError, match="precision must be"):
@@ -156,11 +160,13 @@ def test_f16_operands_load_as_vec4_without_conversion():
     """The tensor-core tile reads f16 operands four at a time and keeps them f16 (the strict
     tile converts them to f32 one by one)."""
     desc = MatmulKernel(1, 128, 64, 48, Strided.contiguous(f16, (1, 128, 48)),
-                        Strided.contiguous(f16, (1, 48, 64)), out_dtype=f32, precision="fast")
+                        Strided.contiguous(f16, (1, 48, 64)), out_dtype=f32, precision="fast",
+                        variant="sgmat64")
     wgsl = codegen.emit(desc, TC_LIMITS, TC_FEATURES).wgsl
     assert wgsl.count("array<vec4<f16>>") == 2 and "var ar0: vec4<f16>;" in wgsl
     odd = desc.__class__(1, 128, 64, 50, Strided.contiguous(f16, (1, 128, 50)),
-                         Strided.contiguous(f16, (1, 50, 64)), out_dtype=f32, precision="fast")
+                         Strided.contiguous(f16, (1, 50, 64)), out_dtype=f32, precision="fast",
+                         variant="sgmat64")
     assert codegen.emit(odd, TC_LIMITS, TC_FEATURES).wgsl.count("array<vec4<f16>>") == 1
 
 
@@ -196,7 +202,8 @@ TC_CASES = [
 def test_tensor_core_matmul(tc_run, rng, b, m, n, k, ta, tb, variant):
     am, a, sa = _operand(rng, b, m, k, ta)
     bm, bb, sb = _operand(rng, b, k, n, tb)
-    desc = MatmulKernel(b, m, n, k, sa, sb, variant=variant, precision="fast")
+    # shapes this small take the strict kernels by default (TC_MIN_TILES): forced here
+    desc = MatmulKernel(b, m, n, k, sa, sb, variant=variant or "sgmat64", precision="fast")
     (y,) = tc_run(desc, [am, bm], [((b, m, n), f32)])
     assert tc_run.last_spec.meta["variant"].startswith("sgmat")
     ref = _r16(a) @ _r16(bb)
@@ -212,7 +219,7 @@ def test_tensor_core_epilogue_broadcast_and_offsets(tc_run, rng):
     wm, w, sw = _operand(rng, B, k, n, True, bcast=True)
     bias = rng.standard_normal(n).astype(np.float32)
     desc = MatmulKernel(B, m, n, k, sa, sw, (Strided(f32, (1, 1, n), (0, 0, 1), 0, n),),
-                        BIAS_RELU, precision="fast")
+                        BIAS_RELU, precision="fast", variant="sgmat64")
     (y,) = tc_run(desc, [am, wm, bias], [((B, m, n), f32)])
     assert_close(y, np.maximum(_r16(a) @ _r16(w) + bias, 0), 1e-4, 1e-5, what="bias+relu")
     abuf = rng.standard_normal(1500).astype(np.float32)
@@ -223,7 +230,8 @@ def test_tensor_core_epilogue_broadcast_and_offsets(tc_run, rng):
     epi = (Instr("({0} * f32(0.5))", (("acc", 0),), f32),
            Instr("({0} + {1})", (("t", 0), ("x", 0)), f32))
     desc = MatmulKernel(2, 33, 40, 19, view_of(abuf, a2), view_of(bbuf, b2),
-                        (Strided.contiguous(f32, (2, 33, 40)),), epi, precision="fast")
+                        (Strided.contiguous(f32, (2, 33, 40)),), epi, precision="fast",
+                        variant="sgmat64")
     (y,) = tc_run(desc, [abuf, bbuf, res], [((2, 33, 40), f32)])
     assert_close(y, 0.5 * (_r16(a2) @ _r16(b2)) + res, 1e-4, 1e-5, what="residual")
 
@@ -232,7 +240,8 @@ def test_tensor_core_f16_operands(tc_run, rng):
     a = rng.standard_normal((1, 80, 48)).astype(np.float16)
     b = rng.standard_normal((1, 48, 72)).astype(np.float16)
     desc = MatmulKernel(1, 80, 72, 48, Strided.contiguous(f16, (1, 80, 48)),
-                        Strided.contiguous(f16, (1, 48, 72)), out_dtype=f32, precision="fast")
+                        Strided.contiguous(f16, (1, 48, 72)), out_dtype=f32, precision="fast",
+                        variant="sgmat64")
     (y,) = tc_run(desc, [a, b], [((1, 80, 72), f32)])
     assert tc_run.last_spec.meta["variant"].startswith("sgmat")
     assert "array<vec4<f16>>" in tc_run.last_spec.wgsl

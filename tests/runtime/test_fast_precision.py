@@ -16,18 +16,21 @@ from ..kernels._util import no_subgroup_matrix_reason
 LR = 0.5
 
 
-def _session(backend, precision="strict", **kw):
-    m = mlp_classifier(64, in_dim=48, hidden=(96, 80), classes=10)
+def _session(backend, precision="strict", big=False, **kw):
+    """The MLP; ``big``: sizes whose matmuls reach tensor cores (≥ TC_MIN_TILES output tiles)."""
+    m = mlp_classifier(512 if big else 64, in_dim=512 if big else 48,
+                       hidden=(512, 512) if big else (96, 80), classes=10)
     s = mn.compile(m.graph, loss=m.loss, outputs={"logits": m.logits},
                    optimizer=optim.SGD(lr=LR), backend=backend, precision=precision, **kw)
     s.init_params(seed=5)
     return s
 
 
-def _feeds():
+def _feeds(big=False):
     r = np.random.default_rng(1)
-    return {"x": r.normal(size=(64, 48)).astype(np.float32),
-            "y": r.integers(0, 10, 64).astype(np.int32)}
+    n, d = (512, 512) if big else (64, 48)
+    return {"x": r.normal(size=(n, d)).astype(np.float32),
+            "y": r.integers(0, 10, n).astype(np.int32)}
 
 
 def _rel(a, b):
@@ -40,10 +43,10 @@ def _cos(a, b):
     return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
 
 
-def _fast_step(gpu, feeds):
+def _fast_step(gpu, feeds, big=False):
     """Logits before the step, parameters before and after, and how many kernels of the fast
     session run on subgroup matrices."""
-    fast = _session(None, "fast", device=gpu)
+    fast = _session(None, "fast", big=big, device=gpu)
     p0 = fast.get_params()
     logits = fast.run(x=feeds["x"])["logits"]
     fast.step(**feeds)
@@ -74,15 +77,15 @@ def test_fast_training_step_meets_the_fast_gates(gpu):
     reason = no_subgroup_matrix_reason(gpu)
     if reason:
         pytest.skip(reason)
-    feeds = _feeds()
-    logits, p0, p1, n_tc = _fast_step(gpu, feeds)
+    feeds = _feeds(big=True)
+    logits, p0, p1, n_tc = _fast_step(gpu, feeds, big=True)
     assert n_tc >= 3  # forward matmuls and their gradients
-    ref = _session("reference", dtype=np.float64)
+    ref = _session("reference", big=True, dtype=np.float64)
     ref.set_params(p0)
     want = ref.run(x=feeds["x"])["logits"]
     assert _rel(logits, want) <= 1e-2
     # and it really is reduced precision: strict f32 is far closer to float64
-    strict = _session(None, "strict", device=gpu)
+    strict = _session(None, "strict", big=True, device=gpu)
     strict.set_params(p0)
     assert _rel(strict.run(x=feeds["x"])["logits"], want) * 10 < _rel(logits, want)
     ref.step(**feeds)

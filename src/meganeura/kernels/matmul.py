@@ -116,6 +116,10 @@ STRICT_EXTRAS = (
 TC_EXTRAS = (NAMED["sgmat128"], Cfg("sgmat", 128, 256, 2, 4, 32, 8),
              Cfg("sgmat", 128, 256, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32, 2))
 FILL_WORKGROUPS = 256
+# tensor cores (precision "fast") only for GEMMs of at least this many 64×64 output tiles:
+# smaller ones run faster on the strict kernels, which split K (H200: 1x128x576x960 62 µs on
+# tensor cores against 13.5–17 µs strict)
+TC_MIN_TILES = 64
 GEMV_MAX = 4  # M or N up to this use the gemv variant
 # the device's pseudo-feature for that (runtime.device derives it from Dawn's configs)
 SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
@@ -288,6 +292,8 @@ def choose_config(B: int, M: int, N: int, K: int, tensor_cores: bool = False) ->
     fill a big GPU), the smallest otherwise."""
     if min(M, N) <= GEMV_MAX:
         return GEMV
+    if B * -(-M // 64) * -(-N // 64) < TC_MIN_TILES:
+        tensor_cores = False
     ladder = TC_LADDER if tensor_cores else STRICT_LADDER
     for g in ladder:
         if B * -(-M // g.tm) * -(-N // g.tn) >= FILL_WORKGROUPS:
