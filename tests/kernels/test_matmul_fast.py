@@ -129,6 +129,10 @@ def test_results_go_straight_to_c_only_where_they_can():
                              extra=(Strided(f32, (1, 1, 192), (0, 0, 1), 0, 192),)),
                        TC_LIMITS, TC_FEATURES)
     assert "subgroupMatrixStore(&b3" not in epi.wgsl and "var<workgroup> Cs" in epi.wgsl
+    # rows a matrix store cannot stride over (Dawn: ≥ 64 bytes) or unaligned to 16 bytes
+    for n in (10, 49):
+        narrow = codegen.emit(_desc(2, 128, n, 64, config=g), TC_LIMITS, TC_FEATURES)
+        assert "subgroupMatrixStore(&b2" not in narrow.wgsl, n
 
 
 def test_half_staging_registers():

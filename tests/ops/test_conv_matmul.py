@@ -122,3 +122,36 @@ def test_compiled_matmul_convolutions(gpu, monkeypatch, n, c, o, h, w):
     labels = _labels(sess)
     assert not any(s.startswith("conv2d") for s in labels), labels
     assert any(s.startswith("matmul") and "relu" in s for s in labels), labels
+
+
+def test_matmul_convolutions_stay_f32_under_fast(monkeypatch):
+    """Like every convolution, the 1×1 ones keep f32 under precision="fast": their matmul
+    nodes say so (``f32_only``), the scheduled kernel carries ``tensor_cores=False``, and
+    emission on a device with tensor cores keeps the f32 kernel — an ordinary matmul of the
+    same shape goes to the tensor cores there."""
+    import dataclasses
+
+    from meganeura.compile.emit import emit_kernel
+    from meganeura.kernels import MatmulKernel, Strided, make_target
+    from meganeura.kernels.matmul import SG_FEATURE
+
+    monkeypatch.setattr(C, "MATMUL_MIN_TILES", 1)
+    g = mn.Graph("mm")
+    xv, wv = g.input("x", (2, 8, 4, 4)), g.input("w", (16, 8, 1, 1))
+    node = ops.conv2d(xv, wv).node
+    (alt,) = node.opdef.lowering.rewrite(node.attrs, [v.type for v in node.inputs],
+                                         None)(g, node)
+    mm = alt
+    while mm.node.op != "matmul":
+        mm = mm.node.inputs[0]
+    assert mm.node.attrs["f32_only"] is True
+    target = make_target({"max_compute_workgroup_storage_size": 49152,
+                          "max_compute_invocations_per_workgroup": 1024},
+                         {"shader-f16", SG_FEATURE})
+    desc = MatmulKernel(1, 512, 512, 64, Strided.contiguous(F32, (1, 512, 64)),
+                        Strided.contiguous(F32, (1, 64, 512)))
+    binds = [object(), object(), object()]
+    fast = emit_kernel(desc, binds, target, "fast")
+    kept = emit_kernel(dataclasses.replace(desc, tensor_cores=False), binds, target, "fast")
+    assert fast.spec.meta["variant"].startswith("sgmat")
+    assert kept.spec.meta["variant"].startswith("tiled")

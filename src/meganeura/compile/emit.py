@@ -29,7 +29,7 @@ def emit_kernel(desc, binds, target: Target, precision: str = "strict",
     emitted for this target, by (description, aliasing); the layers of a model repeat the same
     few kernels (SmolLM2's 1,015 training dispatches are 51 distinct programs), and emitting
     WGSL is most of this stage's time."""
-    if precision != "strict" and isinstance(desc, FAST_KERNELS):
+    if precision != "strict" and isinstance(desc, FAST_KERNELS) and desc.tensor_cores:
         desc = dataclasses.replace(desc, precision=precision)
     # several views of one tensor (RoPE halves, q/k/v of a fused projection) bind the same
     # range: WebGPU forbids that for writable storage bindings (Dawn validates it), so the

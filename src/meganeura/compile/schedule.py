@@ -532,7 +532,8 @@ class _Planner:
             self.emit(red, [tmp] + bases, [out], f"{label} [split-K sum] +{ops}")
             return True
         desc = ir.MatmulKernel(desc.batch, desc.m, desc.n, desc.k, desc.a, desc.b, tuple(extras),
-                               instrs, out.dtype, name="matmul_ep")
+                               instrs, out.dtype, name="matmul_ep",
+                               tensor_cores=desc.tensor_cores)
         self.emit(desc, mm_bases + bases, [out],
                   f"matmul {desc.batch}x{desc.m}x{desc.n}x{desc.k} +{ops}")
         return True
@@ -561,7 +562,8 @@ class _Planner:
         acc = f32 if v.dtype.is_float else v.dtype
         tmp = self.temp_value((split, desc.m, desc.n), acc)
         self.emit(ir.MatmulKernel(split, desc.m, desc.n, kc, a_s, b_s, out_dtype=acc,
-                                  name="matmul_splitk"), bases, [tmp],
+                                  name="matmul_splitk", tensor_cores=desc.tensor_cores),
+                  bases, [tmp],
                   f"{label} [split-K {split}]")
         return tmp, label
 
@@ -588,7 +590,8 @@ class _Planner:
             ops.append(s)
             bases.append(base)
         nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
-        return ir.MatmulKernel(nb, M, N, K, ops[0], ops[1], out_dtype=v.dtype), bases
+        return ir.MatmulKernel(nb, M, N, K, ops[0], ops[1], out_dtype=v.dtype,
+                               tensor_cores=not n.attrs.get("f32_only", False)), bases
 
     def _alias_concat_inputs(self, v: Value, concat: Node, starts: list[int]) -> set[int]:
         """Inputs of the concat ``v`` whose producer can write straight into the concat's

@@ -171,6 +171,10 @@ class MatmulKernel:
     # set by the matmul family's ``candidates`` hook / the tuner; overrides ``variant``.  Empty:
     # the heuristic default (``kernels.matmul.choose_config``).
     config: tuple = ()
+    # False: stays on the f32 kernels under precision "fast" (the convolutions rewritten as
+    # matmuls, ops/conv.py: like every convolution they keep f32; their batch-norm gradients
+    # are too ill-conditioned for f16 operands)
+    tensor_cores: bool = True
 
 
 @dataclass(frozen=True)

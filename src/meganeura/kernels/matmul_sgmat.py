@@ -242,14 +242,16 @@ def _k_loop_db(c, L, ind, bk, edges, live_check, ops, sh, compute, sizes,
 
 
 def _direct_ok(c) -> bool:
-    """Fragments can go straight to C: no epilogue, an f32 result, and an output binding no
-    operand shares (its declaration stays ``array<f32>``)."""
+    """Fragments can go straight to C: no epilogue, an f32 result, an output binding no
+    operand shares (its declaration stays ``array<f32>``), and rows of C a matrix store may
+    stride over: Dawn wants ≥ 64 bytes (N ≥ 16: an output of 10 classes failed to compile on
+    the H200), and 16-byte aligned rows keep every fragment row aligned (N % 4 == 0)."""
     from ..dtypes import f32
 
     alias = c.bd.alias
     out = c.n_in
     shared = any(alias[i] == alias[out] for i in range(len(alias)) if i != out)
-    return not c.k.epilogue and c.out_dt is f32 and not shared
+    return not c.k.epilogue and c.out_dt is f32 and not shared and c.N >= 16 and c.N % 4 == 0
 
 
 def _stores(c, L: list[str], g, FM: int, FN: int, fit, direct: bool, helpers) -> bool:

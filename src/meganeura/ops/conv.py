@@ -357,7 +357,7 @@ def _forward_as_matmul(graph, node):
     n, c, h, wd = x.shape
     o = w.shape[0]
     y = graph.apply("matmul", S.reshape(w, (o, c)), S.reshape(x, (n, c, h * wd)),
-                    transpose_a=False, transpose_b=False)
+                    transpose_a=False, transpose_b=False, f32_only=True)
     y = S.reshape(y, (n, o, h, wd))
     if len(node.inputs) == 3:
         y = y + S.reshape(node.inputs[2], (o, 1, 1))
@@ -378,7 +378,7 @@ def _input_grad_as_matmul(graph, node):
     n, o, h, wd = dy.shape
     c = w.shape[1]
     dx = graph.apply("matmul", S.reshape(w, (o, c)), S.reshape(dy, (n, o, h * wd)),
-                     transpose_a=True, transpose_b=False)
+                     transpose_a=True, transpose_b=False, f32_only=True)
     return [S.reshape(dx, (n, c, h, wd))]
 
 
@@ -417,7 +417,7 @@ def _weight_grad_as_matmul(graph, node):
         return S.reshape(v, (n, rows, ch))
 
     dw = graph.apply("matmul", chunks(dy, o), chunks(x, c), transpose_a=False,
-                     transpose_b=True)
+                     transpose_b=True, f32_only=True)
     return [S.reshape(dw, ((split,) if split > 1 else ()) + (o, c, 1, 1))]
 
 
