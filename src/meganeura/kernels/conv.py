@@ -1080,6 +1080,30 @@ def _taps(kv: str, p: str, L: list[str], ind: str) -> tuple[str, str, str]:
     return f"{p}o", f"{p}a", f"{p}b"
 
 
+def _phase_dy_operand(G: ConvGeom, sd, dy: Strided, dos, binding: str, op_dt) -> _Operand:
+    """The ``dy`` operand of a phase GEMM: column ``p`` is (image, row and column of the
+    phase's sub-grid), K runs over (output channel, tap); a tap reads ``dy`` at the sub-grid
+    position minus its offset ``dos`` (per axis), zero outside."""
+    hdo, wdo = dos
+
+    def b_hoist(p, tag, L, ind):
+        L.append(f"{ind}let pn{tag} = {p} / qhw;")
+        L.append(f"{ind}let pq{tag} = {p} % qhw;")
+        L.append(f"{ind}let oh{tag} = i32(pq{tag} / max(qw, 1u)) + d0h;")
+        L.append(f"{ind}let ow{tag} = i32(pq{tag} % max(qw, 1u)) + d0w;")
+        _dy_base(G, sd, dy, tag, L, ind)
+
+    def b_load(kv, tag, L, ind):
+        o, ta, tb = _taps(kv, f"d{tag}", L, ind)
+        L.append(f"{ind}let y{tag} = oh{tag} - i32({_mul(ta, hdo)});")
+        L.append(f"{ind}let z{tag} = ow{tag} - i32({_mul(tb, wdo)});")
+        cond = f"u32(y{tag}) < {u(G.oh)} && u32(z{tag}) < {u(G.ow)}"
+        return cond, _lin([(o, sd[1]), (f"u32(y{tag})", sd[2]), (f"u32(z{tag})", sd[3])],
+                          f"db{tag}")
+
+    return _Operand(binding, op_dt, False, b_hoist, b_load)
+
+
 def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> KernelSpec:
     """Input gradient of a strided convolution, one GEMM per (group, phase): input positions
     with h ≡ rh (mod sh), w ≡ rw (mod sw) receive only the taps that land on them, so no K
@@ -1116,21 +1140,6 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
         i, j = f"(i0h + {_mul(ta, hstep)})", f"(i0w + {_mul(tb, wstep)})"
         return "", _lin([(o, sw[0]), (i, sw[2]), (j, sw[3])], f"ab{tag}")
 
-    def b_hoist(p, tag, L, ind):
-        L.append(f"{ind}let pn{tag} = {p} / qhw;")
-        L.append(f"{ind}let pq{tag} = {p} % qhw;")
-        L.append(f"{ind}let oh{tag} = i32(pq{tag} / max(qw, 1u)) + d0h;")
-        L.append(f"{ind}let ow{tag} = i32(pq{tag} % max(qw, 1u)) + d0w;")
-        _dy_base(G, sd, dy, tag, L, ind)
-
-    def b_load(kv, tag, L, ind):
-        o, ta, tb = _taps(kv, f"d{tag}", L, ind)
-        L.append(f"{ind}let y{tag} = oh{tag} - i32({_mul(ta, hdo)});")
-        L.append(f"{ind}let z{tag} = ow{tag} - i32({_mul(tb, wdo)});")
-        cond = f"u32(y{tag}) < {u(G.oh)} && u32(z{tag}) < {u(G.ow)}"
-        return cond, _lin([(o, sd[1]), (f"u32(y{tag})", sd[2]), (f"u32(z{tag})", sd[3])],
-                          f"db{tag}")
-
     def store(L, ind, r, col, acc, helpers):
         L.append(f"{ind}let sn = {col} / qhw;")
         L.append(f"{ind}let sq = {col} % qhw;")
@@ -1141,7 +1150,7 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
         L.append(f"{ind}{bd.name(2)}[{oidx}] = {store_value(acc, f32, out_dt)};")
 
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
-    B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
+    B = _phase_dy_operand(G, sd, dy, (hdo, wdo), bd.name(0), op_dt)
     GB = G.groups * sh_ * sw_ * S  # the grid covers every phase (empty ones store zeros)
     cfg = choose_cfg(M, N, -(-kmax // S), G.groups * _active_phases(hrows, wrows) * S, k.tile)
     gm = _Gemm(name, M, N, None, GB, cfg, A, B, gb_lines, krange, store, n_bound="ncol")
