@@ -56,6 +56,28 @@ def sgmat(c, t, g):
     ops = _operands(c, L, ind, TM, TN, BK, nthreads, bool(g.vl), f16_vec=True,
                     rt16=bool(g.vr & HALF))
 
+    sh, compute = _fragment_steps(g, FM, FN, astr, bstr)
+    edges = not (full_m and full_n) or live_check
+    if db:
+        _k_loop_db(c, L, ind, BK, edges, live_check, ops, sh, compute, (asz, bsz),
+                   bool(g.vr & UNROLL))
+    else:
+        _k_loop_single(c, L, ind, BK, edges, live_check, ops, sh, compute, (asz, bsz))
+    helpers: set[str] = set()
+    direct = _direct_ok(c)
+    scratch = _stores(c, L, g, FM, FN, (full_m, full_n, live_check), direct, helpers)
+    nb = 2 if db else 1
+    decls = [f"var<workgroup> As: array<f16, {nb * asz}>;",
+             f"var<workgroup> Bs: array<f16, {nb * bsz}>;"]
+    if scratch:
+        decls.append(f"var<workgroup> Cs: array<f32, {256 * nsg}>;")
+    nbytes = 2 * nb * (asz + bsz) + (4 * 256 * nsg if scratch else 0)
+    return L, (decls, nbytes), nthreads, grid, helpers, ops
+
+
+def _fragment_steps(g, FM: int, FN: int, astr: int, bstr: int):
+    """The two callbacks the K loops take: ``sh`` (where a staged element lives in workgroup
+    memory) and ``compute`` (one BK-deep step of fragment loads and products)."""
     def sh(off: str):
         def f(arr, kx, x, vec):
             if vec:
@@ -75,7 +97,7 @@ def sgmat(c, t, g):
             return [f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, b{j}_{kk}, "
                     f"c{i}_{j});" for j in range(FN)]
 
-        for kk in range(0, BK, 16):
+        for kk in range(0, g.bk, 16):
             if not g.vr & LEAN:
                 out += [a_load(i, kk) for i in range(FM)]
             out += [f"{ii}let b{j}_{kk} = subgroupMatrixLoad<{FRAG_R}>(&Bs, {boff}"
@@ -83,22 +105,7 @@ def sgmat(c, t, g):
             for i in range(FM):
                 out += ([a_load(i, kk)] if g.vr & LEAN else []) + row(i, kk)
 
-    edges = not (full_m and full_n) or live_check
-    if db:
-        _k_loop_db(c, L, ind, BK, edges, live_check, ops, sh, compute, (asz, bsz),
-                   bool(g.vr & UNROLL))
-    else:
-        _k_loop_single(c, L, ind, BK, edges, live_check, ops, sh, compute, (asz, bsz))
-    helpers: set[str] = set()
-    direct = _direct_ok(c)
-    scratch = _stores(c, L, g, FM, FN, (full_m, full_n, live_check), direct, helpers)
-    nb = 2 if db else 1
-    decls = [f"var<workgroup> As: array<f16, {nb * asz}>;",
-             f"var<workgroup> Bs: array<f16, {nb * bsz}>;"]
-    if scratch:
-        decls.append(f"var<workgroup> Cs: array<f32, {256 * nsg}>;")
-    nbytes = 2 * nb * (asz + bsz) + (4 * 256 * nsg if scratch else 0)
-    return L, (decls, nbytes), nthreads, grid, helpers, ops
+    return sh, compute
 
 
 def _tile_start(c, t, g, L: list[str], ind: str):
