@@ -4,7 +4,8 @@
 # attention table.  From the repo root after `source .gpu/env.sh`:
 #   bash bench/gpu_tuned_run.sh OUTDIR [impl, default dawn]
 # Each stage has its own time limit so a slow one cannot starve the rest; results are written
-# as each workload finishes.  QUICK=1: tiny configs (a dry run on lavapipe).
+# as each workload finishes.  QUICK=1: tiny configs (a dry run on lavapipe).  FAST=1: the tuned
+# refresh also measures precision="fast"; PAIRED=1 (+ PAIRED_COMPILE=1): bench/paired.py rounds.
 set -uo pipefail
 out="$1"; impl="${2:-dawn}"
 mkdir -p "$out"
@@ -18,7 +19,12 @@ timeout "${T_TUNE:-90}" python3 bench/tune_workloads.py "$lose" --impl "$impl" $
   --json "$out/tune-report.json"
 cp "$out/untuned.json" "$out/tuned.json"
 timeout "${T_REFRESH:-80}" python3 bench/harness.py --workloads "$lose" --impls "$impl" \
-  --warmup 3 --steps 10 $q --refresh-ours tuned --out "$out/tuned.json" 2>&1 | grep -v "^\s*$"
+  --warmup 3 --steps 10 $q ${FAST:+--fast} --refresh-ours tuned --out "$out/tuned.json" 2>&1 \
+  | grep -v "^\s*$"
+# PAIRED=1: ours and PyTorch in interleaved rounds (PAIRED_COMPILE=1 adds torch.compile cells)
+[ -n "${PAIRED:-}" ] && timeout "${T_PAIRED:-300}" python3 bench/paired.py --workloads "$all" \
+  --impl "$impl" --rounds 3 $q ${PAIRED_COMPILE:+--torch-compile} --out "$out/paired.json" \
+  2>&1 | tail -25
 [ -z "$q" ] && timeout "${T_ROOF:-60}" python3 bench/roofline.py "$out/roofline" "$lose" \
   --impl "$impl" --top 12 2>&1 | tail -40
 [ -z "$q" ] && timeout "${T_ATT:-30}" python3 bench/attention_bench.py "$impl" --quick \
