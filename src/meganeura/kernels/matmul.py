@@ -393,12 +393,19 @@ def _tile_start(c: _Ctx, t, TM: int, TN: int, L: list[str], ind: str):
           f"{ind}let tq = wg / {u(nt)};", f"{ind}let tm = tq % {u(mt)};",
           f"{ind}let bi = tq / {u(mt)};", f"{ind}let row0 = tm * {u(TM)};",
           f"{ind}let col0 = tn * {u(TN)};"]
+    return tile_bounds(c, grid, TM, TN, L, ind)
+
+
+def tile_bounds(c: _Ctx, grid, TM: int, TN: int, L: list[str], ind: str):
+    """After ``bi``/``row0``/``col0`` are defined (any tile order): the ``live`` test of a
+    wrapped grid, the uniform ``interior`` test and the operands' batch bases.  Returns
+    (grid, live_check, full_m, full_n); shared by the tiled and the tensor-core tiles."""
     live_check = not grid.exact
     if live_check:
-        L.append(f"{ind}let live = bi < {u(B)};")
-    full_m, full_n = M % TM == 0, N % TN == 0
-    conds = ([] if full_m else [f"row0 + {u(TM)} <= {u(M)}"])
-    conds += ([] if full_n else [f"col0 + {u(TN)} <= {u(N)}"])
+        L.append(f"{ind}let live = bi < {u(c.B)};")
+    full_m, full_n = c.M % TM == 0, c.N % TN == 0
+    conds = ([] if full_m else [f"row0 + {u(TM)} <= {u(c.M)}"])
+    conds += ([] if full_n else [f"col0 + {u(TN)} <= {u(c.N)}"])
     conds += (["live"] if live_check else [])
     if conds:
         L.append(f"{ind}let interior = {' && '.join(conds)};")

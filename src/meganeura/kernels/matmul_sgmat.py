@@ -113,7 +113,7 @@ def _tile_start(c, t, g, L: list[str], ind: str):
     over the tile grid or (``SWZ``) in groups of ``SWZ_ROWS`` tile rows walked column by
     column; the uniform ``interior`` test and the operands' batch bases.  Returns (grid,
     live_check, full_m, full_n) like ``matmul._tile_start``."""
-    from .matmul import index_code
+    from .matmul import tile_bounds
 
     B, M, N, TM, TN = c.B, c.M, c.N, g.tm, g.tn
     mt, nt = -(-M // TM), -(-N // TN)
@@ -129,18 +129,7 @@ def _tile_start(c, t, g, L: list[str], ind: str):
     else:
         L += [f"{ind}let tn = ti % {u(nt)};", f"{ind}let tm = ti / {u(nt)};"]
     L += [f"{ind}let row0 = tm * {u(TM)};", f"{ind}let col0 = tn * {u(TN)};"]
-    live_check = not grid.exact
-    if live_check:
-        L.append(f"{ind}let live = bi < {u(B)};")
-    full_m, full_n = M % TM == 0, N % TN == 0
-    conds = ([] if full_m else [f"row0 + {u(TM)} <= {u(M)}"])
-    conds += ([] if full_n else [f"col0 + {u(TN)} <= {u(N)}"])
-    conds += (["live"] if live_check else [])
-    if conds:
-        L.append(f"{ind}let interior = {' && '.join(conds)};")
-    L.append(f"{ind}let abase = {index_code(['bi'], [c.sa[0]], c.a.offset)};")
-    L.append(f"{ind}let bbase = {index_code(['bi'], [c.sb[0]], c.b.offset)};")
-    return grid, live_check, full_m, full_n
+    return tile_bounds(c, grid, TM, TN, L, ind)
 
 
 def _loader(c, L: list[str], edges: bool, live_check: bool, ops):
