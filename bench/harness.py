@@ -316,48 +316,52 @@ def run_torch(w, args) -> dict:
 def cuda_graph_cells(w, m, feeds, args, timed) -> dict:
     """PyTorch's GPU-only floor for the same work: the inference forward and the SGD training
     step (forward, backward, update) captured once in a CUDA graph and replayed, so no Python,
-    dispatcher or launch overhead remains (the capture recipe of PyTorch's CUDA-graph docs:
-    warm-up on a side stream, static inputs, gradients kept allocated)."""
+    dispatcher or launch overhead remains (``cuda_graph_steps``), timed."""
+    try:
+        steps = cuda_graph_steps(w, m, feeds)
+        return {k: timed(fn, args.warmup, args.steps) for k, fn in steps.items()}
+    except Exception as e:  # noqa: BLE001 - record, don't hide (some models cannot be captured)
+        return {"error": f"{type(e).__name__}: {e}"[:400]}
+
+
+def cuda_graph_steps(w, m, feeds) -> dict:
+    """``{"infer": replay, "train_sgd": replay}``: the forward and the SGD step captured in CUDA
+    graphs (the recipe of PyTorch's CUDA-graph docs: warm-up on a side stream, static inputs,
+    gradients kept allocated)."""
     import torch
 
-    out = {}
-    try:
-        def warm(fn):
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-
-        def capture(fn):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+    def warm(fn):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
                 fn()
-            return g
+        torch.cuda.current_stream().wait_stream(s)
 
-        def fwd():
-            with torch.no_grad():
-                w.torch_loss(m, feeds)
-        warm(fwd)
-        g_fwd = capture(fwd)
-        out["infer"] = timed(g_fwd.replay, args.warmup, args.steps)
-        opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+    def capture(fn):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g
 
-        def step():
-            w.torch_loss(m, feeds)[0].backward()
-            opt.step()
-        warm(lambda: (opt.zero_grad(set_to_none=True), step()))
-        opt.zero_grad(set_to_none=False)  # the graph accumulates into these gradient buffers
-        g_train = capture(step)
+    def fwd():
+        with torch.no_grad():
+            w.torch_loss(m, feeds)
+    warm(fwd)
+    g_fwd = capture(fwd)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-4)
 
-        def replay_train():
-            opt.zero_grad(set_to_none=False)
-            g_train.replay()
-        out["train_sgd"] = timed(replay_train, args.warmup, args.steps)
-    except Exception as e:  # noqa: BLE001 - record, don't hide (some models cannot be captured)
-        out["error"] = f"{type(e).__name__}: {e}"[:400]
-    return out
+    def step():
+        w.torch_loss(m, feeds)[0].backward()
+        opt.step()
+    warm(lambda: (opt.zero_grad(set_to_none=True), step()))
+    opt.zero_grad(set_to_none=False)  # the graph accumulates into these gradient buffers
+    g_train = capture(step)
+
+    def replay_train():
+        opt.zero_grad(set_to_none=False)
+        g_train.replay()
+    return {"infer": g_fwd.replay, "train_sgd": replay_train}
 
 
 def gates(ours_out: dict, ref: dict, tol=STRICT) -> dict:

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from harness import ours_step_times, torch_reference  # noqa: E402
+from harness import cuda_graph_steps, ours_step_times, torch_reference  # noqa: E402
 
 import meganeura as mn  # noqa: E402
 from meganeura import optim  # noqa: E402
@@ -63,7 +63,8 @@ def _torch_cells(w, args) -> dict:
         cm = torch.compile(m)
         fns["compile/infer"], fns["compile/train"] = infer_fn(cm), train_fn(cm)
     if cuda and not args.no_cuda_graph:
-        fns.update(_graph_cells(w, m, feeds))
+        steps = cuda_graph_steps(w, m, feeds)
+        fns.update({"graph/infer": steps["infer"], "graph/train": steps["train_sgd"]})
     return {k: _torch_timer(fn, sync) for k, fn in fns.items()}
 
 
@@ -78,45 +79,6 @@ def _torch_timer(fn, sync):
                 ts.append((time.perf_counter() - t0) * 1e3)
         return ts
     return timer
-
-
-def _graph_cells(w, m, feeds) -> dict:
-    """The CUDA-graph replay of the forward and of the SGD step (harness.cuda_graph_cells'
-    recipe), as step functions."""
-    import torch
-
-    def warm(fn):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-
-    def capture(fn):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g
-
-    def fwd():
-        with torch.no_grad():
-            w.torch_loss(m, feeds)
-    warm(fwd)
-    g_fwd = capture(fwd)
-    opt = torch.optim.SGD(m.parameters(), lr=1e-4)
-
-    def step():
-        w.torch_loss(m, feeds)[0].backward()
-        opt.step()
-    warm(lambda: (opt.zero_grad(set_to_none=True), step()))
-    opt.zero_grad(set_to_none=False)
-    g_train = capture(step)
-
-    def replay_train():
-        opt.zero_grad(set_to_none=False)
-        g_train.replay()
-    return {"graph/infer": g_fwd.replay, "graph/train": replay_train}
 
 
 def _ours_cells(w, impl: str) -> dict:
