@@ -485,22 +485,29 @@ class _GemmGen:
             return f"Sh[{u(off // 4)} + {k} * {u((T + SH_PAD) // 4)} + {x} / 4u][{x} % 4u]"
         return f"Sh[{u(off)} + {k} * {u(T + SH_PAD)} + {x}]"
 
+    @staticmethod
+    def _read_element(out: list[str], jj: str, tag: str, k_expr: str, op, check_k: bool,
+                      kend: str, declare: bool) -> None:
+        """``v<tag>`` = the operand element at K index ``k_expr`` (zero outside the tile, the
+        K range or the padding); ``declare``: as a new ``var`` (else an existing register)."""
+        kv = f"k{tag}"
+        out.append(f"{jj}let {kv} = {k_expr};")
+        cond, idx = op.load(kv, tag, out, jj)
+        conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
+            [cond] if cond else [])
+        out.append(f"{jj}var v{tag}: f32 = 0.0;" if declare else f"{jj}v{tag} = 0.0;")
+        out.append(f"{jj}if ({' && '.join(conds)}) {{")
+        out.append(f"{jj}    v{tag} = {_read(op.binding, idx, op.dtype)};")
+        out.append(f"{jj}}}")
+
     def _stage(self, out: list[str], ii: str, check_k: bool, kend: str) -> None:
         """Copy step k0's slices of both operands into workgroup memory (zero outside)."""
         for which, l, rn, kn, op, T, partial, n_el in self.plan:
             tag, jj = f"{which}{l}", ii
-            kv = f"k{tag}"
             if partial:
                 out.append(f"{ii}if (lid + {u(l * self.nth)} < {u(n_el)}) {{")
                 jj = ii + "    "
-            out.append(f"{jj}let {kv} = k0 + {kn};")
-            cond, idx = op.load(kv, tag, out, jj)
-            conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
-                [cond] if cond else [])
-            out.append(f"{jj}var v{tag}: f32 = 0.0;")
-            out.append(f"{jj}if ({' && '.join(conds)}) {{")
-            out.append(f"{jj}    v{tag} = {_read(op.binding, idx, op.dtype)};")
-            out.append(f"{jj}}}")
+            self._read_element(out, jj, tag, f"k0 + {kn}", op, check_k, kend, declare=True)
             off = 0 if which == "a" else self.offb
             out.append(f"{jj}{self._sh(off, T, kn, rn)} = v{tag};")
             if partial:
@@ -572,19 +579,11 @@ class _GemmGen:
         outside), each in its own block (the operands' lets may repeat per step)."""
         for which, l, _rn, kn, op, _t, partial, n_el in self.plan:
             tag, jj = f"{which}{l}", ii + "    "
-            kv = f"k{tag}"
             out.append(f"{ii}{{")
             if partial:
                 out.append(f"{jj}if (lid + {u(l * self.nth)} < {u(n_el)}) {{")
                 jj += "    "
-            out.append(f"{jj}let {kv} = {base} + {kn};")
-            cond, idx = op.load(kv, tag, out, jj)
-            conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
-                [cond] if cond else [])
-            out.append(f"{jj}v{tag} = 0.0;")
-            out.append(f"{jj}if ({' && '.join(conds)}) {{")
-            out.append(f"{jj}    v{tag} = {_read(op.binding, idx, op.dtype)};")
-            out.append(f"{jj}}}")
+            self._read_element(out, jj, tag, f"{base} + {kn}", op, check_k, kend, declare=False)
             if partial:
                 out.append(f"{ii}    }}")
             out.append(f"{ii}}}")
