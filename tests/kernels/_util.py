@@ -82,3 +82,20 @@ def no_subgroup_matrix_reason(dev) -> str | None:
     return (f"{dev.adapter_name} ({dev.implementation}) has no f16 subgroup matrices "
             f"({SG_FEATURE}): {cause}; these tests run on the GPU machine (bench/gpu_suite.sh, "
             f"Dawn on the H200); see docs/mutation-testing.md")
+
+
+def compiled_matches_float64(gpu, graph, outs: dict, env: dict, feed: str, tol: float = 1e-4):
+    """Compile ``outs`` of ``graph`` on ``gpu``, set every ``env`` entry but the ``feed`` input
+    as parameters, run, and check each result against the float64 reference interpreter
+    (max error ≤ ``tol`` · max |reference|).  Returns the session (its plan for more checks)."""
+    import meganeura as mn
+    from meganeura import reference
+
+    want = dict(zip(outs, reference.evaluate(graph, list(outs.values()), env, np.float64)))
+    sess = mn.compile(graph, outputs=outs, device=gpu)
+    sess.set_params({k: v for k, v in env.items() if k != feed})
+    got = sess.run(**{feed: env[feed]})
+    for k in outs:
+        scale = float(np.abs(want[k]).max())
+        assert float(np.abs(got[k] - want[k]).max()) <= tol * scale, k
+    return sess

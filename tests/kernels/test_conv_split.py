@@ -23,7 +23,7 @@ from meganeura.kernels.conv import (
 from meganeura.ops.conv import _conv2d_ref, _input_grad_ref
 from tests.kernels.test_conv import _geom
 
-from ._util import assert_close
+from ._util import assert_close, compiled_matches_float64
 
 C = Strided.contiguous
 
@@ -90,7 +90,7 @@ def test_split_convolutions_through_compile(gpu):
     epilogue, input gradients plain and strided): its outputs and gradients match the
     float64 reference, and the plan really holds split-K partial and sum kernels."""
     import meganeura as mn
-    from meganeura import ops, reference
+    from meganeura import ops
 
     rng = np.random.default_rng(5)
     g = mn.Graph("split")
@@ -104,13 +104,7 @@ def test_split_convolutions_through_compile(gpu):
     outs = {"y": g2[y], **{f"d{k}": v for k, v in grads.items()}}
     env = {k: (rng.normal(size=v.shape) * 0.2).astype(np.float32)
            for k, v in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("ct", ct))}
-    want = dict(zip(outs, reference.evaluate(g2, list(outs.values()), env, np.float64)))
-    sess = mn.compile(g2, outputs=outs, device=gpu)
-    sess.set_params({k: v for k, v in env.items() if k != "ct"})
-    got = sess.run(ct=env["ct"])
-    for k in outs:
-        scale = float(np.abs(want[k]).max())
-        assert float(np.abs(got[k] - want[k]).max()) <= 1e-4 * scale, k
+    sess = compiled_matches_float64(gpu, g2, outs, env, "ct")
     labels = [c.label for c in sess.executable.infer.ops if hasattr(c, "label")]
     assert any("conv2d (2, 64, 4, 4) [split-K sum] +" in s for s in labels), labels
     assert any(s.startswith("conv2d_input_grad") and "[split-K" in s for s in labels), labels

@@ -12,6 +12,8 @@ from meganeura import ops, reference
 from meganeura.graph import TensorType
 from meganeura.ops import conv as C
 
+from ..kernels._util import compiled_matches_float64
+
 F32 = mn.f32
 
 
@@ -112,13 +114,7 @@ def test_compiled_matmul_convolutions(gpu, monkeypatch, n, c, o, h, w):
     outs["dw_split"] = ops.conv2d_weight_grad(g2[x], g2[ct], (1, 1), split=5 if n == 1 else n)
     env = {k: (rng.normal(size=v.shape) * 0.3).astype(np.float32)
            for k, v in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("ct", ct))}
-    want = dict(zip(outs, reference.evaluate(g2, list(outs.values()), env, np.float64)))
-    sess = mn.compile(g2, outputs=outs, device=gpu)
-    sess.set_params({k: v for k, v in env.items() if k != "ct"})
-    got = sess.run(ct=env["ct"])
-    for k in outs:
-        scale = float(np.abs(want[k]).max())
-        assert float(np.abs(got[k] - want[k]).max()) <= 1e-4 * scale, k
+    sess = compiled_matches_float64(gpu, g2, outs, env, "ct")
     labels = _labels(sess)
     assert not any(s.startswith("conv2d") for s in labels), labels
     assert any(s.startswith("matmul") and "relu" in s for s in labels), labels
