@@ -105,7 +105,7 @@ class GPUStream:
         self.outs = {name: dev.device.create_buffer(size=n, usage=usage,
                                                     label=f"{stream.tag}-{name}")
                      for name, n in stream.out_buffers.items()}
-        self.pinned, self.pinned_owner = pinned.buffers, pinned
+        self.pinned = pinned  # the session's PinnedBuffers (shared by its streams)
         t0 = time.perf_counter()
         # every distinct pipeline of the stream at once (concurrently: Device.pipelines)
         pipes = dev.pipelines([op.spec for op in stream.ops if isinstance(op, Dispatch)])
@@ -123,7 +123,7 @@ class GPUStream:
             return self.arena
         if loc.pool == "out":
             return self.outs[loc.name]
-        return self.pinned[loc.name]
+        return self.pinned.buffers[loc.name]
 
     def _command(self, op: Dispatch | Copy, pipes: dict):
         """A prebuilt command: a copy, or a dispatch with its pipeline (from ``pipes``, by
@@ -174,7 +174,7 @@ class GPUStream:
 
     def encode(self, extra_copies=()):
         """The stream's command buffer (``extra_copies`` appended: result readback)."""
-        self.pinned_owner.materialize()
+        self.pinned.materialize()
         enc = self.dev.device.create_command_encoder()
         raw = _raw_calls(self.dev) if self.checked else None
         if raw is not None:
@@ -193,7 +193,7 @@ class GPUStream:
         back while later segments still run (``meganeura.distributed``).  Each range is
         validated at its first encode, then encoded through the native calls like ``encode``."""
         key = (start, stop)
-        self.pinned_owner.materialize()
+        self.pinned.materialize()
         enc = self.dev.device.create_command_encoder()
         raw = _raw_calls(self.dev) if key in self._segments else None
         if raw is not None:
