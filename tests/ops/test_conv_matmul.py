@@ -151,3 +151,34 @@ def test_matmul_convolutions_stay_f32_under_fast(monkeypatch):
     kept = emit_kernel(dataclasses.replace(desc, tensor_cores=False), binds, target, "fast")
     assert fast.spec.meta["variant"].startswith("sgmat")
     assert kept.spec.meta["variant"].startswith("tiled")
+
+
+def test_scheduled_conv_matmuls_carry_f32_only(monkeypatch):
+    """Through the whole pipeline (build, passes, plan; no device): the matmuls a 1×1
+    convolution and its gradients become are scheduled with ``tensor_cores=False``, fused
+    epilogue and split-K included, while an ordinary matmul of the same graph keeps them."""
+    from meganeura import optim
+    from meganeura.compile.memory import KernelOp, make_plan
+    from meganeura.compile.passes import run_pipeline
+    from meganeura.kernels import MatmulKernel
+    from meganeura.program import build_program
+
+    monkeypatch.setattr(C, "MATMUL_MIN_TILES", 1)
+    g = mn.Graph("mixed")
+    x = g.input("x", (2, 8, 4, 4))
+    w1, b1 = g.param("w1", (16, 8, 1, 1)), g.param("b1", (16,))
+    wl = g.param("wl", (16 * 16, 10))
+    h = ops.conv2d(x, w1, b1).relu()
+    logits = ops.matmul(ops.reshape(h, (2, 16 * 16)), wl)
+    loss = (logits * logits).mean()
+    plan = make_plan(run_pipeline(build_program(g, loss, {}, optim.SGD(lr=0.1))), False)
+    mms = [k for k in plan.kernels if isinstance(k, KernelOp)
+           and isinstance(k.desc, MatmulKernel)]
+    f32_only = [k for k in mms if not k.desc.tensor_cores]
+    tc = [k for k in mms if k.desc.tensor_cores]
+    # the conv's forward (bias + ReLU epilogue) and weight gradient; x is an input, so no
+    # input gradient
+    assert len(f32_only) == 2 and any("relu" in k.label for k in f32_only), \
+        [k.label for k in mms]
+    # the linear layer: forward, weight gradient and the gradient flowing back into h
+    assert len(tc) == 3, [k.label for k in mms]
