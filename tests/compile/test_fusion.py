@@ -3,7 +3,7 @@
 import numpy as np
 
 import meganeura as mn
-from meganeura import optim
+from meganeura import ops, optim
 from meganeura.compile.fusion import materialized_values
 
 
@@ -62,3 +62,62 @@ def test_recompute_gives_the_reference_results_with_fewer_dispatches(gpu):
     labels = sess.kernel_labels()
     assert not any(lbl.startswith("pointwise[1]") and lbl.endswith(" mul") for lbl in labels), \
         labels
+
+
+def _labels(sess) -> list[str]:
+    return [d.label for d in sess.infer.stream.dispatches]
+
+
+def test_dense_bias_activation_and_residual_are_one_matmul_epilogue(gpu):
+    """``dense`` views the product at x's leading shape before adding the bias, so the bias,
+    the gelu and a residual add all run in the GEMM's epilogue (no separate dispatches), and
+    the result matches float64."""
+    from meganeura.nn.transformer import dense
+
+    g = mn.Graph("mlp")
+    x = g.input("x", (2, 5, 8))
+    h = ops.gelu(dense(g, x, "up", 8, 16))
+    y = x + dense(g, h, "down", 16, 8)
+    sess = mn.compile(g, outputs={"y": y})
+    labels = _labels(sess)
+    assert not any(lb.startswith("pointwise") for lb in labels), labels
+    assert any("gelu" in lb for lb in labels if lb.startswith("matmul")), labels
+    ref = mn.compile(g, outputs={"y": y}, backend="reference", dtype=np.float64)
+    params = {k: np.random.default_rng(1).normal(size=v.shape).astype(np.float32)
+              for k, v in ((n, g.leaves[n].value.type) for n in g.params)}
+    xs = np.random.default_rng(2).normal(size=(2, 5, 8)).astype(np.float32)
+    for ss in (sess, ref):
+        ss.set_params(params)
+    np.testing.assert_allclose(sess.run(x=xs)["y"], ref.run(x=xs)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_activation_after_conv1d_reshape_is_the_conv_epilogue(gpu):
+    """conv1d is a conv2d over a height-1 image viewed back as (N, C, L): the activation that
+    follows is moved below that view (simplify's ``sink_reshapes_below_activations``) and
+    fused into the conv kernel; results match float64, also in a training step (where the
+    conv output is read by the backward as well)."""
+    g = mn.Graph("c1")
+    x = g.input("x", (2, 3, 11))
+    w = g.param("w", (4, 3, 3))
+    b = g.param("b", (4,))
+    y = ops.gelu(ops.conv1d(x, w, b, padding=1))
+    sess = mn.compile(g, outputs={"y": y})
+    labels = _labels(sess)
+    assert len(labels) == 1 and labels[0].startswith("conv2d") and "gelu" in labels[0], labels
+    ref = mn.compile(g, outputs={"y": y}, backend="reference", dtype=np.float64)
+    rng = np.random.default_rng(3)
+    params = {"w": rng.normal(size=(4, 3, 3)).astype(np.float32),
+              "b": rng.normal(size=(4,)).astype(np.float32)}
+    xs = rng.normal(size=(2, 3, 11)).astype(np.float32)
+    for ss in (sess, ref):
+        ss.set_params(params)
+    np.testing.assert_allclose(sess.run(x=xs)["y"], ref.run(x=xs)["y"], rtol=1e-5, atol=1e-5)
+    loss = (y * y).mean()
+    tr = mn.compile(g, loss=loss, optimizer=optim.SGD(lr=0.1))
+    tref = mn.compile(g, loss=loss, optimizer=optim.SGD(lr=0.1), backend="reference",
+                      dtype=np.float64)
+    for ss in (tr, tref):
+        ss.set_params(params)
+    np.testing.assert_allclose(tr.step(x=xs).loss, tref.step(x=xs).loss, rtol=1e-5)
+    np.testing.assert_allclose(tr.get_params()["w"], tref.get_params()["w"], rtol=1e-4,
+                               atol=1e-6)

@@ -96,12 +96,18 @@ def _linear_params(g: Graph, name: str, n_in: int, n_out: int, bias: bool):
 
 
 def _fused_matmul(g: Graph, x: Value, n_in: int, parts: Sequence[tuple[str, int, bool]]):
-    """(rows, Σ n_out) = x2 @ concat(W)ᵀ + concat(b), x2 being x with leading dims flattened."""
+    """(*x.shape[:-1], Σ n_out) = x2 @ concat(W)ᵀ + concat(b), x2 being x with leading dims
+    flattened.  The product is viewed back at x's leading shape *before* the bias is added:
+    the compiler fuses a matmul → reshape → elementwise chain (bias, activation, residual)
+    into the GEMM's epilogue, but a reshape between two elementwise ops ends the chain (the
+    bias sum would be stored and the activation run as a dispatch of its own)."""
     x2 = ops.reshape(x, (-1, n_in)) if x.ndim != 2 else x
     ws, bs = zip(*(_linear_params(g, name, n_in, n, bias) for name, n, bias in parts),
                  strict=True)
     w = ops.concat(list(ws), 0) if len(ws) > 1 else ws[0]
     y = ops.matmul(x2, w, transpose_b=True)
+    if x.ndim != 2:
+        y = ops.reshape(y, x.shape[:-1] + (y.shape[-1],))
     if any(b is not None for b in bs):
         full = [b if b is not None else g.full((n,), 0.0, x.dtype)
                 for b, (_, n, _) in zip(bs, parts, strict=True)]
@@ -121,8 +127,7 @@ def fused_dense(g: Graph, x: Value, n_in: int, parts: Sequence[tuple[str, int, b
     gradient a single matmul over all rows (no batched product reduced afterwards)."""
     if not fuse and len(parts) > 1:
         return tuple(fused_dense(g, x, n_in, [p])[0] for p in parts)
-    y = _fused_matmul(g, x, n_in, parts)
-    y = ops.reshape(y, x.shape[:-1] + (y.shape[-1],))  # (a view: split after reshaping)
+    y = _fused_matmul(g, x, n_in, parts)  # (x's leading dims: split after reshaping)
     return ops.split(y, [n for _, n, _ in parts], -1) if len(parts) > 1 else (y,)
 
 
@@ -348,8 +353,7 @@ class Attention:
             if self.fuse:
                 y = _fused_matmul(g, x, self.hidden, [q_part, k_part, v_part])
                 # (B, Hq + 2·Hkv, S, D) heads as views of the GEMM result, split by head
-                heads = _heads(ops.reshape(y, x.shape[:-1] + (y.shape[-1],)),
-                               hq + 2 * hkv, hd)
+                heads = _heads(y, hq + 2 * hkv, hd)
                 qk, v = ops.split(heads, [hq + hkv, hkv], 1)
             else:
                 q, k, v = fused_dense(g, x, self.hidden, [q_part, k_part, v_part], fuse=False)

@@ -494,11 +494,22 @@ class Device:
         return np.frombuffer(raw, dtype=dt.np).reshape(shape).copy()
 
     def sync(self) -> None:
-        """Wait until all submitted work has finished (by reading 4 bytes back; GPU-NOTES:
-        ``on_submitted_work_done_sync`` raises TypeError in wgpu 0.32)."""
-        if not hasattr(self, "_sync_buf"):
-            self._sync_buf = self.create_buffer(4, label="sync")
-        self.read_buffer(self._sync_buf, 0, 4)
+        """Wait until all submitted work has finished, by copying 4 bytes into a mappable
+        buffer and mapping it (GPU-NOTES: ``on_submitted_work_done_sync`` raises TypeError in
+        wgpu 0.32).  Both buffers are kept: ``queue.read_buffer`` would create and destroy a
+        staging buffer per call, host time on the critical path of every timed step."""
+        import wgpu
+
+        if not hasattr(self, "_sync_bufs"):
+            self._sync_bufs = (self.create_buffer(4, label="sync"), self.device.create_buffer(
+                size=4, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+                label="sync-read"))
+        src, dst = self._sync_bufs
+        enc = self.device.create_command_encoder()
+        enc.copy_buffer_to_buffer(src, 0, dst, 0, 4)
+        self.queue.submit([enc.finish()])
+        dst.map_sync(wgpu.MapMode.READ)
+        dst.unmap()
 
 
 def to_gpu_bytes(array) -> bytes:

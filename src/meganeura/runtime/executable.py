@@ -5,6 +5,7 @@ Knows nothing of graphs, ops or passes: it executes the finished plan it is give
 
 from __future__ import annotations
 
+import os
 import time
 
 from ..compile.executable import Copy, Dispatch, Executable, Loc, Stream, round4
@@ -91,6 +92,31 @@ class PinnedBuffers:
             self.dev.queue.write_buffer(buf, off, to_gpu(v, self.exe.leaves[n].type.dtype))
 
 
+SEGMENTS_ENV = "MEGANEURA_SUBMIT_SEGMENTS"
+DEFAULT_SEGMENTS = (12, 96)  # command index where each submitted segment ends (the rest last)
+
+
+def segment_bounds(n: int, env: str | None = None) -> list[int]:
+    """Where a step of ``n`` commands is cut into separately submitted command buffers:
+    ``[0, c1, c2, …, n]`` from ``$MEGANEURA_SUBMIT_SEGMENTS`` (comma-separated cut points;
+    ``0`` or empty: one command buffer), default ``DEFAULT_SEGMENTS``.  Short first segments
+    let the GPU start early; each cut costs one ``queue.submit`` on the host and ends a
+    compute pass."""
+    raw = os.environ.get(SEGMENTS_ENV) if env is None else env
+    if raw is None:
+        cuts = DEFAULT_SEGMENTS
+    else:
+        try:
+            cuts = tuple(int(c) for c in raw.replace(" ", "").split(",") if c)
+        except ValueError:
+            raise ValueError(f"${SEGMENTS_ENV}={raw!r}: expected comma-separated command "
+                             f"indices, e.g. '12,96' (or 0 for one command buffer)") from None
+        if any(c < 0 for c in cuts):
+            raise ValueError(f"${SEGMENTS_ENV}={raw!r}: cut points must be ≥ 0")
+    inner = sorted({c for c in cuts if 0 < c < n})
+    return [0, *inner, n]
+
+
 class GPUStream:
     """One ``Stream`` on the device: its arena, result buffers, pipelines and bind groups."""
 
@@ -151,7 +177,7 @@ class GPUStream:
 
         layout = self.stream.fetch
         if not layout:
-            self.dev.queue.submit([self.encode()])
+            self.launch()
             return dict
         # a readback buffer per submitted step (results are read lazily, maybe much later);
         # buffers whose results were read go back to the pool
@@ -159,7 +185,7 @@ class GPUStream:
             self.dev.device.create_buffer(size=self.stream.fetch_bytes,
                                           usage=wgpu.BufferUsage.MAP_READ
                                           | wgpu.BufferUsage.COPY_DST)
-        self.dev.queue.submit([self.encode(self.fetch_copies(dst))])
+        self.launch(self.fetch_copies(dst))
 
         def fetch():
             dst.map_sync(wgpu.MapMode.READ)
@@ -171,6 +197,19 @@ class GPUStream:
                     for f in layout}
 
         return fetch
+
+    def launch(self, extra_copies=()) -> None:
+        """Encode and submit one step, in segments (``segment_bounds``): the GPU starts on
+        the first few dispatches while the host still encodes the rest, instead of idling for
+        the whole encode (≈ 1.4 µs per dispatch on Dawn: 0.1 ms for a 71-dispatch inference,
+        1.4 ms for a 1,000-dispatch training step).  ``extra_copies`` go at the very end."""
+        bounds = segment_bounds(len(self.commands))
+        if len(bounds) == 2:
+            self.dev.queue.submit([self.encode(extra_copies)])
+            return
+        last = len(bounds) - 2
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            self.dev.queue.submit([self.encode_range(a, b, extra_copies if i == last else ())])
 
     def encode(self, extra_copies=()):
         """The stream's command buffer (``extra_copies`` appended: result readback)."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ...graph import DType
+from ...graph import DType, TensorType
+from ...ops.lowering import Pointwise, resolve
 from ...program import Program
 from .rebuild import rebuild
 
@@ -70,6 +71,37 @@ def drop_trivial_reductions(program: Program) -> Program:
     return rebuild(program, rewrite)
 
 
+def sink_reshapes_below_activations(program: Program) -> Program:
+    """``f(reshape(k))`` → ``reshape(f(k))`` for a one-input elementwise ``f`` (gelu, relu…)
+    when ``k`` is a dedicated kernel's result that only this reshape reads (a conv1d is a
+    conv2d over a height-1 image viewed back as (N, C, L)).  The activation then reads the
+    kernel's result at its own shape and becomes the kernel's epilogue: one dispatch and one
+    round trip of the activation's input saved.  The reshape is a view: no copy appears."""
+    from ..fusion import takes_epilogue
+
+    readers: dict[int, int] = {}
+    for node in program.graph.nodes:
+        for v in node.inputs:
+            readers[v.id] = readers.get(v.id, 0) + 1
+
+    def rewrite(g, node, ins):
+        if len(node.inputs) != 1 or len(node.outputs) != 1 or node.opdef.leaf:
+            return None
+        if not isinstance(resolve(node), Pointwise) or node.inputs[0].node.op != "reshape":
+            return None
+        r = node.inputs[0].node
+        k = r.inputs[0]
+        if readers.get(k.id) != 1 or not takes_epilogue(k.node):
+            return None
+        src = ins[0].node.inputs[0]  # k in the new graph (the reshape was copied already)
+        (y,) = g._add_node(node.op, (src,), node.attrs,
+                           [TensorType(src.shape, node.out.dtype)], loc=node.loc)
+        return [g.apply("reshape", y, shape=node.out.shape)]
+
+    return rebuild(program, rewrite)
+
+
 def simplify(program: Program) -> Program:
     program = drop_trivial_reductions(fold_constant_views(program))
+    program = sink_reshapes_below_activations(program)
     return eliminate_dead_code(eliminate_common_subexpressions(program))
