@@ -121,3 +121,18 @@ def test_activation_after_conv1d_reshape_is_the_conv_epilogue(gpu):
     np.testing.assert_allclose(tr.step(x=xs).loss, tref.step(x=xs).loss, rtol=1e-5)
     np.testing.assert_allclose(tr.get_params()["w"], tref.get_params()["w"], rtol=1e-4,
                                atol=1e-6)
+
+
+def test_value_read_through_a_transpose_is_stored_once_not_recomputed():
+    """``x = transpose(a) + pos`` read by two kernels: recomputing it would read ``a``
+    transposed (uncoalesced) in both; it is stored once instead.  The same value from a
+    contiguous input is still recomputed."""
+    g = mn.Graph("tr")
+    a = g.input("a", (1, 32, 48))
+    pos = g.input("pos", (48, 32))
+    for src, stored in ((ops.transpose(a, 1, 2), True), (ops.reshape(a, (1, 48, 32)), False)):
+        x = src + pos
+        r1 = (x * x).sum(axis=-1, keepdims=True)
+        r2 = (x.exp() * r1).sum(axis=1)
+        out = materialized_values(g, [r1, r2])
+        assert (x.id in out) is stored

@@ -90,6 +90,8 @@ def _recompute(node, consumers, materialized: set[int], graph: Graph, position,
     for x in node.inputs:
         while x.id not in materialized and graph.leaf_of(x) is None and \
                 isinstance(_lowering(x.node), View) and x.node.inputs:
+            if _moves_last_axis(x.node):
+                return False  # a transposed read is uncoalesced: once, into a stored value
             x = x.node.inputs[0]  # a view reads its base through strides
         if graph.leaf_of(x) is not None or x.node.op == "full":
             continue  # persistent or a literal: nothing to keep alive
@@ -98,6 +100,16 @@ def _recompute(node, consumers, materialized: set[int], graph: Graph, position,
         if last_use.get(x.id, -1) < until:
             extended += x.size
     return extended <= node.outputs[0].size
+
+
+def _moves_last_axis(node) -> bool:
+    """A permute whose innermost axis is not the input's innermost (a transpose): adjacent
+    output elements are far apart in memory."""
+    low = _lowering(node)
+    if not isinstance(low, View) or low.kind != "permute":
+        return False
+    perm = node.attrs["perm"]
+    return perm[-1] != len(perm) - 1
 
 
 def _epilogue_candidate(v: Value, consumers, root_ids: set[int],
