@@ -210,6 +210,7 @@ class GPUStream:
         last = len(bounds) - 2
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             self.dev.queue.submit([self.encode_range(a, b, extra_copies if i == last else ())])
+        self.checked = True  # every command passed a checked encode (as a segment)
 
     def encode(self, extra_copies=()):
         """The stream's command buffer (``extra_copies`` appended: result readback)."""
