@@ -120,3 +120,30 @@ def test_bad_descriptions_raise():
     with pytest.raises(CodegenError, match="needs a post pass"):
         codegen.emit(ChainReduceKernel(ok.shape, ok.axes, ok.inputs, (no_post, ok.stages[1]),
                                        ((True,), (False, True))))
+
+
+def test_epilogues_read_extra_inputs(run, rng):
+    """Stage epilogues scaled by a per-row extra input (a norm's backward: sums times rstd),
+    the extra bound once for both stages, rows spread over a 3-d shape (reduced last)."""
+    shape, n = (2, 5, 40), 40
+    x = rng.standard_normal(shape).astype(np.float32)
+    scale = rng.standard_normal((2, 5)).astype(np.float32)
+    first = ReduceMember("sum", (Instr("{0}", (("in", 0),), f32),),
+                         (Instr("({0} * {1})", (("acc", 0), ("x", 0)), f32),), f32,
+                         post=(Instr("({0} - {1})", (("in", 0), ("r", 0)), f32),),
+                         post_outputs=(0,))
+    second = ReduceMember("sum", (Instr("({0} * {1})", (("c", 0), ("in", 0)), f32),),
+                          (Instr("({0} * {1})", (("acc", 0), ("x", 0)), f32),), f32,
+                          post=(Instr("({0} * {1})", (("c", 0), ("r", 0)), f32),),
+                          post_outputs=(0,))
+    k = ChainReduceKernel(shape, (2,), (Strided.contiguous(f32, shape),), (first, second),
+                          ((True, False), (True, True)), (Strided.contiguous(f32, (2, 5)),))
+    r0, r1, y = run(k, [x, scale], [((2, 5), f32), ((2, 5), f32), (shape, f32)])
+    x64, s64 = x.astype(np.float64), scale.astype(np.float64)
+    want0 = x64.sum(axis=2) * s64
+    c = x64 - want0[..., None]
+    want1 = (c * x64).sum(axis=2) * s64
+    assert_close(r0, want0, 1e-5, 1e-5, what="first result")
+    assert_close(r1, want1, 1e-5, 1e-5, what="second result")
+    assert_close(y, c * want1[..., None], 1e-5, 1e-5, what="second post pass")
+    assert run.last_spec.n_bindings == 5

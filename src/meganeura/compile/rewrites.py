@@ -180,12 +180,12 @@ def _read_by(kernels: list[LoweredKernel]) -> dict[int, set[int]]:
     return read
 
 
-def _stage(d: ir.ReduceKernel, bases: list, inputs: list, ins: list, reg: dict) -> tuple:
-    """``d`` as a chain stage over the shared ``inputs`` (its own inputs and post inputs added
-    where new; a value in ``reg`` is read from the registers as ``("c", q)``)."""
-    n_in = len(d.inputs)
-    views = list(zip(ins[:n_in], d.inputs, strict=True))
-    post_views = list(zip(ins[n_in + len(d.extra):], d.post_inputs, strict=True))
+def _stage(d: ir.ReduceKernel, ins: list, shared: tuple, reg: dict) -> ir.ReduceMember | None:
+    """``d`` as a chain stage over the ``shared`` (input bases, input views, extra bases,
+    extra views) lists, its own operands added where new; a value in ``reg`` is read from the
+    registers as ``("c", q)``.  None when it reads such a value at other elements."""
+    bases, inputs, xbases, extras = shared
+    n_in, n_x = len(d.inputs), len(d.extra)
     ident = _contiguous(tuple(d.shape))
 
     def slot(base, st):
@@ -196,15 +196,16 @@ def _stage(d: ir.ReduceKernel, bases: list, inputs: list, ins: list, reg: dict) 
             return None  # another element of the earlier stage's output
         return ("c", reg[base.id])
 
-    own = [slot(b, st) for b, st in views]
-    post_in = [slot(b, st) for b, st in post_views]
-    if None in own or None in post_in:
+    own = [slot(b, st) for b, st in zip(ins[:n_in], d.inputs, strict=True)]
+    post_in = [slot(b, st) for b, st in zip(ins[n_in + n_x:], d.post_inputs, strict=True)]
+    if None in own or None in post_in or any(b.id in reg for b in ins[n_in:n_in + n_x]):
         return None
+    xs = [("x", _input_slot(xbases, extras, b, st))
+          for b, st in zip(ins[n_in:n_in + n_x], d.extra, strict=True)]
     pro = d.prologue or (ir.Instr("{0}", (("in", 0),), d.inputs[0].dtype),)
-    remap = {"in": own}
-    pro = _remap(pro, remap)
-    post = _remap(d.post, {"in": post_in, "ri": own})
-    return ir.ReduceMember(d.kind, pro, d.epilogue, d.out_dtype, post, tuple(d.post_outputs))
+    return ir.ReduceMember(d.kind, _remap(pro, {"in": own}), _remap(d.epilogue, {"x": xs}),
+                           d.out_dtype, _remap(d.post, {"in": post_in, "ri": own}),
+                           tuple(d.post_outputs))
 
 
 def _remap(instrs, remap: dict) -> tuple[ir.Instr, ...]:
@@ -223,7 +224,7 @@ def chained(a: LoweredKernel, b: LoweredKernel, updated: set[int], keep: set[int
     the others live in registers only.  None when that does not apply."""
     da, db = a.desc, b.desc
     if not (isinstance(da, ir.ReduceKernel) and isinstance(db, ir.ReduceKernel)) or \
-            not da.post or da.split > 1 or db.split > 1 or da.extra or db.extra or \
+            not da.post or da.split > 1 or db.split > 1 or \
             tuple(da.shape) != tuple(db.shape) or any(v.id in updated for v in a.outs + b.outs):
         return None
     shape, nd = tuple(da.shape), len(da.shape)
@@ -234,9 +235,9 @@ def chained(a: LoweredKernel, b: LoweredKernel, updated: set[int], keep: set[int
     if a.outs[0].id in {v.id for v in b.ins}:
         return None  # reads the first reduction's result broadcast: not a register
     reg = {v.id: q for q, v in enumerate(a.outs[1:])}
-    bases, inputs = [], []
-    first = _stage(da, bases, inputs, a.ins, {})
-    second = _stage(db, bases, inputs, b.ins, reg)
+    shared = ([], [], [], [])  # input bases and views, extra bases and views
+    first = _stage(da, a.ins, shared, {})
+    second = _stage(db, b.ins, shared, reg)
     if first is None or second is None or \
             not any(kd == "c" for i in second.prologue + second.post for kd, _ in i.args):
         return None
@@ -245,11 +246,12 @@ def chained(a: LoweredKernel, b: LoweredKernel, updated: set[int], keep: set[int
               for k in (a, b)]
     outs = [v for k, flags in zip((a, b), stored, strict=True)
             for v, f in zip(k.outs, flags, strict=True) if f]
-    if not outs or len(inputs) + len(outs) > MAX_BINDINGS:
+    bases, inputs, xbases, extras = shared
+    if not outs or len(inputs) + len(extras) + len(outs) > MAX_BINDINGS:
         return None
     desc = ChainReduceKernel(shape, axes, tuple(inputs), (first, second), tuple(stored),
-                             name="chain_reduce_2")
-    return LoweredKernel(desc, bases, outs, _chain_label(a.label, b.label))
+                             tuple(extras), name="chain_reduce_2")
+    return LoweredKernel(desc, bases + xbases, outs, _chain_label(a.label, b.label))
 
 
 def _chain_label(la: str, lb: str) -> str:

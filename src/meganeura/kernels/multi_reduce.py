@@ -56,7 +56,7 @@ from .common import (
     u,
 )
 from .ir import KernelSpec, MultiReduceKernel, ReduceMember, Strided
-from .reduce import MAX_THREADS, SERIAL_MAX, _Reduce, _rel, _used
+from .reduce import MAX_THREADS, SERIAL_MAX, _extra_strides, _Reduce, _rel, _used
 
 CHAIN_PER_LANE = 16  # a row's elements one invocation keeps in registers
 CHAIN_MAX_REDUCED = CHAIN_PER_LANE * MAX_THREADS  # 4096: the longest row one workgroup holds
@@ -74,16 +74,18 @@ class ChainReduceKernel:
     ``("in", i)`` (the shared ``inputs``, Strided over ``shape``) and ``("c", q)``: post output
     ``q`` of the earlier stages (numbered across them in order) at the same element, kept in
     registers; its post pass also reads ``("r", 0)``, the stage's own result (after its
-    epilogue, which reads ``("acc", 0)`` only: no extra inputs).  Every stage but the last has
-    a post pass.  ``stored[j]``: one flag for the stage's result, then one per post output:
-    which are written (contiguous over the output shape, resp. over ``shape``); the others
-    live in registers only.  Bindings: inputs, then per stage its stored outputs in order."""
+    epilogue, which reads ``("acc", 0)`` and the shared ``extra`` inputs ``("x", i)``, Strided
+    over the output shape).  Every stage but the last has a post pass.  ``stored[j]``: one
+    flag for the stage's result, then one per post output: which are written (contiguous over
+    the output shape, resp. over ``shape``); the others live in registers only.  Bindings:
+    inputs, extra, then per stage its stored outputs in order."""
 
     shape: tuple[int, ...]
     axes: tuple[int, ...]
     inputs: tuple[Strided, ...]
     stages: tuple[ReduceMember, ...]
     stored: tuple[tuple[bool, ...], ...]
+    extra: tuple[Strided, ...] = ()
     name: str = "chain_reduce"
 
 
@@ -102,7 +104,7 @@ class _Chain(_Reduce):
     shapes: deterministic."""
 
     def __init__(self, k: ChainReduceKernel, t, alias):
-        view = MultiReduceKernel(k.shape, k.axes, k.inputs, k.stages, (), 1, k.name)
+        view = MultiReduceKernel(k.shape, k.axes, k.inputs, k.stages, k.extra, 1, k.name)
         self.chain = k
         self.k, self.t, self.name, self.archetype = view, t, k.name, "chain_reduce"
         self.n_front = len(k.inputs)
@@ -134,15 +136,15 @@ class _Chain(_Reduce):
                     raise CodegenError(f"kernel {name!r} stage {j} reads ('c', {q}); the "
                                        f"earlier stages have {n_c} post outputs")
             for kd, q in _args(m.epilogue):
-                if kd not in ("acc", "t"):
+                if kd not in ("acc", "t", "x"):
                     raise CodegenError(f"kernel {name!r} stage {j}: epilogue operand "
-                                       f"{(kd, q)!r} (only ('acc', 0))")
+                                       f"{(kd, q)!r} (('acc', 0) or ('x', i))")
             n_c += len(m.post_outputs)
 
     def _operands(self, alias) -> None:
         k, name, t, shape = self.k, self.name, self.t, self.shape
-        self.n_in, self.n_x = len(k.inputs), 0
-        bind = [s.dtype for s in k.inputs]
+        self.n_in, self.n_x = len(k.inputs), len(k.extra)
+        bind = [s.dtype for s in k.inputs + k.extra]
         self.in_b = list(range(self.n_in))
         self.slots = []  # per stage: binding of the result, then of each post output (or None)
         for j, flags in enumerate(self.chain.stored):
@@ -161,7 +163,12 @@ class _Chain(_Reduce):
                               for i in _used(m.post, "in", self.n_in, "post reads input", name)})
         self.used_all = sorted(set(self.used) | set(self.used_p))
         self.used = self.used_all  # every input is loaded once, before the first stage
-        self.used_x, self.xst = [], {}
+        self.used_x = sorted({i for m in k.members for i in _used(
+            m.epilogue, "x", self.n_x, "epilogue reads extra input", name)})
+        self.xst = {i: _extra_strides(k.extra[i], shape, self.axes, self.out_shape,
+                                      f"{name} extra {i}") for i in self.used_x}
+        for i in self.used_x:
+            check_extent(name, f"extra input {i}", k.extra[i], self.out_shape, self.xst[i], t)
         self.full = {i: bcast_strides(k.inputs[i], shape, f"{name} input {i}")
                      for i in self.used_all}
         for i in self.used_all:
@@ -223,6 +230,20 @@ class _Chain(_Reduce):
                 body += [f"{ind}var v{i}_{s}: {reg_type(dt)};",
                          f"{ind}if (ok{s}) {{ v{i}_{s} = {v}; }}"]
             self.oidx.append(_rel("obase", rc, self.rpost))
+
+    def _extras(self, L: list[str], ind: str) -> dict:
+        """The extra inputs at this output, loaded once where the first epilogue needs them
+        (zero in invocations past the last output: every lane runs every line)."""
+        if self.xnames is None:
+            k, self.xnames = self.k, {}
+            kc = coords_code("o", self.kshape, "ko", L, ind)
+            for i in self.used_x:
+                dt = k.extra[i].dtype
+                e = load(self.bd.name(self.n_front + i),
+                         index_code(kc, self.kx[i], k.extra[i].offset), dt)
+                L += [f"{ind}var e{i}: {reg_type(dt)};", f"{ind}if (valid) {{ e{i} = {e}; }}"]
+                self.xnames[i] = (f"e{i}", dt)
+        return self.xnames
 
     def _operand(self, a, s: int, regs: list, result=None):
         """A stage operand at element ``s``: an input, an earlier post output, the result."""
