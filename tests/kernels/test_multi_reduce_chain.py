@@ -125,7 +125,7 @@ def test_bad_descriptions_raise():
 def test_epilogues_read_extra_inputs(run, rng):
     """Stage epilogues scaled by a per-row extra input (a norm's backward: sums times rstd),
     the extra bound once for both stages, rows spread over a 3-d shape (reduced last)."""
-    shape, n = (2, 5, 40), 40
+    shape = (2, 5, 40)
     x = rng.standard_normal(shape).astype(np.float32)
     scale = rng.standard_normal((2, 5)).astype(np.float32)
     first = ReduceMember("sum", (Instr("{0}", (("in", 0),), f32),),
