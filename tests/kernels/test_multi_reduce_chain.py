@@ -9,7 +9,7 @@ import pytest
 from meganeura import kernels as codegen
 from meganeura.dtypes import f32
 from meganeura.kernels import CodegenError, Instr, ReduceMember, Strided
-from meganeura.kernels.multi_reduce import CHAIN_MAX_REDUCED, ChainReduceKernel
+from meganeura.kernels.multi_reduce import CHAIN_MAX_REDUCED, ChainReduceKernel, chain_fits
 
 from ._util import assert_close
 
@@ -147,3 +147,28 @@ def test_epilogues_read_extra_inputs(run, rng):
     assert_close(r1, want1, 1e-5, 1e-5, what="second result")
     assert_close(y, c * want1[..., None], 1e-5, 1e-5, what="second post pass")
     assert run.last_spec.n_bindings == 5
+
+
+@pytest.mark.parametrize("rows", [50, 128])
+def test_column_chain_reads_neighbouring_rows_together(run, rng, rows):
+    """A chain over axis 0 of (rows, 300) (a batch norm over the batch): 32 neighbouring
+    outputs per workgroup; 128 rows are the most that layout holds, 129 do not fit."""
+    n = 300
+    mean = ReduceMember("sum", (Instr("{0}", (("in", 0),), f32),), out_dtype=f32,
+                        post=(Instr(f"({{0}} - {{1}} * f32({1.0 / rows!r}))",
+                                    (("in", 0), ("r", 0)), f32),), post_outputs=(0,))
+    var = ReduceMember("sum", (Instr("({0} * {0})", (("c", 0),), f32),), out_dtype=f32)
+    k = ChainReduceKernel((rows, n), (0,), (Strided.contiguous(f32, (rows, n)),), (mean, var),
+                          ((False, True), (True,)))
+    x = (rng.standard_normal((rows, n)) + 2).astype(np.float32)
+    c, ss = run(k, [x], [((rows, n), f32), ((n,), f32)])
+    x64 = x.astype(np.float64)
+    c64 = x64 - x64.mean(axis=0)
+    assert_close(c, c64, 2e-5, 2e-5, what="centered")
+    assert_close(ss, (c64 * c64).sum(axis=0), 2e-5, 2e-5, what="sum of squares")
+    assert run.last_spec.meta["layout"][0] == 32
+    too_long = ChainReduceKernel((129, n), (0,), (Strided.contiguous(f32, (129, n)),),
+                                 (mean, var), k.stored)
+    with pytest.raises(CodegenError, match="elements per invocation"):
+        codegen.emit(too_long)
+    assert chain_fits(k) and not chain_fits(too_long)

@@ -22,7 +22,7 @@ import math
 from ..dtypes import f32
 from ..graph import Value
 from ..kernels import ir
-from ..kernels.multi_reduce import CHAIN_MAX_REDUCED, ChainReduceKernel
+from ..kernels.multi_reduce import CHAIN_MAX_REDUCED, ChainReduceKernel, chain_fits
 from .schedule import MAX_BINDINGS, LoweredKernel, _contiguous
 
 
@@ -251,6 +251,8 @@ def chained(a: LoweredKernel, b: LoweredKernel, updated: set[int], keep: set[int
         return None
     desc = ChainReduceKernel(shape, axes, tuple(inputs), (first, second), tuple(stored),
                              tuple(extras), name="chain_reduce_2")
+    if not chain_fits(desc):
+        return None  # e.g. a long column reduction: its rows do not fit the registers
     return LoweredKernel(desc, bases + xbases, outs, _chain_label(a.label, b.label))
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import bool_
+from ..errors import LimitError
 from .archetypes import kernel_family
 from .common import (
     Bindings,
@@ -92,6 +93,18 @@ class ChainReduceKernel:
 @kernel_family("chain_reduce", ChainReduceKernel)
 def emit_chain(k: ChainReduceKernel, limits=None, features=None, alias=None) -> KernelSpec:
     return _Chain(k, make_target(limits, features), alias).spec()
+
+
+def chain_fits(k: ChainReduceKernel) -> bool:
+    """Whether ``k`` can be emitted for WebGPU's guaranteed limits (its rows fit one
+    workgroup's registers in its layout; bindings, binding sizes, f16 without the feature):
+    the rewrite that builds chains asks this before replacing two kernels by one, so a chain
+    never fails where the two kernels would have run."""
+    try:
+        _Chain(k, make_target(None, None), None)
+    except (CodegenError, LimitError):
+        return False
+    return True
 
 
 class _Chain(_Reduce):
@@ -181,13 +194,18 @@ class _Chain(_Reduce):
 
     def _layout(self) -> None:
         """One invocation per row for rows of ≤ ``SERIAL_MAX`` elements (``TX`` rows per
-        workgroup), else one workgroup per row with ``TY`` lanes, each holding ``per``
-        elements."""
+        workgroup); else ``TY`` lanes per row, each holding ``per`` elements: one row per
+        workgroup, or 32 neighbouring rows when the kept dims are contiguous in memory (a
+        column reduction: neighbouring lanes read neighbouring addresses), which holds rows
+        of at most ``CHAIN_PER_LANE * MAX_THREADS / 32`` elements."""
         t, name, red = self.t, self.name, self.red_total
         max_threads = min(MAX_THREADS, t.lim("max_compute_invocations_per_workgroup"))
         if red <= SERIAL_MAX:
             self.tx = min(max_threads, 64 if self.out_total >= 64 else pow2ceil(self.out_total))
             self.ty = 1
+        elif self._kept_contig() and self.out_total > 1:
+            self.tx = min(32, max_threads, pow2ceil(self.out_total))
+            self.ty = max(1, min(max_threads // self.tx, pow2ceil(red)))
         else:
             self.tx, self.ty = 1, min(max_threads, pow2ceil(red))
         self.per = -(-red // self.ty)
