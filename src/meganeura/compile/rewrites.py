@@ -30,7 +30,8 @@ def rewrite_kernels(kernels: list[LoweredKernel], *, post_passes: bool, merges: 
                     updated: set[int], keep: set[int],
                     max_bindings: int = MAX_BINDINGS) -> list[LoweredKernel]:
     """``kernels`` with the post-pass rule (``post_passes``; never into a kernel writing an
-    ``updated`` value, which the in-place rules look at alone) and then the merge rule
+    ``updated`` value, which the in-place rules look at alone), the chain rule (same flag; a
+    ``keep`` value is always stored) and then the merge rule
     (``merges``; never for kernels writing a ``keep`` value: fetched results and updates).
     ``max_bindings`` (the device's storage buffers per stage) caps sibling-reduction groups
     only: the other rules keep WebGPU's 8 so that their kernels stay the same everywhere."""
