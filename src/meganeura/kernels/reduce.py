@@ -246,15 +246,19 @@ class _Reduce:
         self.rin = dict(zip(used, rstr[:nu], strict=True))
         self.rpost = rstr[nu] if npo else None
 
-    def _layout(self) -> None:
-        """Workgroup shape: are the kept (output) dims the fast-moving ones in memory, for the
-        first input the first member reads?"""
-        t, name = self.t, self.name
+    def _kept_contig(self) -> bool:
+        """Are the kept (output) dims the fast-moving ones in memory, for the first input the
+        first member reads (a column reduction)?"""
         first = self._reads(self.k.members[0])
         main = first[0] if first else None
         kin, rin = self.kin, self.rin
-        kept_contig = bool(main is not None and self.kshape and kin[main] and kin[main][-1] == 1
-                           and not (self.rshape and rin[main][-1] == 1))
+        return bool(main is not None and self.kshape and kin[main] and kin[main][-1] == 1
+                    and not (self.rshape and rin[main][-1] == 1))
+
+    def _layout(self) -> None:
+        """Workgroup shape, from the memory order of the first input (``_kept_contig``)."""
+        t, name = self.t, self.name
+        kept_contig = self._kept_contig()
         max_threads = min(MAX_THREADS, t.lim("max_compute_invocations_per_workgroup"))
         self.split = min(self.split, max(self.red_total, 1))
         self.chunk = -(-self.red_total // self.split)
