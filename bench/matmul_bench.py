@@ -440,6 +440,8 @@ def sweep(dev, timer, rng, before, out_dir: str | None) -> None:
         tag = f"{label} {'x'.join(map(str, shape))}"
         for name, calls in _gemm_tries(dev, desc, bufs, old_split, before):
             try:
+                if not lines:  # clocks up before the first timing
+                    timer.warm(calls)
                 t = timer(calls)
             except Exception as e:  # reported, the sweep goes on
                 print(f"  {tag} {name} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)

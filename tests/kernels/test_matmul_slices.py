@@ -1,7 +1,7 @@
 """K slices inside the workgroup (``Cfg.ks``): several groups of invocations share one tile's K
 loop and add their partial sums in slice order.  Against numpy float64 on odd shapes, K tails,
 transposes, batch broadcast and epilogues; the exchange buffer's rounds; config errors; and the
-heuristic (``choose_config``, ``split_k``) at the workload GEMMs it was made for."""
+strict heuristic (``choose_config``, ``split_k``) at the workload GEMMs of the sweep."""
 
 import numpy as np
 import pytest
@@ -60,27 +60,27 @@ def test_k_slice_config_errors():
             codegen.emit(MatmulKernel(1, 64, 64, 64, s, s, config=bad))
 
 
-GEMMS = [(1, 1500, 384, 1536), (1, 1500, 1536, 384), (1, 1500, 1152, 384), (1, 1500, 384, 384),
-         (1, 1536, 384, 1500), (1, 1500, 384, 1152), (4, 1024, 196, 256), (4, 64, 3136, 256),
-         (1, 3072, 576, 128)]
-
-
-@pytest.mark.parametrize("b,m,n,k", GEMMS)
-def test_heuristic_fills_the_gpu_without_split_k(b, m, n, k):
-    """Whisper / ResNet-50 / SmolLM2 GEMMs of a few hundred tiles: a ladder tile that gives
-    ``FILL_WORKGROUPS`` workgroups, and no split-K (its sum kernel cost more than it bought)."""
+@pytest.mark.parametrize("b,m,n,k,want", [
+    (4, 512, 784, 128, 1), (4, 256, 1024, 196, 1), (1, 3072, 576, 128, 1), (1, 1500, 1152, 384, 1),
+    (1, 1500, 1536, 384, 0), (4, 256, 3136, 64, 0),  # 128x64 fills the GPU
+    (1, 1500, 384, 384, 2), (4, 64, 3136, 256, 2), (1, 128, 3072, 576, 2),  # too few 128-wide
+])
+def test_heuristic_rungs(b, m, n, k, want):
+    """The strict ladder at the workload GEMMs of the sweep: 64x64 tiles of 8x4 blocks only
+    where they give ``FILL_WORKGROUPS`` workgroups (with fewer, 4x4 blocks on 256 invocations
+    keep more warps per SM); the biggest tile wherever it fills the GPU."""
     g = choose_config(b, m, n, k)
-    assert g in STRICT_LADDER and b * -(-m // g.tm) * -(-n // g.tn) >= FILL_WORKGROUPS
-    desc = MatmulKernel(b, m, n, k, Strided.contiguous(f32, (b, m, k)),
-                        Strided.contiguous(f32, (b, k, n)))
-    assert split_k(desc) == 1
+    assert g == STRICT_LADDER[want]
+    if want < 2:
+        assert b * -(-m // g.tm) * -(-n // g.tn) >= FILL_WORKGROUPS
 
 
-def test_split_k_stays_for_few_tiles():
+def test_split_k_where_it_was():
+    """split_k is unchanged by the new rung: long-K GEMMs of few tiles still split."""
     def sk(m, n, k):
         return split_k(MatmulKernel(1, m, n, k, Strided.contiguous(f32, (1, m, k)),
                                     Strided.contiguous(f32, (1, k, n))))
 
-    assert sk(128, 576, 960) > 1 and sk(384, 384, 1500) > 1 and sk(6, 5, 3000) > 1
-    assert sk(4, 576, 3000) == 1  # gemv: no split
+    assert (sk(1500, 384, 1536), sk(1536, 384, 1500), sk(128, 576, 960)) == (4, 4, 12)
+    assert sk(1500, 1536, 384) == 1 and sk(4, 576, 3000) == 1  # many tiles; gemv
     assert choose_config(1, 4096, 4096, 4096) == STRICT_LADDER[0]

@@ -733,22 +733,12 @@ SPLIT_K_SMALL_TILES = 64
 SPLIT_K_SMALL_CHUNK = 64
 SPLIT_K_TARGET = 264  # two workgroups per SM of a 132-SM GPU
 SPLIT_K_SMALL_MAX = 12  # the most measured (best of 2..12 at 1x128x576x{960,1536,3072})
-# No split when the unsplit GEMM's heuristic tile (``kernels.matmul.choose_config``: K-sliced
-# tiles below 256 workgroups of 128x64) gives at least this many workgroups: the sum kernel and
-# the partials' round trip through memory cost more than the fill they buy (Whisper's
-# 1500x384x1536, before: split 4, 105 µs of partials + 13 µs of sum).
-SPLIT_K_FILLED = 256
 
 
 def split_k(desc: ir.MatmulKernel) -> int:
     """How many K chunks a single-batch matmul with few output tiles should be split into
     (1 = no split).  A divisor of K, so every chunk has the same length."""
-    from ..kernels.matmul import choose_config  # here: the import block is another owner's
-
     if desc.batch != 1 or desc.m <= 4 or desc.n <= 4:
-        return 1
-    g = choose_config(1, desc.m, desc.n, desc.k)
-    if -(-desc.m // g.tm) * -(-desc.n // g.tn) >= SPLIT_K_FILLED:
         return 1
     small = -(-desc.m // 64) * -(-desc.n // 64)
     if small < SPLIT_K_SMALL_TILES and desc.k >= 4 * SPLIT_K_SMALL_CHUNK:

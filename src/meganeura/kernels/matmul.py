@@ -95,15 +95,17 @@ SGMAT = {k: (v.tm, v.tn, v.rm, v.rn) for k, v in NAMED.items() if v.kind == "sgm
 # 128x64 38.4 TFLOP/s, 128x128 37.0, 64x64 32.0; at M = 128 (1x128x576x960, 1x128x3072x576)
 # 64x64 beats every smaller tile (41 vs 42-76 µs, 77 vs 122-150 µs): 2x2/2x4 blocks are too
 # little work per invocation; small-M GEMMs get their parallelism from split-K instead
-# (compile/schedule.py split_k).
-# Below 256 workgroups of 128x64, tiles with K slices (``ks``): the same 8x4 / 4x4 blocks per
-# invocation, the tile's K loop shared by 2 or 4 slices of invocations, so a GEMM of a few
-# hundred tiles (Whisper's 1500 x 384 projections) still has 8-16 warps per SM resident.
+# (compile/schedule.py split_k).  Between them 64x64 tiles of 8x4 blocks on 128 invocations
+# where they still give FILL_WORKGROUPS workgroups (--sweep, 2026-12-01, docs/benchmarks.md,
+# µs at a reduced clock): ResNet-50's 1x1 GEMMs 4x512x784x128 101.6 vs 127.3 (4x4 on 256),
+# 4x256x1024x196 98.6 vs 113.8, 4x1024x196x256 114.3 vs 125.7; SmolLM2's 3072x576x128 103.0
+# vs 116.3; Whisper's 1500x1152x384 319.5 vs 340.5.  With fewer workgroups (4 warps each, one
+# per SM) they lost: 1500x384x384 186 vs 176, 1500x384x1536 253 vs 116 (the clock possibly
+# falling during that one).
 STRICT_LADDER = (
     Cfg("tiled", 128, 64, 8, 4, 16, 1),
-    Cfg("tiled", 64, 64, 8, 4, 16, 1, 1, 2),
-    Cfg("tiled", 32, 64, 4, 4, 16, 1, 1, 2),
-    Cfg("tiled", 32, 32, 4, 4, 16, 1, 1, 4),
+    Cfg("tiled", 64, 64, 8, 4, 16, 1),
+    NAMED["tiled64v"],
 )
 # Tensor-core tiles (precision "fast"), H200, Dawn, 4096³ (bench/matmul_bench.py --tc-sweep,
 # docs/benchmarks.md): 128x256 (8 subgroups of 64x64 fragments, K step 32) 218.9 TFLOP/s,
@@ -116,10 +118,11 @@ TC_LADDER = (
     NAMED["sgmat64"],
     Cfg("sgmat", 32, 64, 1, 2, 32),
 )
-# further configurations the tuner times (candidates) besides the ladders
+# further configurations the tuner times (candidates) besides the ladders, the ones that won
+# some workload GEMM of the sweep first: 128-invocation 32x64 tiles, K-sliced tiles (``ks``)
 STRICT_EXTRAS = (
-    NAMED["tiled64v"], NAMED["tiled128v"], Cfg("tiled", 64, 64, 4, 4, 16, 1, 1, 2),
-    Cfg("tiled", 64, 64, 4, 4, 32, 1), Cfg("tiled", 64, 32, 4, 4, 16, 1, 1, 2),
+    Cfg("tiled", 32, 64, 4, 4, 16, 1), Cfg("tiled", 32, 32, 4, 4, 16, 1, 1, 2),
+    Cfg("tiled", 64, 64, 8, 4, 16, 1, 1, 2), NAMED["tiled128v"], Cfg("tiled", 64, 64, 4, 4, 32, 1),
     Cfg("tiled", 128, 128, 8, 8, 8, 1), Cfg("tiled", 64, 32, 4, 2, 16, 0),
     Cfg("tiled", 32, 32, 2, 2, 16, 0), Cfg("tiled", 32, 64, 2, 4, 16, 0),
 )
