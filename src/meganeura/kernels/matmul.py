@@ -13,7 +13,8 @@ or ``variant`` (a named one: ``tiled64``, ``tiled64v``, ``tiled128``, ``tiled128
   is computed (prefetch).  Bounds checks only where needed: interior tiles (a uniform branch)
   run unguarded loads and stores; a K tail is zero-filled.  Small tiles (32×32, 64×32) exist
   for the small-M GEMMs of transformer projections: they give enough workgroups to fill a big
-  GPU.
+  GPU.  ``ks`` K slices (tuner candidates): several groups of invocations share one tile's K
+  loop and add their partial sums in slice order.
 * **sgmat** (precision "fast", Dawn's f16 subgroup matrices, f32 accumulation) — the same
   staging (rounded to f16), each subgroup owns a block of 16×16 accumulator fragments; emitted
   by ``matmul_sgmat`` (double-buffered staging, grouped rasterization, direct fragment stores).
