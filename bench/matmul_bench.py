@@ -4,6 +4,8 @@ kernel) where K is long, and 4096³ strict and fast; results checked against num
 
   python bench/matmul_bench.py dawn [--before OLD_MATMUL.py] [--quick]
   python bench/matmul_bench.py dawn --tc-sweep [--out DIR]   (tensor-core configurations)
+  python bench/matmul_bench.py dawn --sweep [--before OLD_MATMUL.py] [--out DIR] [--quick]
+      (strict configurations and split-K at the workload GEMMs: WORKLOAD_GEMMS)
 
 Timing: after ≥ 0.5 s of warm-up work, one compute pass holding ``reps`` back-to-back
 dispatches between two GPU timestamps (≥ 5 ms in all, so Dawn's 65.5 µs timestamp
@@ -24,7 +26,7 @@ from meganeura import kernels as codegen
 from meganeura.dtypes import f16, f32
 from meganeura.kernels import MatmulKernel, ReduceKernel, Strided
 from meganeura.kernels.ir import Instr
-from meganeura.kernels.matmul import SG_FEATURE, Cfg
+from meganeura.kernels.matmul import SG_FEATURE, Cfg, config_name
 from meganeura.runtime.device import get_device
 
 ADD = (Instr("({0} + {1})", (("acc", 0), ("x", 0)), f32),)
@@ -102,9 +104,9 @@ def _err(dev, buf, M, N, ref, rows) -> float:
     return float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
-def _split_calls(dev, desc, bufs, s):
+def _split_calls(dev, desc, bufs, s, emit=None):
     """Split-K by ``s`` as the scheduler builds it: a batch of partial matmuls, then the sum
-    kernel (with the epilogue)."""
+    kernel (with the epilogue); ``emit`` builds the partials (default: this checkout's)."""
     a, b, kc = desc.a, desc.b, desc.k // s
     a_s = Strided(a.dtype, (s, desc.m, kc), (a.strides[2] * kc,) + a.strides[1:], 0, a.extent)
     b_s = Strided(b.dtype, (s, kc, desc.n), (b.strides[1] * kc,) + b.strides[1:], 0, b.extent)
@@ -114,13 +116,15 @@ def _split_calls(dev, desc, bufs, s):
     extra = tuple(Strided(x.dtype, x.shape[1:], x.strides[1:], 0, x.extent) for x in desc.extra)
     red = ReduceKernel(shape, (0,), "sum", (Strided.contiguous(f32, shape),),
                        (Instr("{0}", (("in", 0),), f32),), desc.epilogue, extra, out_dtype=f32)
-    return [(codegen.emit(part, dev), bufs[:2] + [tmp]),
+    return [((emit or codegen.emit)(part, dev), bufs[:2] + [tmp]),
             (codegen.emit(red, dev), [tmp] + bufs[2:])]
 
 
 def _load_before(path):
     """The ``emit`` of another matmul.py, without registering it as a family."""
-    src = open(path).read().replace('@kernel_family("matmul", MatmulKernel)', "")
+    import re
+
+    src = re.sub(r'@kernel_family\("matmul", MatmulKernel[^)]*\)', "", open(path).read())
     spec = importlib.util.spec_from_loader("meganeura.kernels._before_matmul", loader=None)
     mod = importlib.util.module_from_spec(spec)
     exec(compile(src, path, "exec"), mod.__dict__)
@@ -326,13 +330,158 @@ def _tc_table(best, lines, out_dir) -> None:
             f.write("\n".join(lines + [""] + table) + "\n")
 
 
+# --sweep: the strict GEMMs of the Whisper-tiny encoder, ResNet-50 (1x1 convolutions, batch 4)
+# and SmolLM2 training as the scheduler lays them out: name, (B, M, N, K), A and B storage
+# ("mk": row-major, "km": transposed; "kn"/"nk" likewise), A broadcast over the batch, a fused
+# add epilogue, and the split-K the scheduler used before this sweep (2026-12-01 morning).
+WORKLOAD_GEMMS = [
+    ("whisper fc2", (1, 1500, 384, 1536), "mk", "nk", False, True, 4),
+    ("whisper fc1", (1, 1500, 1536, 384), "mk", "nk", False, True, 1),
+    ("whisper qkv", (1, 1500, 1152, 384), "mk", "nk", False, True, 1),
+    ("whisper out", (1, 1500, 384, 384), "mk", "nk", False, True, 1),
+    ("whisper dW fc1", (1, 1536, 384, 1500), "km", "kn", False, False, 4),
+    ("whisper dW qkv", (1, 1152, 384, 1500), "km", "kn", False, False, 5),
+    ("whisper dX qkv", (1, 1500, 384, 1152), "mk", "kn", False, False, 4),
+    ("whisper dW out", (1, 384, 384, 1500), "km", "kn", False, False, 6),
+    ("resnet 256>1024 14x14", (4, 1024, 196, 256), "mk", "kn", True, False, 1),
+    ("resnet 128>512 28x28", (4, 512, 784, 128), "mk", "kn", True, False, 1),
+    ("resnet 64>256 56x56", (4, 256, 3136, 64), "mk", "kn", True, False, 1),
+    ("resnet 256>64 56x56", (4, 64, 3136, 256), "mk", "kn", True, False, 1),
+    ("resnet dW 1024>256 14x14", (4, 256, 1024, 196), "mk", "nk", False, False, 1),
+    ("smollm2 up+gate", (1, 128, 3072, 576), "mk", "nk", False, False, 1),
+    ("smollm2 dW up+gate", (1, 3072, 576, 128), "km", "kn", False, False, 1),
+    ("smollm2 dX up+gate", (1, 128, 576, 3072), "mk", "kn", False, False, 12),
+    ("smollm2 dX o", (1, 128, 576, 576), "mk", "kn", False, False, 9),
+]
+# strict tiled configurations timed at every workload GEMM besides the heuristic: (TM, TN, RM,
+# RN, BK, vr, vl, ks), ks = K slices inside the workgroup
+SWEEP_CFGS = [Cfg("tiled", *x) for x in (
+    (128, 64, 8, 4, 16, 1, 1, 1), (128, 64, 8, 4, 32, 1, 1, 1), (128, 64, 8, 4, 16, 1, 1, 2),
+    (128, 128, 8, 8, 16, 1, 1, 1), (64, 128, 4, 8, 16, 1, 1, 1),
+    (64, 64, 4, 4, 16, 1, 1, 1), (64, 64, 4, 4, 32, 1, 1, 1), (64, 64, 4, 4, 16, 1, 1, 2),
+    (64, 64, 4, 4, 16, 1, 1, 4), (64, 64, 8, 4, 16, 1, 1, 1), (64, 64, 8, 4, 16, 1, 1, 2),
+    (64, 64, 4, 8, 16, 1, 1, 2), (32, 64, 4, 4, 16, 1, 1, 1), (32, 64, 4, 4, 16, 1, 1, 2),
+    (32, 64, 4, 4, 32, 1, 1, 2), (32, 64, 4, 4, 16, 1, 1, 4), (64, 32, 4, 4, 16, 1, 1, 2),
+    (32, 32, 4, 4, 16, 1, 1, 2), (32, 32, 4, 4, 16, 1, 1, 4), (128, 32, 8, 4, 16, 1, 1, 2),
+    (32, 128, 4, 8, 16, 1, 1, 2), (32, 64, 2, 4, 16, 0, 1, 1))]
+
+
+def _operand_view(rows, cols, layout, batch, bcast):
+    """(Strided, stored shape) of a logical (batch, rows, cols) operand stored as ``layout``."""
+    t = layout in ("km", "nk")
+    mat = (cols, rows) if t else (rows, cols)
+    st = (1, rows) if t else (cols, 1)
+    nb = 1 if bcast else batch
+    return (Strided(f32, (batch, rows, cols), (0 if bcast else rows * cols,) + st, 0,
+                    nb * rows * cols), (nb,) + mat)
+
+
+def _gemm_problem(dev, rng, shape, la, lb, bcast, add):
+    """Description, buffers and the float64 reference (sampled rows) of one workload GEMM."""
+    B, M, N, K = shape
+    sa, ma = _operand_view(M, K, la, B, bcast)
+    sb, mb = _operand_view(K, N, lb, B, False)
+    a = rng.standard_normal(ma, dtype=np.float32)
+    b = rng.standard_normal(mb, dtype=np.float32)
+    la_ = (a.transpose(0, 2, 1) if la == "km" else a).astype(np.float64)
+    lb_ = (b.transpose(0, 2, 1) if lb == "nk" else b).astype(np.float64)
+    rows = np.unique(np.r_[np.arange(0, M, 7), M - 1])
+    ref = np.stack([la_[0 if bcast else i][rows] @ lb_[i] for i in range(B)])
+    ins, extra = [a, b], ()
+    if add:
+        res = rng.standard_normal((B, M, N), dtype=np.float32)
+        ins.append(res)
+        extra = (Strided.contiguous(f32, (B, M, N)),)
+        ref = ref + res[:, rows]
+    desc = MatmulKernel(B, M, N, K, sa, sb, extra, ADD if add else ())
+    bufs = [dev.upload(x) for x in ins] + [dev.create_buffer(4 * B * M * N)]
+    return desc, bufs, ref, rows
+
+
+def _gemm_err(dev, desc, bufs, ref, rows) -> float:
+    y = dev.read_array(bufs[-1], (desc.batch, desc.m, desc.n), f32)[:, rows].astype(np.float64)
+    return float(np.abs(y - ref).max() / np.abs(ref).max())
+
+
+def _gemm_tries(dev, desc, bufs, old_split, before):
+    """(name, [calls]) to time at one GEMM: the heuristic as the scheduler builds it (with its
+    split-K), the before kernel (with the old split-K), each ``SWEEP_CFGS`` entry unsplit and
+    split-K tries with the heuristic's partials."""
+    from dataclasses import replace
+
+    from meganeura.compile.schedule import split_k
+
+    s = split_k(desc)
+    heur = _split_calls(dev, desc, bufs, s) if s > 1 else [(codegen.emit(desc, dev), bufs)]
+    name = heur[0][0].meta["variant"] + (f" split {s}" if s > 1 else "")
+    yield f"heuristic {name}", heur
+    if before is not None:
+        bc = (_split_calls(dev, desc, bufs, old_split, before) if old_split > 1
+              else [(before(desc, dev), bufs)])
+        yield f"before {bc[0][0].meta['variant']}" + (
+            f" split {old_split}" if old_split > 1 else ""), bc
+    for g in SWEEP_CFGS:
+        try:
+            yield config_name(g), [(codegen.emit(replace(desc, config=tuple(g)), dev), bufs)]
+        except Exception as e:  # a configuration over the device's limits: reported
+            print(f"    {config_name(g)} skipped: {type(e).__name__}: {str(e)[:120]}")
+    if desc.batch == 1:
+        for sp in (2, 3, 4, 6, 8, 12):
+            if desc.k % sp == 0 and desc.k // sp >= 64 and sp != s:
+                yield f"split {sp}", _split_calls(dev, desc, bufs, sp)
+
+
+def sweep(dev, timer, rng, before, out_dir: str | None, warm: float) -> None:
+    """Time and check ``_gemm_tries`` at every ``WORKLOAD_GEMMS`` entry; a table last.  Each
+    try runs ``warm`` seconds first: on the H200 the SM clock fell during the first sweep
+    (2026-12-01: times 4x the in-model ones after a few shapes; 5 ms of warm-up per try did
+    not bring it back).  The heuristic is timed again last ("again"): a drifting clock shows."""
+    lines, table = [], []
+    for label, shape, la, lb, bcast, add, old_split in WORKLOAD_GEMMS:
+        desc, bufs, ref, rows = _gemm_problem(dev, rng, shape, la, lb, bcast, add)
+        flops, res = 2 * int(np.prod(shape)), []
+        tag = f"{label} {'x'.join(map(str, shape))}"
+        tries = list(_gemm_tries(dev, desc, bufs, old_split, before))
+        for name, calls in tries + [("again " + tries[0][0], tries[0][1])]:
+            try:
+                timer.warm(calls, warm if lines else max(warm, 0.6))
+                t = timer(calls)
+            except Exception as e:  # reported, the sweep goes on
+                print(f"  {tag} {name} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            err = _gemm_err(dev, desc, bufs, ref, rows)
+            res.append((name, t, err))
+            ln = f"{tag:42} {name:36} {t * 1e6:8.1f} us {flops / t / 1e12:6.2f} TF/s err {err:.1e}"
+            print("  " + ln, flush=True)
+            lines.append(ln)
+        ok = sorted((r for r in res if r[2] < 1e-4 and not r[0].startswith("again")),
+                    key=lambda r: r[1])
+        h = res[0]
+        bf = [r for r in res if r[0].startswith("before")]
+        table.append(f"{tag:42} {h[1] * 1e6:7.1f} {flops / h[1] / 1e12:6.2f} "
+                     f"{res[-1][1] * 1e6:7.1f} "
+                     + (f"{bf[0][1] * 1e6:7.1f} {flops / bf[0][1] / 1e12:6.2f} " if bf else "")
+                     + " | ".join(f"{n} {flops / t / 1e12:.1f}" for n, t, _ in ok[:3])
+                     + "".join(f"  BAD: {n}" for n, _, e in res if not e < 1e-4))
+    head = (f"{'gemm':42} {'heur us':>7} {'TF/s':>6} {'again':>7} {'bef us':>7} {'TF/s':>6} "
+            "best three (TF/s)")
+    print("\n" + "\n".join([head] + table), flush=True)
+    if out_dir:
+        with open(f"{out_dir}/matmul_sweep.txt", "w") as f:
+            f.write("\n".join(lines + ["", head] + table) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("impl", nargs="?", default="dawn")
     ap.add_argument("--before")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tc-sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true",
+                    help="strict configurations at the workload GEMMs (WORKLOAD_GEMMS)")
     ap.add_argument("--out")
+    ap.add_argument("--warm", type=float, default=0.1,
+                    help="--sweep: seconds of warm-up work before each try")
     ap.add_argument("--set", choices=("full", "final"), default="full",
                     help="tensor-core sweep: the full exploration or the short final list")
     ap.add_argument("--toggles", default="",
@@ -353,6 +502,14 @@ def main() -> None:
     if args.tc_sweep:
         return tc_sweep(dev, timer, rng, args.out)
     before = _load_before(args.before) if args.before else None
+    if args.sweep:
+        if args.quick:  # a dry run: the first GEMM of each model, a few configurations
+            global WORKLOAD_GEMMS, SWEEP_CFGS
+            WORKLOAD_GEMMS = [WORKLOAD_GEMMS[i] for i in (3, 7, 12)]
+            WORKLOAD_GEMMS = [(n, (b, min(m, 100), min(nn, 70), min(k, 96)), *r)
+                              for n, (b, m, nn, k), *r in WORKLOAD_GEMMS]
+            SWEEP_CFGS = SWEEP_CFGS[::7]
+        return sweep(dev, timer, rng, before, args.out, args.warm)
     big = 1024 if args.quick else 4096
     d0, b0, _, _ = _problem(dev, rng, big, big, big, False, False)
     timer.warm([(codegen.emit(d0, dev), b0)])

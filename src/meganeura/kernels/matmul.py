@@ -13,7 +13,8 @@ or ``variant`` (a named one: ``tiled64``, ``tiled64v``, ``tiled128``, ``tiled128
   is computed (prefetch).  Bounds checks only where needed: interior tiles (a uniform branch)
   run unguarded loads and stores; a K tail is zero-filled.  Small tiles (32×32, 64×32) exist
   for the small-M GEMMs of transformer projections: they give enough workgroups to fill a big
-  GPU.
+  GPU.  ``ks`` K slices (tuner candidates): several groups of invocations share one tile's K
+  loop and add their partial sums in slice order.
 * **sgmat** (precision "fast", Dawn's f16 subgroup matrices, f32 accumulation) — the same
   staging (rounded to f16), each subgroup owns a block of 16×16 accumulator fragments; emitted
   by ``matmul_sgmat`` (double-buffered staging, grouped rasterization, direct fragment stores).
@@ -63,8 +64,11 @@ class Cfg(NamedTuple):
     workgroup memory (RM, RN multiples of 4), ``vl`` vec4 global loads where the operand allows.
     "sgmat": rm x rn subgroups (of 32) along rows/columns, ``vr`` option bits (1 double
     buffering, 2 grouped rasterization, 4 two K steps per iteration, 8 f16 staging registers,
-    16 A fragments loaded one at a time: ``matmul_sgmat``), ``vl`` as above.  "gemv": no
-    fields."""
+    16 A fragments loaded one at a time: ``matmul_sgmat``), ``vl`` as above.  ``ks`` (tiled
+    only) K slices inside the workgroup: ``ks`` groups of invocations each compute every
+    ``ks``-th BK step of the same tile (a staged step is ``ks``·BK long) and add their partial
+    sums in slice order at the end, so a tile too few to fill the GPU gets ``ks`` times the
+    invocations without a second kernel.  "gemv": no fields."""
 
     kind: str
     tm: int = 0
@@ -74,6 +78,7 @@ class Cfg(NamedTuple):
     bk: int = 0
     vr: int = 0
     vl: int = 1
+    ks: int = 1
 
 
 GEMV = Cfg("gemv")
@@ -91,9 +96,16 @@ SGMAT = {k: (v.tm, v.tn, v.rm, v.rn) for k, v in NAMED.items() if v.kind == "sgm
 # 128x64 38.4 TFLOP/s, 128x128 37.0, 64x64 32.0; at M = 128 (1x128x576x960, 1x128x3072x576)
 # 64x64 beats every smaller tile (41 vs 42-76 µs, 77 vs 122-150 µs): 2x2/2x4 blocks are too
 # little work per invocation; small-M GEMMs get their parallelism from split-K instead
-# (compile/schedule.py split_k).
+# (compile/schedule.py split_k).  Between them 64x64 tiles of 8x4 blocks on 128 invocations
+# where they still give FILL_WORKGROUPS workgroups (--sweep, 2026-12-01, docs/benchmarks.md,
+# µs at a reduced clock): ResNet-50's 1x1 GEMMs 4x512x784x128 101.6 vs 127.3 (4x4 on 256),
+# 4x256x1024x196 98.6 vs 113.8, 4x1024x196x256 114.3 vs 125.7; SmolLM2's 3072x576x128 103.0
+# vs 116.3; Whisper's 1500x1152x384 319.5 vs 340.5.  With fewer workgroups (4 warps each, one
+# per SM) they lost: 1500x384x384 186 vs 176, 1500x384x1536 253 vs 116 (the clock possibly
+# falling during that one).
 STRICT_LADDER = (
     Cfg("tiled", 128, 64, 8, 4, 16, 1),
+    Cfg("tiled", 64, 64, 8, 4, 16, 1),
     NAMED["tiled64v"],
 )
 # Tensor-core tiles (precision "fast"), H200, Dawn, 4096³ (bench/matmul_bench.py --tc-sweep,
@@ -107,11 +119,13 @@ TC_LADDER = (
     NAMED["sgmat64"],
     Cfg("sgmat", 32, 64, 1, 2, 32),
 )
-# further configurations the tuner times (candidates) besides the ladders
+# further configurations the tuner times (candidates) besides the ladders, the ones that won
+# some workload GEMM of the sweep first: 128-invocation 32x64 tiles, K-sliced tiles (``ks``)
 STRICT_EXTRAS = (
-    NAMED["tiled128v"], Cfg("tiled", 64, 64, 4, 4, 32, 1), Cfg("tiled", 128, 128, 8, 8, 8, 1),
-    Cfg("tiled", 64, 32, 4, 2, 16, 0), Cfg("tiled", 32, 32, 2, 2, 16, 0),
-    Cfg("tiled", 32, 64, 2, 4, 16, 0),
+    Cfg("tiled", 32, 64, 4, 4, 16, 1), Cfg("tiled", 32, 32, 4, 4, 16, 1, 1, 2),
+    Cfg("tiled", 64, 64, 8, 4, 16, 1, 1, 2), NAMED["tiled128v"], Cfg("tiled", 64, 64, 4, 4, 32, 1),
+    Cfg("tiled", 128, 128, 8, 8, 8, 1), Cfg("tiled", 64, 32, 4, 2, 16, 0),
+    Cfg("tiled", 32, 32, 2, 2, 16, 0), Cfg("tiled", 32, 64, 2, 4, 16, 0),
 )
 TC_EXTRAS = (NAMED["sgmat128"], Cfg("sgmat", 128, 256, 2, 4, 32, 8),
              Cfg("sgmat", 128, 256, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32, 2))
@@ -125,7 +139,8 @@ GEMV_MAX = 4  # M or N up to this use the gemv variant
 SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
 GEMV_THREADS = 256
 GEMV_UNROLL = 4
-MAX_CANDIDATES = 8
+MAX_CANDIDATES = 10
+SLICE_SUM_BYTES = 8192  # the K slices' exchange buffer (``_slice_sum``)
 
 
 def _norm(s, shape, what, name):
@@ -238,7 +253,9 @@ def config_name(g: Cfg) -> str:
         opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g"), (8, "h"), (16, "l"))
                        if g.vr & bit)
         return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{opts}{'' if g.vl else 's'}"
-    return f"tiled{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{'v' if g.vr else ''}{'' if g.vl else 's'}"
+    ks = f"_ks{g.ks}" if g.ks != 1 else ""
+    return (f"tiled{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{'v' if g.vr else ''}"
+            f"{'' if g.vl else 's'}{ks}")
 
 
 def _check_config(g: Cfg, name: str) -> Cfg:
@@ -249,8 +266,12 @@ def _check_config(g: Cfg, name: str) -> Cfg:
             bad = "the tile must split into whole per-invocation blocks"
         elif g.vr and (g.rm % 4 or g.rn % 4):
             bad = "vec4 reads (vr) need RM and RN multiples of 4"
+        elif g.ks not in (1, 2, 4) or (g.ks > 1 and (g.tm * g.tn // (g.rm * g.rn)) % 32):
+            bad = "K slices (ks) must be 1, 2 or 4, each slice whole subgroups of 32"
     elif g.kind == "sgmat":
-        if min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
+        if g.ks != 1:
+            bad = "K slices (ks) exist for the tiled kernel only"
+        elif min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
             bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
         elif not 0 <= g.vr < 32 or g.vr & 5 == 4:
             bad = ("vr holds the option bits 1 (double buffering), 2 (grouped rasterization), "
@@ -579,7 +600,11 @@ def _tiled_compute(c: _Ctx, out: list[str], ii: str, g: Cfg, sa: int, sb: int) -
     """c_ij += A·B over the staged K step: RM x RN results per invocation, rows ty·RM + i
     (``vr``: read as vec4) or ty + TY·i (scalar reads, conflict-free)."""
     RM, RN, TY, TX, jj = g.rm, g.rn, g.tm // g.rm, g.tn // g.rn, ii + "    "
-    out.append(f"{ii}for (var kk: u32 = 0u; kk < {u(g.bk)}; kk = kk + 1u) {{")
+    if g.ks > 1:  # slice sl computes its BK rows of the staged ks·BK step
+        out.append(f"{ii}for (var kq: u32 = 0u; kq < {u(g.bk)}; kq = kq + 1u) {{")
+        out.append(f"{jj}let kk = sl * {u(g.bk)} + kq;")
+    else:
+        out.append(f"{ii}for (var kk: u32 = 0u; kk < {u(g.bk)}; kk = kk + 1u) {{")
     if g.vr:
         for q in range(RM // 4):
             out.append(f"{jj}let a4{q} = As[kk * {u(sa // 4)} + ty * {u(RM // 4)} + {u(q)}];")
@@ -614,13 +639,17 @@ def _tiled(c: _Ctx, t, g: Cfg):
     """Register-blocked f32 tile (config ``g``): operands staged through padded workgroup
     memory (row stride +4/+1 where the staging writes walk K, so they spread over banks)."""
     TX, TY = g.tn // g.rn, g.tm // g.rm
-    nthreads, acc = TX * TY, c.acc_t.wgsl
+    nthreads, acc, bk = TX * TY * g.ks, c.acc_t.wgsl, g.bk * g.ks  # bk: the staged K step
     ind, i2 = "    ", "        "
-    L: list[str] = [f"{ind}let tx = lid % {u(TX)};", f"{ind}let ty = lid / {u(TX)};"]
+    L: list[str] = []
+    li = "li" if g.ks > 1 else "lid"
+    if g.ks > 1:
+        L += [f"{ind}let sl = lid / {u(TX * TY)};", f"{ind}let li = lid % {u(TX * TY)};"]
+    L += [f"{ind}let tx = {li} % {u(TX)};", f"{ind}let ty = {li} / {u(TX)};"]
     grid, live_check, full_m, full_n = _tile_start(c, t, g.tm, g.tn, L, ind)
     edges = not (full_m and full_n) or live_check
     L += [f"{ind}var c{i}_{j}: {acc} = {acc}(0);" for i in range(g.rm) for j in range(g.rn)]
-    ops = _operands(c, L, ind, g.tm, g.tn, g.bk, nthreads, bool(g.vl))
+    ops = _operands(c, L, ind, g.tm, g.tn, bk, nthreads, bool(g.vl))
     pad = [(4 if g.vr else 1) if o.k_fast else 0 for o in ops]
     sa, sb = g.tm + pad[0], g.tn + pad[1]
 
@@ -632,8 +661,9 @@ def _tiled(c: _Ctx, t, g: Cfg):
             return f"{arr}[({k}) * {u(s // 4)} + ({x}) / 4u]"
         return f"{arr}[({k}) * {u(s // 4)} + ({x}) / 4u][({x}) % 4u]"
 
-    _k_loop(c, L, ind, g.bk, edges, live_check, ops, sh, None,
+    _k_loop(c, L, ind, bk, edges, live_check, ops, sh, None,
             lambda out, ii: _tiled_compute(c, out, ii, g, sa, sb))
+    red = _slice_sum(L, ind, g, acc)
     helpers: set[str] = set()
     for i in range(g.rm):
         L.append(f"{ind}let r{i} = row0 + "
@@ -641,6 +671,10 @@ def _tiled(c: _Ctx, t, g: Cfg):
     for j in range(g.rn):
         L.append(f"{ind}let n{j} = col0 + "
                  f"{f'tx * {u(g.rn)} + {u(j)}' if g.vr else f'tx + {u(TX * j)}'};")
+    j0 = ind
+    if g.ks > 1:  # slice 0 holds the sums: it alone stores
+        L.append(f"{ind}if (sl == 0u) {{")
+        ind, i2 = i2, i2 + "    "
     if edges:
         L.append(f"{ind}if (interior) {{")
         _tiled_stores(c, L, i2, g, (False, False), helpers)
@@ -649,10 +683,38 @@ def _tiled(c: _Ctx, t, g: Cfg):
         L.append(f"{ind}}}")
     else:
         _tiled_stores(c, L, ind, g, (False, False), helpers)
+    if g.ks > 1:
+        L.append(f"{j0}}}")
     et, div = (f"vec4<{acc}>", 4) if g.vr else (acc, 1)
-    shared = ([f"var<workgroup> As: array<{et}, {g.bk * sa // div}>;",
-               f"var<workgroup> Bs: array<{et}, {g.bk * sb // div}>;"], 4 * g.bk * (sa + sb))
+    shared = ([f"var<workgroup> As: array<{et}, {bk * sa // div}>;",
+               f"var<workgroup> Bs: array<{et}, {bk * sb // div}>;"] + red[0],
+              4 * bk * (sa + sb) + red[1])
     return L, shared, nthreads, grid, helpers, ops
+
+
+def _slice_sum(L: list[str], ind: str, g: Cfg, acc: str) -> tuple[list[str], int]:
+    """K slices (``ks`` > 1): slices 1.. put their partial sums in workgroup memory, slice 0
+    adds them in slice order (a fixed order per output, like split-K's sum).  In rounds of
+    ``q`` results per invocation, so the exchange buffer stays within ``SLICE_SUM_BYTES`` (the
+    staging tiles plus it fit lavapipe's 32 KiB).  Returns its declaration and bytes."""
+    if g.ks == 1:
+        return [], 0
+    T, R = (g.tm // g.rm) * (g.tn // g.rn), g.rm * g.rn
+    q = max(d for d in range(1, R + 1) if R % d == 0 and
+            (g.ks - 1) * T * d * 4 <= SLICE_SUM_BYTES or d == 1)
+    regs = [f"c{i}_{j}" for i in range(g.rm) for j in range(g.rn)]
+    for r0 in range(0, R, q):
+        if r0:
+            L.append(f"{ind}workgroupBarrier();")
+        L.append(f"{ind}if (sl > 0u) {{")
+        L += [f"{ind}    Cs[(sl - 1u) * {u(q * T)} + {u(x * T)} + li] = {regs[r0 + x]};"
+              for x in range(q)]
+        L += [f"{ind}}}", f"{ind}workgroupBarrier();", f"{ind}if (sl == 0u) {{"]
+        L += [f"{ind}    {regs[r0 + x]} = {regs[r0 + x]} + Cs[{u((s - 1) * q * T + x * T)} + li];"
+              for s in range(1, g.ks) for x in range(q)]
+        L.append(f"{ind}}}")
+    n = (g.ks - 1) * q * T
+    return [f"var<workgroup> Cs: array<{acc}, {n}>;"], 4 * n
 
 
 def _gemv_layout(c: _Ctx):
