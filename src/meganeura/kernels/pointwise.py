@@ -112,7 +112,7 @@ def vector_modes(k: PointwiseKernel, shape, used, strides, alias=None) -> dict[i
     return modes
 
 
-def choose_config(k: PointwiseKernel, modes: dict[int, str] | None, total: int) -> tuple:
+def choose_config(modes: dict[int, str] | None, total: int) -> tuple:
     """The heuristic configuration: vec4 wherever legal, one vec4 per invocation."""
     if modes is None or total < LANES:
         return SCALAR
@@ -123,7 +123,7 @@ def _config(k: PointwiseKernel, modes, total: int) -> tuple:
     """``k.config`` checked (an explicit vec4 request that the layout forbids is an error),
     or the heuristic's choice."""
     if not k.config:
-        return choose_config(k, modes, total)
+        return choose_config(modes, total)
     if k.config == SCALAR:
         return SCALAR
     lanes, per = (tuple(k.config) + (0, 0))[:2]
