@@ -94,13 +94,13 @@ WARMUP_SECONDS = 0.5  # GPUs clock down when idle: keep this one busy before tim
 
 def shown_label(d) -> str:
     """The dispatch's label with the emitter's ``label_tag`` after its first word (the
-    elementwise kernels' vector variant: ``pointwise[3]x4 (134515008,) mul,sub``), so a
-    profile shows which variant ran."""
+    elementwise kernels' vector variant: ``pointwise[3]x4 (134515008,) mul,sub``, ``copy x4
+    (8, 8)->(8, 8)``), so a profile shows which variant ran."""
     tag = d.spec.meta.get("label_tag", "")
     if not tag:
         return d.label
     head, sep, rest = d.label.partition(" ")
-    return f"{head}{tag}{sep}{rest}"
+    return f"{head}{tag if head.endswith(']') else ' ' + tag}{sep}{rest}"
 
 
 def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> Profile:
