@@ -139,7 +139,7 @@ def test_grid_wraps_2d_and_3d(run, dev, rng):
     n = 5000  # 20 workgroups of 256
     a = rng.standard_normal(n).astype(np.float32)
     k = _pk((n,), [Strided.contiguous(f32, (n,))],
-            [Instr("({0} * 3.0 + 1.0)", (("in", 0),), f32)], config=(1, 1))
+            [Instr("({0} * 3.0 + 1.0)", (("in", 0),), f32)], config=(1,))
     for maxdim, expect in ((5, (5, 4, 1)), (4, (4, 4, 2)), (3, (3, 3, 3)), (65535, (20, 1, 1))):
         limits = dict(dev.limits, max_compute_workgroups_per_dimension=maxdim)
         (y,) = run(k, [a], [((n,), f32)], limits=limits)

@@ -68,9 +68,9 @@ class PointwiseKernel:
     instrs: tuple[Instr, ...]
     outputs: tuple[int, ...]
     name: str = "pointwise"
-    # Tuning configuration ``(lanes, vectors per invocation)`` (``kernels.pointwise``): (1, 1)
-    # one element per invocation; (4, p) ``vec4`` loads/stores, p of them per invocation.
-    # Empty: the heuristic (vec4 wherever every operand's layout allows it).
+    # Configuration (``kernels.pointwise``): ``(1,)`` one element per invocation, ``(4,)``
+    # four (``vec4`` loads and stores); empty: the heuristic (vec4 wherever every operand's
+    # layout allows it).
     config: tuple = ()
 
 

@@ -7,14 +7,16 @@ indexes every operand with the thread id alone.  Grids past 65,535 workgroups wr
 
 The vec4 variant exists because one scalar load per invocation left the big optimizer updates
 at 40–45 % of the H200's HBM bound (docs/roofline-h200-2026-12-01c.md): each invocation then
-moves 16 bytes per operand.  It is legal when the innermost merged extent is a multiple of 4
-and every input either walks like the output (``vec``), walks the innermost dim contiguously
-from a 4-aligned start with 4-aligned outer strides (``row``: a bias over rows), or is
-broadcast along it (``splat``: one scalar for the four lanes).  The instructions run per lane
-on scalars (the same per-element code as the scalar variant, so results are bit-identical);
-only loads and stores are vectors.  Storage arrays of ``vec4`` need 16-byte aligned element
-offsets: bindings start at the device's storage offset alignment (≥ 16 bytes), so an element
-offset that is a multiple of 4 is enough.
+moves 16 bytes per operand (SGD update over 134 M elements in place: 487 → 371 µs, 91 % of
+4.8 TB/s counting the read and the write of the updated range; docs/benchmarks.md).
+It is legal when the innermost merged extent is a multiple of 4 and every input either walks
+like the output (``vec``), walks the innermost dim contiguously from a 4-aligned start with
+4-aligned outer strides (``row``: a bias over rows), or is broadcast along it (``splat``: one
+scalar for the four lanes).  The instructions run per lane on scalars (the same per-element
+code as the scalar variant, so results are bit-identical where the driver contracts the same
+way: on the H200 and lavapipe they were); only loads and stores are vectors.  Storage arrays
+of ``vec4`` need 16-byte aligned element offsets: bindings start at the device's storage
+offset alignment (≥ 16 bytes), so an element offset that is a multiple of 4 is enough.
 """
 
 from __future__ import annotations
@@ -50,8 +52,7 @@ from .common import (
 from .ir import KernelSpec, PointwiseKernel, contiguous_strides
 
 LANES = 4  # elements per invocation of the vector variant
-PER_INVOCATION = (1, 2, 4)  # vec4s one invocation may handle (a loop over workgroup-wide rows)
-SCALAR = (1, 1)
+SCALAR, VEC4 = (1,), (LANES,)  # the configurations (``PointwiseKernel.config``)
 
 
 def _check(k: PointwiseKernel, shape, t) -> tuple[list[DType], list[int], dict]:
@@ -113,10 +114,10 @@ def vector_modes(k: PointwiseKernel, shape, used, strides, alias=None) -> dict[i
 
 
 def choose_config(modes: dict[int, str] | None, total: int) -> tuple:
-    """The heuristic configuration: vec4 wherever legal, one vec4 per invocation."""
-    if modes is None or total < LANES:
-        return SCALAR
-    return (LANES, 1)
+    """The heuristic configuration: vec4 wherever legal.  On the H200 it was never slower
+    (a 73,728-element multiply 2.4 vs 2.5 µs) and up to 1.31× faster (SGD update over 134 M
+    elements); more vec4s per invocation were not faster (docs/rejected-optimizations.md)."""
+    return SCALAR if modes is None or total < LANES else VEC4
 
 
 def _config(k: PointwiseKernel, modes, total: int) -> tuple:
@@ -124,17 +125,16 @@ def _config(k: PointwiseKernel, modes, total: int) -> tuple:
     or the heuristic's choice."""
     if not k.config:
         return choose_config(modes, total)
-    if k.config == SCALAR:
+    if tuple(k.config) == SCALAR:
         return SCALAR
-    lanes, per = (tuple(k.config) + (0, 0))[:2]
-    if len(k.config) != 2 or lanes != LANES or per not in PER_INVOCATION:
-        raise CodegenError(f"pointwise kernel {k.name!r}: config {k.config!r} is not (1, 1) or "
-                           f"({LANES}, p) with p in {PER_INVOCATION}")
+    if tuple(k.config) != VEC4:
+        raise CodegenError(f"pointwise kernel {k.name!r}: config {k.config!r} is neither "
+                           f"{SCALAR} (scalar) nor {VEC4} (vec4)")
     if modes is None:
         raise CodegenError(f"pointwise kernel {k.name!r}: config {k.config!r} asks for vec4 "
                            "but an operand's layout (innermost extent, offset or stride) or "
                            "a binding shared as vector and scalar does not allow it")
-    return (lanes, per)
+    return VEC4
 
 
 def _scalar_loads(k: PointwiseKernel, shape, used, strides, bd: Bindings, body,
@@ -205,13 +205,12 @@ def _vector_decls(bd: Bindings, n_in: int, modes: dict[int, str]) -> list[str]:
 
 
 def _vector_body(k: PointwiseKernel, shape, used, strides, modes, bd: Bindings,
-                 out_dtypes, grid: Grid, per: int, helpers: set[str]) -> list[str]:
-    """``main``'s body of the vec4 variant: ``per`` vectors per invocation, each round of the
-    loop covering a contiguous block of the workgroup's range (coalesced like the scalar
-    kernel), lanes computed one after the other on scalars."""
-    nvec = prod(shape) // LANES
-    ind = "    " if per == 1 else "        "
-    body: list[str] = []
+                 out_dtypes, grid: Grid, helpers: set[str]) -> list[str]:
+    """``main``'s body of the vec4 variant: vector ``v`` per invocation, the lanes computed
+    one after the other on scalars, then one vector store per output."""
+    ind = "    "
+    body = [f"{ind}let v = ({grid.wg_expr}) * {u(WG)} + lid;",
+            f"{ind}if (v >= {u(prod(shape) // LANES)}) {{", f"{ind}    return;", f"{ind}}}"]
     lanes = _vector_loads(k, shape, used, strides, modes, bd, body, ind)
     results = []
     for c, names in enumerate(lanes):
@@ -226,12 +225,7 @@ def _vector_body(k: PointwiseKernel, shape, used, strides, modes, bd: Bindings,
         dt = out_dtypes[j]
         vals = ", ".join(store_value(*res[o], dt) for res in results)
         body.append(f"{ind}{bd.name(n_in + j)}[v] = vec4<{store_type(dt)}>({vals});")
-    guard = [f"{ind}if (v >= {u(nvec)}) {{", f"{ind}    return;", f"{ind}}}"]
-    if per == 1:
-        return [f"{ind}let v = ({grid.wg_expr}) * {u(WG)} + lid;"] + guard + body
-    return (["    let base = (" + grid.wg_expr + f") * {u(WG * per)} + lid;",
-             f"    for (var r = 0u; r < {u(per)}; r = r + 1u) {{",
-             f"{ind}let v = base + r * {u(WG)};"] + guard + body + ["    }"])
+    return body
 
 
 @kernel_family("pointwise", PointwiseKernel)
@@ -247,20 +241,19 @@ def emit(k: PointwiseKernel, limits=None, features=None, alias=None) -> KernelSp
     check_invocations(name, WG, t)
     uses_f16 = check_dtypes(name, in_dtypes + out_dtypes + [i.dtype for i in k.instrs], t)
     modes = vector_modes(k, shape, used, strides, bd.alias)
-    lanes, per = _config(k, modes, total)
+    config = _config(k, modes, total)
     meta = {"archetype": "pointwise", "workgroup_size": WG, "workgroup_storage": 0,
             "binding_dtypes": tuple(bd.dtypes), "elements": total}
     helpers: set[str] = set()
-    if lanes == 1:
+    if config == SCALAR:
         grid = make_grid(name, -(-total // WG), t)
         body = _scalar_body(k, shape, used, strides, bd, out_dtypes, grid, helpers)
         decls = bd.decls()
     else:
-        grid = make_grid(name, -(-total // (LANES * WG * per)), t)
-        body = _vector_body(k, shape, used, strides, modes, bd, out_dtypes, grid, per, helpers)
+        grid = make_grid(name, -(-total // (LANES * WG)), t)
+        body = _vector_body(k, shape, used, strides, modes, bd, out_dtypes, grid, helpers)
         decls = _vector_decls(bd, len(k.inputs), modes)
-        tag = f"x{LANES}" if per == 1 else f"x{LANES}x{per}"
-        meta.update(variant=f"pointwise_{tag}", label_tag=tag, config=(lanes, per))
+        meta.update(variant=f"pointwise_x{LANES}", label_tag=f"x{LANES}", config=config)
     return KernelSpec(
         name=name,
         wgsl=module_source(module_header(uses_f16) + decls, helpers, WG, body),
