@@ -10,6 +10,7 @@ from meganeura import optim
 from meganeura.kernels import pointwise as pw
 from meganeura.models.llama import llama_lm, tiny_llama
 from meganeura.models.mlp import mlp_classifier
+from meganeura.runtime.profile import shown_label
 
 
 def _mlp(backend, gpu):
@@ -45,6 +46,10 @@ def test_training_step_vec4_matches_scalar_bits_and_reference(gpu, monkeypatch, 
     n_vec = sum(n for v, n in vec.kernel_variants()["train"].items() if v.startswith(
         "pointwise_x4"))
     assert n_vec >= 2, vec.kernel_variants()  # the update and activation kernels at least
+    shown = [(d.label, shown_label(d)) for d in vec.train.stream.dispatches
+             if d.variant == "pointwise_x4"]  # `pointwise[2]x4 (…)`, `copy x4 (…)`
+    assert len(shown) == n_vec and all(
+        s.replace("x4", "", 1).replace("  ", " ") == lb for lb, s in shown), shown
     with monkeypatch.context() as mp:
         mp.setattr(pw, "choose_config", lambda modes, total: pw.SCALAR)
         sc, ls, ps = _train(make, "wgpu", gpu)
