@@ -14,9 +14,10 @@ from ._util import assert_close, view_of
 ADD = "({0} + {1})"
 
 
-def _pk(shape, inputs, instrs, outputs=None, name="pw"):
+def _pk(shape, inputs, instrs, outputs=None, name="pw", config=()):
     return PointwiseKernel(tuple(shape), tuple(inputs), tuple(instrs),
-                           tuple(outputs if outputs is not None else (len(instrs) - 1,)), name)
+                           tuple(outputs if outputs is not None else (len(instrs) - 1,)), name,
+                           config)
 
 
 def test_contiguous_same_shape(run, rng):
@@ -134,10 +135,11 @@ def test_no_inputs_full(run):
 
 
 def test_grid_wraps_2d_and_3d(run, dev, rng):
+    """The scalar variant (test_pointwise_vec4.py wraps the vector one)."""
     n = 5000  # 20 workgroups of 256
     a = rng.standard_normal(n).astype(np.float32)
     k = _pk((n,), [Strided.contiguous(f32, (n,))],
-            [Instr("({0} * 3.0 + 1.0)", (("in", 0),), f32)])
+            [Instr("({0} * 3.0 + 1.0)", (("in", 0),), f32)], config=(1,))
     for maxdim, expect in ((5, (5, 4, 1)), (4, (4, 4, 2)), (3, (3, 3, 3)), (65535, (20, 1, 1))):
         limits = dict(dev.limits, max_compute_workgroups_per_dimension=maxdim)
         (y,) = run(k, [a], [((n,), f32)], limits=limits)

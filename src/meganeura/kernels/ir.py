@@ -68,6 +68,10 @@ class PointwiseKernel:
     instrs: tuple[Instr, ...]
     outputs: tuple[int, ...]
     name: str = "pointwise"
+    # Configuration (``kernels.pointwise``): ``(1,)`` one element per invocation, ``(4,)``
+    # four (``vec4`` loads and stores); empty: the heuristic (vec4 wherever every operand's
+    # layout allows it).
+    config: tuple = ()
 
 
 @dataclass(frozen=True)

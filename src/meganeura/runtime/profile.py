@@ -92,6 +92,17 @@ class Profile:
 WARMUP_SECONDS = 0.5  # GPUs clock down when idle: keep this one busy before timing
 
 
+def shown_label(d) -> str:
+    """The dispatch's label with the emitter's ``label_tag`` after its first word (the
+    elementwise kernels' vector variant: ``pointwise[3]x4 (134515008,) mul,sub``, ``copy x4
+    (8, 8)->(8, 8)``), so a profile shows which variant ran."""
+    tag = d.spec.meta.get("label_tag", "")
+    if not tag:
+        return d.label
+    head, sep, rest = d.label.partition(" ")
+    return f"{head}{tag if head.endswith(']') else ' ' + tag}{sep}{rest}"
+
+
 def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> Profile:
     """Per-kernel GPU times of ``steps`` steps.  The GPU is first kept busy for
     ``WARMUP_SECONDS`` (an idle H200 runs short bursts at a fraction of its clock: measured up
@@ -110,16 +121,17 @@ def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> P
     sess._upload_feeds(check_feeds(expected, feeds, sess.check_finite, sess.feed_ranges))
     wall_ms, encode_us = _warm_and_time_steps(dev, ex, steps)
     dispatches = ex.stream.dispatches
-    times = {d.label: KernelTime(d.label, flops=d.flops, bytes=d.bytes,
-                                 tensor_cores=d.tensor_cores) for d in dispatches}
+    labels = [shown_label(d) for d in dispatches]
+    times = {lb: KernelTime(lb, flops=d.flops, bytes=d.bytes, tensor_cores=d.tensor_cores)
+             for lb, d in zip(labels, dispatches, strict=True)}
     durations = _timestamped_steps(dev, ex, steps)
     events: list[dict] = []
     t_cursor = 0.0
     for step_durs in durations:
-        for d, dur in zip(dispatches, step_durs, strict=True):
-            times[d.label].calls += 1
-            times[d.label].total_ns += dur
-            events.append({"name": d.label, "ph": "X", "pid": 1, "tid": 1,
+        for lb, dur in zip(labels, step_durs, strict=True):
+            times[lb].calls += 1
+            times[lb].total_ns += dur
+            events.append({"name": lb, "ph": "X", "pid": 1, "tid": 1,
                            "ts": t_cursor / 1e3, "dur": dur / 1e3})
             t_cursor += dur
     return Profile(dev.adapter_name, steps, list(times.values()), wall_ms, encode_us,
