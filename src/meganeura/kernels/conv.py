@@ -241,6 +241,22 @@ class _Operand:
     k_fast: bool
     hoist: Callable
     load: Callable
+    # names (before the tag) ``hoist`` defines: with ST >= 1, staging rounds that stage the
+    # same row/column as round 0 alias round 0's lets instead of recomputing them
+    hoisted: tuple[str, ...] = ()
+    table: _OffsetTable | None = None  # ST = 2: K index -> offset entry, one per workgroup
+
+
+@dataclass
+class _OffsetTable:
+    """A K-indexed u32 table in workgroup memory (``Kt``), filled once per workgroup for the
+    K range it reduces (``length`` entries from ``kbeg``): ``entry(k, lines, ind)`` emits the
+    lets for K index ``k`` and returns the entry expression.  The operand's table-mode ``load``
+    reads ``Kt[k - kbeg]`` — one workgroup-memory read instead of the div/mod chain that
+    splits k into (channel, tap) for every staged element."""
+
+    length: int
+    entry: Callable
 
 
 @dataclass
@@ -276,6 +292,11 @@ class TileCfg:
     KS: int = 1
     BK: int = 16
     PF: int = 0  # 1: register prefetch (the next step's loads issued before this step's FMAs)
+    # Staging code: 0 reads each element under a branch and stores it at once; 1 reads every
+    # element of the step first, branch-free (a load at a clamped index, the value selected),
+    # then stores them all; 2 as 1, plus the forward's im2col offsets from a per-workgroup
+    # table (``_OffsetTable``) instead of div/mod per element (other kernels: as 1).
+    ST: int = 0
 
     @property
     def slice_threads(self) -> int:
@@ -298,6 +319,8 @@ class TileCfg:
 
     def tuple(self) -> tuple[int, ...]:
         base = (self.TM, self.TN, self.RM, self.RN, self.KS, self.BK)
+        if self.ST:
+            return base + (self.PF, self.ST)
         return base + (1,) if self.PF else base
 
 
@@ -317,14 +340,14 @@ def tile_cfg(forced) -> TileCfg:
     forced = tuple(forced)
     if len(forced) == 2 and forced in TILES:
         return _legacy(*forced)
-    if len(forced) in (6, 7):
+    if len(forced) in (6, 7, 8):
         c = TileCfg(*(int(v) for v in forced))
         ok = all(v >= 1 for v in forced[:6]) and c.TM % c.RM == 0 and c.TN % c.RN == 0
-        ok = ok and c.PF in (0, 1)
+        ok = ok and c.PF in (0, 1) and c.ST in (0, 1, 2)
         if ok and c.threads <= 1024 and c.BK % 4 == 0:
             return c
     raise CodegenError(f"conv tile must be a (TM, TN) pair from {sorted(TILES)} or a valid "
-                       f"(TM, TN, RM, RN, KS, BK[, PF]) tuple, got {forced}")
+                       f"(TM, TN, RM, RN, KS, BK[, PF[, ST]]) tuple, got {forced}")
 
 
 def _units(c: TileCfg, M: int, N: int, GB: int) -> int:
@@ -433,6 +456,10 @@ class _GemmGen:
         self.live = "" if self.grid.exact else "live"
         self.vec = c.vec
         self.offb = self.BKs * (self.TM + SH_PAD)  # Bs after As (in f32 elements)
+        self.bf = c.ST >= 1  # branch-free staging, all reads of a step before its stores
+        tabs = [op.table for op in (gm.A, gm.B) if op.table is not None] if c.ST == 2 else []
+        self.table = tabs[0] if tabs else None
+        self.tab_len = -(-self.table.length // self.BKs) * self.BKs if self.table else 0
 
     def head(self, L: list[str], ind: str) -> None:
         gm = self.gm
@@ -472,9 +499,15 @@ class _GemmGen:
                     L.append(f"{ind}let {rn} = {e} % {u(T)};")
                     L.append(f"{ind}let {kn} = {e} / {u(T)};")
                 tag = f"{which}{l}"
-                L.append(f"{ind}let g{tag} = {'row0' if which == 'a' else 'col0'} + {rn};")
-                op.hoist(f"g{tag}", tag, L, ind)
-                L.append(f"{ind}let ok{tag} = g{tag} < {lim}{' && live' if self.live else ''};")
+                if l and self.bf and op.hoisted and not op.k_fast and (l * nth) % T == 0:
+                    # this round stages round 0's columns: reuse its lets
+                    for nm in ("g", *op.hoisted, "ok"):
+                        L.append(f"{ind}let {nm}{tag} = {nm}{which}0;")
+                else:
+                    L.append(f"{ind}let g{tag} = {'row0' if which == 'a' else 'col0'} + {rn};")
+                    op.hoist(f"g{tag}", tag, L, ind)
+                    live = " && live" if self.live else ""
+                    L.append(f"{ind}let ok{tag} = g{tag} < {lim}{live};")
                 partial = (l + 1) * nth > n_el  # the last round stages fewer elements
                 self.plan.append((which, l, rn, kn, op, T, partial, n_el))
 
@@ -485,16 +518,24 @@ class _GemmGen:
             return f"Sh[{u(off // 4)} + {k} * {u((T + SH_PAD) // 4)} + {x} / 4u][{x} % 4u]"
         return f"Sh[{u(off)} + {k} * {u(T + SH_PAD)} + {x}]"
 
-    @staticmethod
-    def _read_element(out: list[str], jj: str, tag: str, k_expr: str, op, check_k: bool,
-                      kend: str, declare: bool) -> None:
+    def _read_element(self, out: list[str], jj: str, tag: str, k_expr: str, op,
+                      check_k: bool, kend: str, declare: bool, extra: str = "") -> None:
         """``v<tag>`` = the operand element at K index ``k_expr`` (zero outside the tile, the
-        K range or the padding); ``declare``: as a new ``var`` (else an existing register)."""
+        K range or the padding); ``declare``: as a new ``var`` (else an existing register).
+        Branch-free (ST >= 1): every load is issued (at index 0 where the element is outside)
+        and the value selected, so the compiler can put all loads of a step in flight at
+        once; ``extra``: one more condition (a partial staging round)."""
         kv = f"k{tag}"
         out.append(f"{jj}let {kv} = {k_expr};")
         cond, idx = op.load(kv, tag, out, jj)
         conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
-            [cond] if cond else [])
+            cond.split(" && ") if cond else []) + ([extra] if extra else [])
+        if self.bf:
+            out.append(f"{jj}let cnd{tag} = {' & '.join(f'({c})' for c in conds)};")
+            out.append(f"{jj}let idx{tag} = select(0u, {idx}, cnd{tag});")
+            val = f"select(0.0, {_read(op.binding, f'idx{tag}', op.dtype)}, cnd{tag})"
+            out.append(f"{jj}let v{tag}: f32 = {val};" if declare else f"{jj}v{tag} = {val};")
+            return
         out.append(f"{jj}var v{tag}: f32 = 0.0;" if declare else f"{jj}v{tag} = 0.0;")
         out.append(f"{jj}if ({' && '.join(conds)}) {{")
         out.append(f"{jj}    v{tag} = {_read(op.binding, idx, op.dtype)};")
@@ -502,6 +543,13 @@ class _GemmGen:
 
     def _stage(self, out: list[str], ii: str, check_k: bool, kend: str) -> None:
         """Copy step k0's slices of both operands into workgroup memory (zero outside)."""
+        if self.bf:  # all reads, then all stores
+            for which, l, _rn, kn, op, _t, partial, n_el in self.plan:
+                part = f"lid + {u(l * self.nth)} < {u(n_el)}" if partial else ""
+                self._read_element(out, ii, f"{which}{l}", f"k0 + {kn}", op, check_k, kend,
+                                   True, part)
+            self._store_regs(out, ii)
+            return
         for which, l, rn, kn, op, T, partial, n_el in self.plan:
             tag, jj = f"{which}{l}", ii
             if partial:
@@ -512,6 +560,19 @@ class _GemmGen:
             out.append(f"{jj}{self._sh(off, T, kn, rn)} = v{tag};")
             if partial:
                 out.append(f"{ii}}}")
+
+    def fill_table(self, L: list[str], ind: str, kbeg: str) -> None:
+        """ST = 2: the workgroup's offset table for K indices kbeg … kbeg + length (all
+        invocations, then a barrier); ``kbeg`` the first K index of this workgroup."""
+        if self.table is None:
+            return
+        i2 = ind + "    "
+        L.append(f"{ind}for (var tq: u32 = lid; tq < {u(self.tab_len)}; tq = tq + "
+                 f"{u(self.nth)}) {{")
+        L.append(f"{i2}let tk = {kbeg} + tq;")
+        L.append(f"{i2}Kt[tq] = {self.table.entry('tk', L, i2)};")
+        L.append(f"{ind}}}")
+        L.append(f"{ind}workgroupBarrier();")
 
     def _mma(self, out: list[str], ii: str) -> None:
         """acc += As·Bs over this invocation's BK-deep slice of the staged step (vec4 reads
@@ -550,6 +611,9 @@ class _GemmGen:
         if gm.K is not None:
             K = gm.K
             kf = K - K % BKs
+            if self.table is not None:
+                L.append(f"{ind}let kbeg = 0u;")
+                self.fill_table(L, ind, "kbeg")
             if kf:
                 L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(BKs)}) {{")
                 self.step(L, i2, False, u(K))
@@ -561,6 +625,7 @@ class _GemmGen:
                 L.append(f"{ind}}}")
             return
         gm.krange(L, ind)  # defines kbeg, kend (uniform)
+        self.fill_table(L, ind, "kbeg")
         L.append(f"{ind}var k0: u32 = kbeg;")
         L.append(f"{ind}loop {{")
         L.append(f"{i2}if (k0 + {u(BKs)} > kend) {{")
@@ -580,11 +645,13 @@ class _GemmGen:
         for which, l, _rn, kn, op, _t, partial, n_el in self.plan:
             tag, jj = f"{which}{l}", ii + "    "
             out.append(f"{ii}{{")
-            if partial:
-                out.append(f"{jj}if (lid + {u(l * self.nth)} < {u(n_el)}) {{")
+            part = f"lid + {u(l * self.nth)} < {u(n_el)}" if partial else ""
+            if part and not self.bf:
+                out.append(f"{jj}if ({part}) {{")
                 jj += "    "
-            self._read_element(out, jj, tag, f"{base} + {kn}", op, check_k, kend, declare=False)
-            if partial:
+            self._read_element(out, jj, tag, f"{base} + {kn}", op, check_k, kend, False,
+                               part if self.bf else "")
+            if part and not self.bf:
                 out.append(f"{ii}    }}")
             out.append(f"{ii}}}")
 
@@ -628,6 +695,7 @@ class _GemmGen:
             gm.krange(L, ind)  # defines kbeg, kend (uniform)
             L.append(f"{ind}let kfull = kend - min(kend, {u(BKs - 1)});")  # k < kfull: whole
             ks, whole, tail = None, True, True
+        self.fill_table(L, ind, "kbeg")
         L.append(f"{ind}let kfirst = kbeg;")
         self._load_next(L, ind, "kfirst", "kfull", "kend", whole, tail)
         L.append(f"{ind}for (var k0: u32 = kbeg; k0 < kend; k0 = k0 + {u(BKs)}) {{"
@@ -718,6 +786,9 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, in
     nbytes = gm.tile.storage()
     shared = [f"var<workgroup> Sh: array<vec4<f32>, {nbytes // 16}>;" if g.vec
               else f"var<workgroup> Sh: array<f32, {nbytes // 4}>;"]
+    if g.table is not None:
+        shared.append(f"var<workgroup> Kt: array<u32, {g.tab_len}>;")
+        nbytes += 4 * g.tab_len
     check_workgroup_storage(gm.name, nbytes, t)
     check_invocations(gm.name, g.nth, t)
     return L, shared, nbytes, g.grid, helpers, g.nth
@@ -794,8 +865,11 @@ def _forward_checks(k: Conv2dKernel, t):
     return sx, sw, sb, xs, op_dt, out_dt
 
 
-def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt) -> tuple[_Operand, _Operand]:
-    """A = the weight (rows o, k = (c, i, j)), B = the input (columns (n, oh, ow))."""
+def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt,
+                      table_len: int = 0) -> tuple[_Operand, _Operand]:
+    """A = the weight (rows o, k = (c, i, j)), B = the input (columns (n, oh, ow));
+    ``table_len`` > 0 (ST = 2): B through an offset table of that many K indices, where it
+    fits."""
     G, x, w = k.geom, k.x, k.w
     sh_, sw_ = G.stride
     pt, pl = G.pad[0][0], G.pad[1][0]
@@ -823,8 +897,68 @@ def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt) -> tuple[_Op
         c, i, j = _split3(kv, (G.kh, G.kw), f"x{tag}", L, ind)
         return _input_at(G, sx, tag, i, G.dilation[0], j, G.dilation[1], (c, sx[1]), L, ind)
 
-    return (_Operand(bd.name(1), op_dt, not (sw[0] == 1 and G.og > 1), a_hoist, a_load),
-            _Operand(bd.name(0), op_dt, False, b_hoist, b_load))
+    A = _Operand(bd.name(1), op_dt, not (sw[0] == 1 and G.og > 1), a_hoist, a_load)
+    names = ("pn", "pq", "ih", "iw", "xb")
+    if table_len and _table_fits(G, sx, table_len):
+        return A, _tabled_input(G, sx, bd.name(0), op_dt, b_hoist, names, table_len)
+    return A, _Operand(bd.name(0), op_dt, False, b_hoist, b_load, names)
+
+
+TABLE_MAX = 2048  # entries (8 KiB of workgroup memory)
+
+
+def _table_fits(G: ConvGeom, sx, length: int) -> bool:
+    """Whether the forward's offset table applies: several taps (≤ 32, one mask bit each),
+    every offset below 2**27 (5 bits hold the tap) and at most TABLE_MAX entries."""
+    khw = G.kh * G.kw
+    top = ((G.cg - 1) * sx[1] + (G.kh - 1) * G.dilation[0] * sx[2]
+           + (G.kw - 1) * G.dilation[1] * sx[3])
+    return 1 < khw <= 32 and top < 2 ** 27 and length <= TABLE_MAX
+
+
+def _tabled_input(G: ConvGeom, sx, binding: str, op_dt, b_hoist, names, length) -> _Operand:
+    """The forward's input operand read through an offset table: entry k = (offset of
+    (channel, tap) relative to the column's window corner) << 5 | tap; each staged column
+    keeps a bit mask of the taps inside the image (padding reads as zero) and its corner's
+    index, so a staged element costs a table read, a mask test and an add."""
+    (dh, dw), khw = G.dilation, G.kh * G.kw
+    pt, pl = G.pad[0][0], G.pad[1][0]
+    sh_, sw_ = G.stride
+
+    def checks(tag):
+        rows = [_range_check(f"(ih{tag} + {i32_lit(i * dh)})", i * dh - pt,
+                             (G.oh - 1) * sh_ - pt + i * dh, G.h) for i in range(G.kh)]
+        cols = [_range_check(f"(iw{tag} + {i32_lit(j * dw)})", j * dw - pl,
+                             (G.ow - 1) * sw_ - pl + j * dw, G.w) for j in range(G.kw)]
+        return rows, cols
+
+    masked = any(any(c) for c in checks(""))  # some tap can fall into the padding
+
+    def hoist(p, tag, L, ind):
+        b_hoist(p, tag, L, ind)
+        rows, cols = checks(tag)
+        bits = []
+        for r in range(khw):
+            c = " & ".join(f"({e})" for e in (rows[r // G.kw], cols[r % G.kw]) if e)
+            bits.append(f"select(0u, {u(1 << r)}, {c})" if c else u(1 << r))
+        L.append(f"{ind}let mk{tag} = {' | '.join(bits)};")
+        L.append(f"{ind}let xq{tag} = "
+                 f"{_lin([(f'u32(ih{tag})', sx[2]), (f'u32(iw{tag})', sx[3])], f'xb{tag}')};")
+
+    def load(kv, tag, L, ind):
+        L.append(f"{ind}let te{tag} = Kt[{kv} - kbeg];")
+        cond = f"((mk{tag} >> (te{tag} & 31u)) & 1u) != 0u" if masked else ""
+        return cond, f"xq{tag} + (te{tag} >> 5u)"
+
+    def entry(k, L, ind):
+        L.append(f"{ind}let tc = {k} / {u(khw)};")
+        L.append(f"{ind}let tr = {k} % {u(khw)};")
+        off = _lin([("tc", sx[1]), (f"(tr / {u(G.kw)})", dh * sx[2]),
+                    (f"(tr % {u(G.kw)})", dw * sx[3])])
+        return f"(({off}) << 5u) | tr"
+
+    return _Operand(binding, op_dt, False, hoist, load, names + ("mk", "xq"),
+                    _OffsetTable(length, entry))
 
 
 def _forward_store(k: Conv2dKernel, bd: Bindings, sb, xs, op_dt, out_dt):
@@ -887,7 +1021,7 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
                            f"epilogue; the kernel summing the partials runs it")
     chunk = split_chunk(K, S)
     cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile)
-    A, B = _forward_operands(k, sx, sw, bd, op_dt)
+    A, B = _forward_operands(k, sx, sw, bd, op_dt, chunk if cfg.ST == 2 else 0)
     gb_lines, krange = _split_lines(G.groups, S, chunk, K)
     gm = _Gemm(name, M, N, K if S == 1 else None, G.groups * S, cfg, A, B, gb_lines, krange,
                _forward_store(k, bd, sb, xs, op_dt, out_dt))
