@@ -370,12 +370,17 @@ _LADDER_FILL = (96, 192, 192, 256)
 FILL = 256  # workgroups wanted (about two per SM of a large GPU; shapes only, plans portable)
 
 
-def choose_cfg(M: int, N: int, K: int, GB: int, forced=()) -> TileCfg:
+def choose_cfg(M: int, N: int, K: int, GB: int, forced=(), st: int = 0) -> TileCfg:
     """The tile configuration for an M×N×K GEMM repeated GB times (``forced``: the
-    description's ``tile``).  Big grids take 64×64 tiles; grids too small to fill the GPU take
-    smaller tiles, then in-workgroup split-K while each slice keeps ≥ 4 K steps."""
+    description's ``tile``; ``st``: the staging mode of the default).  Big grids take 64×64
+    tiles; grids too small to fill the GPU take smaller tiles, then in-workgroup split-K while
+    each slice keeps ≥ 4 K steps."""
     if forced:
         return tile_cfg(forced)
+    return dataclasses.replace(_choose_tile(M, N, K, GB), ST=st)
+
+
+def _choose_tile(M: int, N: int, K: int, GB: int) -> TileCfg:
     if M <= 8:
         cands = [c for c in _FEW_ROWS if K >= 4 * c.BK * c.KS] + [_legacy(8, 32)]
         return cands[0] if _units(_legacy(8, 64), M, N, GB) < FILL else _legacy(8, 64)
@@ -428,11 +433,27 @@ def _check_split(name: str, S) -> int:
     return S
 
 
-def _candidate_cfgs(M: int, N: int, K: int, GB: int) -> list[TileCfg]:
-    """Configurations worth timing for one GEMM shape (the heuristic's first)."""
-    first = choose_cfg(M, N, K, GB)
-    allc = [first, dataclasses.replace(first, PF=1), *(_FEW_ROWS if M <= 8 else ()), *_LADDER,
-            *_SMALL, *_EXTRA]
+# Default staging mode (``TileCfg.ST``) per kernel: see docs/benchmarks.md (conv staging).
+STAGING = {"conv2d": 2, "conv2d_input_grad": 0, "conv2d_weight_grad": 0}
+
+
+def staging(k) -> int:
+    """The heuristic's staging mode for conv description ``k``."""
+    if isinstance(k, Conv2dKernel):
+        return STAGING["conv2d"]
+    if isinstance(k, Conv2dInputGradKernel):
+        return STAGING["conv2d_input_grad"]
+    return STAGING["conv2d_weight_grad"]
+
+
+def _candidate_cfgs(M: int, N: int, K: int, GB: int, st: int = 0) -> list[TileCfg]:
+    """Configurations worth timing for one GEMM shape (the heuristic's first, then it with
+    the other staging modes and with prefetch)."""
+    first = choose_cfg(M, N, K, GB, st=st)
+    modes = [dataclasses.replace(first, ST=m) for m in (2, 1, 0) if m != st]
+    rest = [dataclasses.replace(c, ST=st) for c in (
+        *(_FEW_ROWS if M <= 8 else ()), *_LADDER, *_SMALL, *_EXTRA)]
+    allc = [first, *modes[:1], dataclasses.replace(first, PF=1), *modes[1:], *rest]
     out = []
     for c in allc:
         if c not in out and (c.KS == 1 or K >= 2 * c.BK * c.KS):
@@ -1020,7 +1041,7 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
         raise CodegenError(f"kernel {name!r}: a split-K partial (split_k={S}) takes no "
                            f"epilogue; the kernel summing the partials runs it")
     chunk = split_chunk(K, S)
-    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile)
+    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile, staging(k))
     A, B = _forward_operands(k, sx, sw, bd, op_dt, chunk if cfg.ST == 2 else 0)
     gb_lines, krange = _split_lines(G.groups, S, chunk, K)
     gm = _Gemm(name, M, N, K if S == 1 else None, G.groups * S, cfg, A, B, gb_lines, krange,
@@ -1145,7 +1166,7 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
     A = _Operand(bd.name(1), op_dt, not (sw[1] == 1 and G.cg > 1), a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
     chunk = split_chunk(K, S)
-    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile)
+    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile, staging(k))
     gb_lines, krange = _split_lines(G.groups, S, chunk, K)
     gm = _Gemm(name, M, N, K if S == 1 else None, G.groups * S, cfg, A, B, gb_lines, krange,
                store)
@@ -1285,7 +1306,8 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
     B = _phase_dy_operand(G, sd, dy, (hdo, wdo), bd.name(0), op_dt)
     GB = G.groups * sh_ * sw_ * S  # the grid covers every phase (empty ones store zeros)
-    cfg = choose_cfg(M, N, -(-kmax // S), G.groups * _active_phases(hrows, wrows) * S, k.tile)
+    cfg = choose_cfg(M, N, -(-kmax // S), G.groups * _active_phases(hrows, wrows) * S, k.tile,
+                     staging(k))
     gm = _Gemm(name, M, N, None, GB, cfg, A, B, gb_lines, krange, store, n_bound="ncol")
     flops = 2 * M * G.groups * G.n * G.og * sum(
         rh[0] * rw[0] * rh[2] * rw[2] for rh in hrows for rw in wrows)  # taps that land
@@ -1350,7 +1372,7 @@ def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None,
     # neighbouring invocations walk (n, oh, ow): contiguous rows of dy and x
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, True, b_hoist, b_load)
-    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile)
+    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile, staging(k))
     if S == 1:
         gm = _Gemm(name, M, N, KT, G.groups, cfg, A, B, gb_lines, None, store)
     else:
@@ -1439,7 +1461,7 @@ def conv_candidates(k, target) -> list:
     store = target.lim("max_compute_workgroup_storage_size")
     inv = target.lim("max_compute_invocations_per_workgroup")
     cfgs = [choose_cfg(M, N, K, GB, k.tile)] if k.tile else []
-    cfgs += _candidate_cfgs(M, N, K, GB)
+    cfgs += _candidate_cfgs(M, N, K, GB, staging(k))
     out = []
     for c in cfgs:
         if c.storage() <= store and c.threads <= inv:
