@@ -21,7 +21,7 @@ Two groups of rows per problem, from the same process (so before/after share one
 
 * ``st`` (``CONV_ST=1``, instead of the groups above): the staging sweep over the forward
   convolutions ResNet-50 inference runs on the conv kernels (``INFER``): the plan as compiled
-  now (marked heuristic), then at the plan's split and two smaller ones each ``ST_VARIANTS``
+  now (marked heuristic), then at the plan's split and half of it each ``ST_VARIANTS``
   entry (staging mode ``TileCfg.ST``, prefetch, K step) on the heuristic tile, the first being
   the template before the staging modes; the two gradients at their plan's split, ST 0 and 1.
 
@@ -115,8 +115,9 @@ INFER = ("r50 3x3 (4,64,56,56)", "r50 3x3 (4,128,28,28)", "r50 3x3 (4,256,14,14)
 # (ST, PF, K-step factor, (TM, TN, RM, RN) or None for the heuristic tile's) variants timed by
 # the staging sweep; the first is the template before the staging modes ("before").  The two
 # larger tiles (32 results per invocation, 256 invocations) are also timed at twice the split.
-ST_VARIANTS = ((0, 0, 1, None), (1, 0, 1, None), (2, 0, 1, None), (2, 1, 1, None),
-               (2, 0, 2, None), (2, 0, 1, (128, 64, 8, 4)), (2, 0, 1, (64, 128, 4, 8)))
+ST_VARIANTS = ((0, 0, 1, None), (1, 0, 1, None), (2, 0, 1, None), (3, 0, 1, None),
+               (3, 1, 1, None), (3, 0, 2, None), (3, 0, 1, (128, 64, 8, 4)),
+               (3, 0, 1, (64, 128, 4, 8)))
 
 # CONV_TINY=1: a dry run of the whole script on a CPU adapter (lavapipe)
 TINY = {
@@ -315,9 +316,10 @@ def staged(desc, S: int, st: int, pf: int, bkx: int, shape=None):
 
 
 def run_staging(dev, target, label, kind, desc, inputs, oshape, ref, s_new) -> list[dict]:
-    """The ``st`` rows: the plan's split and two smaller ones (forward; the gradients at the
-    plan's split, ST 0 / 1 only) × the staging variants; ``heuristic`` marks the plan as it
-    is now (split and default tile, no forced tile)."""
+    """The ``st`` rows: the plan's split and half of it (forward; the larger tiles also at
+    twice it, ST 3 also at a quarter; the gradients at the plan's split, ST 0 / 1 only) × the
+    staging variants; ``heuristic`` marks the plan as it is now (split and default tile, no
+    forced tile)."""
     want = ref()
     scale = float(np.abs(want).max())
     rows = []
@@ -327,10 +329,11 @@ def run_staging(dev, target, label, kind, desc, inputs, oshape, ref, s_new) -> l
                  **r})
     print(json.dumps(rows[-1]), flush=True)
     fwd = kind == "fwd"
-    splits = (s_new, max(1, s_new // 2), max(1, s_new // 4)) if fwd else (s_new,)
+    splits = (s_new, max(1, s_new // 2)) if fwd else (s_new,)
     K = gemm_shape(desc)[2]
     for st, pf, bkx, shape in ST_VARIANTS if fwd else ST_VARIANTS[:2]:
         more = (min(2 * s_new, 32, max(1, K // 64)),) if shape else ()
+        more += (max(1, s_new // 4),) if (st, pf, bkx, shape) == (3, 0, 1, None) else ()
         for S in dict.fromkeys(more + splits):
             d = staged(desc, S, st, pf, bkx, shape)
             if tile_cfg(d.tile).storage() + 8192 > target.lim(

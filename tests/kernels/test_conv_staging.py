@@ -1,9 +1,10 @@
-"""Staging modes of the conv implicit-GEMM template (``TileCfg.ST``): branch-free staging with
-all reads of a step before its stores (ST = 1) and the forward's im2col offset table (ST = 2)
-must not change any result — all three kernels on the awkward shapes of ``test_conv`` (K
-tails, partial staging rounds, groups, strides, dilation, asymmetric padding), with and
-without register prefetch, the global split-K (the table covers each chunk's K range), and
-the shapes where the table does not apply (1×1, more than 32 taps), against float64."""
+"""Staging modes of the conv implicit-GEMM template (``TileCfg.ST``): branch-free staging
+with all reads of a step before its stores (ST = 1), the forward's im2col offset table
+(ST = 2) and vec4 loads (ST = 3) must not change any result — all three kernels on the awkward
+shapes of ``test_conv`` (K tails, partial staging rounds, groups, strides, dilation,
+asymmetric padding), with and without register prefetch, the global split-K (the table covers
+each chunk's K range), and the shapes where the table or vec4 loads do not apply (1×1, more
+than 32 taps, K or H·W not a multiple of 4), against float64."""
 
 import dataclasses
 
@@ -22,29 +23,39 @@ C = Strided.contiguous
 # the plan's tile with prefetch and the table (the gradients stage as ST = 1); a legacy 8×64
 # tile whose A operand fills only half a staging round (the partial-round condition)
 ST_CONFIGS = [(TileCfg(64, 64, 4, 4, 1, 16, 1, 2), SHAPES),
-              (TileCfg(8, 64, 1, 2, 1, 16, 0, 1), SHAPES[:1])]
+              (TileCfg(8, 64, 1, 2, 1, 16, 0, 1), SHAPES[:1]),
+              (TileCfg(32, 32, 4, 4, 4, 8, 0, 3), SHAPES)]
 
 
-@pytest.mark.parametrize("cfg,shapes", ST_CONFIGS, ids=["plan-tile-pf-table", "8x64-partial"])
+@pytest.mark.parametrize("cfg,shapes", ST_CONFIGS,
+                         ids=["plan-tile-pf-table", "8x64-partial", "ks4-quads"])
 def test_staging_modes_all_three_kernels(run, cfg, shapes):
     rng = np.random.default_rng(sum(cfg.tuple()))
     for shape in shapes:
         _check_all(run, _geom(*shape), cfg, rng)
 
 
-# (x shape, w shape, stride, padding, split_k): the table per chunk with a K tail (297 = 5·64
-# − 23), a 1×1 stride-2 conv (no table) and a 7×7 stem-like kernel (49 taps: no table)
+# (x shape, w shape, stride, padding, split_k, ST, vec4 bindings): the table per chunk with a
+# K tail (297 = 5·64 − 23), a 1×1 stride-2 conv (no table) and a 7×7 stem-like kernel (49
+# taps: no table); ST 3: vec4 weights (K = 288, 1×1 K = 24 split in chunks of 16) and vec4
+# input columns (1×1 stride 1, 16 positions per image), none where K or H·W is not a multiple
+# of 4
 SPLIT_CASES = [
-    ((2, 33, 5, 5), (40, 33, 3, 3), 1, 1, 2),
-    ((2, 33, 5, 5), (40, 33, 3, 3), 1, 1, 5),
-    ((1, 12, 7, 6), (20, 12, 1, 1), 2, 0, 1),
-    ((1, 3, 11, 11), (8, 3, 7, 7), 2, 3, 1),
+    ((2, 33, 5, 5), (40, 33, 3, 3), 1, 1, 2, 2, 0),
+    ((2, 33, 5, 5), (40, 33, 3, 3), 1, 1, 5, 2, 0),
+    ((1, 12, 7, 6), (20, 12, 1, 1), 2, 0, 1, 2, 0),
+    ((1, 3, 11, 11), (8, 3, 7, 7), 2, 3, 1, 2, 0),
+    ((2, 32, 5, 5), (40, 32, 3, 3), 1, 1, 3, 3, 1),
+    ((2, 24, 4, 4), (36, 24, 1, 1), 1, 0, 2, 3, 2),
+    ((2, 24, 3, 5), (36, 24, 1, 1), 1, 0, 1, 3, 1),
+    ((1, 3, 11, 11), (8, 3, 7, 7), 2, 3, 1, 3, 0),
 ]
 
 
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"k{c[1][2]}-s{c[2]}-split{c[4]}")
+@pytest.mark.parametrize("case", SPLIT_CASES,
+                         ids=lambda c: f"k{c[1][2]}-s{c[2]}-split{c[4]}-st{c[5]}")
 def test_table_with_split_chunks_and_fallbacks(run, rng, case):
-    xs, ws, st, p, S = case
+    xs, ws, st, p, S, mode, n_vec4 = case
     pf = S % 2  # with and without register prefetch
     G = _geom(xs, ws, (st, st), ((p, p), (p, p)), (1, 1), 1)
     ys = (G.n, G.o, G.oh, G.ow)
@@ -52,10 +63,11 @@ def test_table_with_split_chunks_and_fallbacks(run, rng, case):
     b = rng.normal(size=(G.o,)).astype(np.float32)
     a = {"stride": G.stride, "padding": G.pad, "dilation": G.dilation, "groups": 1}
     k = Conv2dKernel(G, C(f32, xs), C(f32, ws), C(f32, (G.o,)),
-                     tile=(64, 64, 4, 4, 1, 16, pf, 2), split_k=S)
+                     tile=(64, 64, 4, 4, 1, 16, pf, mode), split_k=S)
     wgsl = emit(k, run.dev).wgsl
     text = wgsl if isinstance(wgsl, str) else "\n".join(wgsl)
     assert ("Kt[" in text) == (G.kh == 3), "the table is used exactly where 1 < taps <= 32"
+    assert text.count("array<vec4<f32>>;") == n_vec4
     (parts,) = run(k, [x, w, b], [(((S,) if S > 1 else ()) + ys, f32)])
     got = parts.sum(0) if S > 1 else parts
     want = _conv2d_ref([x.astype(np.float64), w, b], a)[0]
@@ -67,6 +79,6 @@ def test_staging_flag_round_trips_and_is_checked():
     assert (c.PF, c.ST) == (0, 2) and tile_cfg(c.tuple()) == c
     assert tile_cfg((64, 64, 4, 4, 1, 16, 1)).ST == 0
     assert dataclasses.replace(c, ST=0).tuple() == (64, 64, 4, 4, 1, 16)
-    for bad in [(64, 64, 4, 4, 1, 16, 0, 3), (64, 64, 4, 4, 1, 16, 2, 1)]:
+    for bad in [(64, 64, 4, 4, 1, 16, 0, 4), (64, 64, 4, 4, 1, 16, 2, 1)]:
         with pytest.raises(CodegenError):
             tile_cfg(bad)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..dtypes import DType, f32
 from .archetypes import register
@@ -244,7 +245,10 @@ class _Operand:
     # names (before the tag) ``hoist`` defines: with ST >= 1, staging rounds that stage the
     # same row/column as round 0 alias round 0's lets instead of recomputing them
     hoisted: tuple[str, ...] = ()
-    table: _OffsetTable | None = None  # ST = 2: K index -> offset entry, one per workgroup
+    table: _OffsetTable | None = None  # ST >= 2: K index -> offset entry, one per workgroup
+    # ST = 3: ``quad(k, tag, lines, ind) -> (condition, vec4 index)`` of the four elements
+    # (r, k..k+3) (k_fast) or (r..r+3, k) starting at a multiple of 4, all valid or none
+    quad: Callable | None = None
 
 
 @dataclass
@@ -295,7 +299,9 @@ class TileCfg:
     # Staging code: 0 reads each element under a branch and stores it at once; 1 reads every
     # element of the step first, branch-free (a load at a clamped index, the value selected),
     # then stores them all; 2 as 1, plus the forward's im2col offsets from a per-workgroup
-    # table (``_OffsetTable``) instead of div/mod per element (other kernels: as 1).
+    # table (``_OffsetTable``) instead of div/mod per element (other kernels: as 1); 3 as 2,
+    # plus vec4 loads of four K-consecutive weights and, for 1×1 stride-1 forwards, of four
+    # consecutive input columns (one vec4 store to workgroup memory) where aligned (``_Quad``).
     ST: int = 0
 
     @property
@@ -343,7 +349,7 @@ def tile_cfg(forced) -> TileCfg:
     if len(forced) in (6, 7, 8):
         c = TileCfg(*(int(v) for v in forced))
         ok = all(v >= 1 for v in forced[:6]) and c.TM % c.RM == 0 and c.TN % c.RN == 0
-        ok = ok and c.PF in (0, 1) and c.ST in (0, 1, 2)
+        ok = ok and c.PF in (0, 1) and c.ST in (0, 1, 2, 3)
         if ok and c.threads <= 1024 and c.BK % 4 == 0:
             return c
     raise CodegenError(f"conv tile must be a (TM, TN) pair from {sorted(TILES)} or a valid "
@@ -434,7 +440,7 @@ def _check_split(name: str, S) -> int:
 
 
 # Default staging mode (``TileCfg.ST``) per kernel: see docs/benchmarks.md (conv staging).
-STAGING = {"conv2d": 2, "conv2d_input_grad": 0, "conv2d_weight_grad": 0}
+STAGING = {"conv2d": 3, "conv2d_input_grad": 0, "conv2d_weight_grad": 0}
 
 
 def staging(k) -> int:
@@ -450,7 +456,7 @@ def _candidate_cfgs(M: int, N: int, K: int, GB: int, st: int = 0) -> list[TileCf
     """Configurations worth timing for one GEMM shape (the heuristic's first, then it with
     the other staging modes and with prefetch)."""
     first = choose_cfg(M, N, K, GB, st=st)
-    modes = [dataclasses.replace(first, ST=m) for m in (2, 1, 0) if m != st]
+    modes = [dataclasses.replace(first, ST=m) for m in (3, 2, 1, 0) if m != st]
     rest = [dataclasses.replace(c, ST=st) for c in (
         *(_FEW_ROWS if M <= 8 else ()), *_LADDER, *_SMALL, *_EXTRA)]
     allc = [first, *modes[:1], dataclasses.replace(first, PF=1), *modes[1:], *rest]
@@ -459,6 +465,21 @@ def _candidate_cfgs(M: int, N: int, K: int, GB: int, st: int = 0) -> list[TileCf
         if c not in out and (c.KS == 1 or K >= 2 * c.BK * c.KS):
             out.append(c)
     return out[:8]
+
+
+class _Item(NamedTuple):
+    """One staging round of one operand: ``q`` elements per invocation (1, or 4 read as one
+    vec4), at staged row/column ``rn`` and K offset ``kn`` (WGSL names)."""
+
+    which: str
+    l: int
+    rn: str
+    kn: str
+    op: _Operand
+    T: int
+    partial: bool
+    n_el: int
+    q: int
 
 
 class _GemmGen:
@@ -478,7 +499,7 @@ class _GemmGen:
         self.vec = c.vec
         self.offb = self.BKs * (self.TM + SH_PAD)  # Bs after As (in f32 elements)
         self.bf = c.ST >= 1  # branch-free staging, all reads of a step before its stores
-        tabs = [op.table for op in (gm.A, gm.B) if op.table is not None] if c.ST == 2 else []
+        tabs = [op.table for op in (gm.A, gm.B) if op.table is not None] if c.ST >= 2 else []
         self.table = tabs[0] if tabs else None
         self.tab_len = -(-self.table.length // self.BKs) * self.BKs if self.table else 0
 
@@ -509,18 +530,19 @@ class _GemmGen:
         self.plan = []
         for which, op, T, lim in (("a", gm.A, self.TM, u(gm.M)),
                                   ("b", gm.B, self.TN, gm.n_bound or u(gm.N))):
-            n_el = T * BKs
+            q = 4 if self.quads(op, T) else 1  # elements per staged item
+            n_el = T * BKs // q
             for l in range(-(-n_el // nth)):
                 e = f"(lid + {u(l * nth)})" if l else "lid"
                 rn, kn = f"s{which}r{l}", f"s{which}k{l}"
                 if op.k_fast:
-                    L.append(f"{ind}let {kn} = {e} % {u(BKs)};")
-                    L.append(f"{ind}let {rn} = {e} / {u(BKs)};")
+                    L.append(f"{ind}let {kn} = {_mul(f'({e} % {u(BKs // q)})', q)};")
+                    L.append(f"{ind}let {rn} = {e} / {u(BKs // q)};")
                 else:
-                    L.append(f"{ind}let {rn} = {e} % {u(T)};")
-                    L.append(f"{ind}let {kn} = {e} / {u(T)};")
+                    L.append(f"{ind}let {rn} = {_mul(f'({e} % {u(T // q)})', q)};")
+                    L.append(f"{ind}let {kn} = {e} / {u(T // q)};")
                 tag = f"{which}{l}"
-                if l and self.bf and op.hoisted and not op.k_fast and (l * nth) % T == 0:
+                if l and self.bf and op.hoisted and not op.k_fast and (l * nth) % (T // q) == 0:
                     # this round stages round 0's columns: reuse its lets
                     for nm in ("g", *op.hoisted, "ok"):
                         L.append(f"{ind}let {nm}{tag} = {nm}{which}0;")
@@ -530,7 +552,12 @@ class _GemmGen:
                     live = " && live" if self.live else ""
                     L.append(f"{ind}let ok{tag} = g{tag} < {lim}{live};")
                 partial = (l + 1) * nth > n_el  # the last round stages fewer elements
-                self.plan.append((which, l, rn, kn, op, T, partial, n_el))
+                self.plan.append(_Item(which, l, rn, kn, op, T, partial, n_el, q))
+
+    def quads(self, op: _Operand, T: int) -> bool:
+        """Whether ``op`` is staged four elements per item (ST = 3, vec4 loads)."""
+        return self.cfg.ST == 3 and op.quad is not None and (op.k_fast or (
+            T % 4 == 0 and self.vec))
 
     def _sh(self, off: int, T: int, k: str, x: str) -> str:
         """Workgroup-memory element (k, x) of a staged operand at f32 offset ``off`` (rows of
@@ -540,22 +567,27 @@ class _GemmGen:
         return f"Sh[{u(off)} + {k} * {u(T + SH_PAD)} + {x}]"
 
     def _read_element(self, out: list[str], jj: str, tag: str, k_expr: str, op,
-                      check_k: bool, kend: str, declare: bool, extra: str = "") -> None:
+                      check_k: bool, kend: str, declare: bool, extra: str = "",
+                      q: int = 1) -> None:
         """``v<tag>`` = the operand element at K index ``k_expr`` (zero outside the tile, the
         K range or the padding); ``declare``: as a new ``var`` (else an existing register).
         Branch-free (ST >= 1): every load is issued (at index 0 where the element is outside)
         and the value selected, so the compiler can put all loads of a step in flight at
-        once; ``extra``: one more condition (a partial staging round)."""
+        once; ``extra``: one more condition (a partial staging round); ``q`` = 4: the vec4
+        of four elements (``_Operand.quad``)."""
         kv = f"k{tag}"
         out.append(f"{jj}let {kv} = {k_expr};")
-        cond, idx = op.load(kv, tag, out, jj)
+        cond, idx = (op.quad if q == 4 else op.load)(kv, tag, out, jj)
         conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
             cond.split(" && ") if cond else []) + ([extra] if extra else [])
         if self.bf:
             out.append(f"{jj}let cnd{tag} = {' & '.join(f'({c})' for c in conds)};")
             out.append(f"{jj}let idx{tag} = select(0u, {idx}, cnd{tag});")
-            val = f"select(0.0, {_read(op.binding, f'idx{tag}', op.dtype)}, cnd{tag})"
-            out.append(f"{jj}let v{tag}: f32 = {val};" if declare else f"{jj}v{tag} = {val};")
+            raw = f"{op.binding}[idx{tag}]" if q == 4 else _read(op.binding, f"idx{tag}",
+                                                                 op.dtype)
+            ty, zero = ("vec4<f32>", "vec4<f32>(0.0)") if q == 4 else ("f32", "0.0")
+            val = f"select({zero}, {raw}, cnd{tag})"
+            out.append(f"{jj}let v{tag}: {ty} = {val};" if declare else f"{jj}v{tag} = {val};")
             return
         out.append(f"{jj}var v{tag}: f32 = 0.0;" if declare else f"{jj}v{tag} = 0.0;")
         out.append(f"{jj}if ({' && '.join(conds)}) {{")
@@ -565,13 +597,13 @@ class _GemmGen:
     def _stage(self, out: list[str], ii: str, check_k: bool, kend: str) -> None:
         """Copy step k0's slices of both operands into workgroup memory (zero outside)."""
         if self.bf:  # all reads, then all stores
-            for which, l, _rn, kn, op, _t, partial, n_el in self.plan:
+            for which, l, _rn, kn, op, _t, partial, n_el, q in self.plan:
                 part = f"lid + {u(l * self.nth)} < {u(n_el)}" if partial else ""
                 self._read_element(out, ii, f"{which}{l}", f"k0 + {kn}", op, check_k, kend,
-                                   True, part)
+                                   True, part, q)
             self._store_regs(out, ii)
             return
-        for which, l, rn, kn, op, T, partial, n_el in self.plan:
+        for which, l, rn, kn, op, T, partial, n_el, _q in self.plan:
             tag, jj = f"{which}{l}", ii
             if partial:
                 out.append(f"{ii}if (lid + {u(l * self.nth)} < {u(n_el)}) {{")
@@ -663,7 +695,7 @@ class _GemmGen:
     def _load_regs(self, out: list[str], ii: str, base: str, check_k: bool, kend: str) -> None:
         """Step ``base``'s elements of both operands into the registers ``v<tag>`` (zero
         outside), each in its own block (the operands' lets may repeat per step)."""
-        for which, l, _rn, kn, op, _t, partial, n_el in self.plan:
+        for which, l, _rn, kn, op, _t, partial, n_el, q in self.plan:
             tag, jj = f"{which}{l}", ii + "    "
             out.append(f"{ii}{{")
             part = f"lid + {u(l * self.nth)} < {u(n_el)}" if partial else ""
@@ -671,15 +703,22 @@ class _GemmGen:
                 out.append(f"{jj}if ({part}) {{")
                 jj += "    "
             self._read_element(out, jj, tag, f"{base} + {kn}", op, check_k, kend, False,
-                               part if self.bf else "")
+                               part if self.bf else "", q)
             if part and not self.bf:
                 out.append(f"{ii}    }}")
             out.append(f"{ii}}}")
 
     def _store_regs(self, out: list[str], ii: str) -> None:
-        for which, l, rn, kn, _op, T, partial, n_el in self.plan:
+        for which, l, rn, kn, op, T, partial, n_el, q in self.plan:
             off = 0 if which == "a" else self.offb
-            st = f"{self._sh(off, T, kn, rn)} = v{which}{l};"
+            v = f"v{which}{l}"
+            if q == 1:
+                st = f"{self._sh(off, T, kn, rn)} = {v};"
+            elif not op.k_fast:  # four columns of one K row: one aligned vec4
+                st = f"Sh[{u(off // 4)} + {kn} * {u((T + SH_PAD) // 4)} + {rn} / 4u] = {v};"
+            else:  # four K rows of one column
+                st = " ".join(f"{self._sh(off, T, f'({kn} + {u(i)})', rn)} = {v}.{'xyzw'[i]};"
+                              for i in range(4))
             if partial:
                 out.append(f"{ii}if (lid + {u(l * self.nth)} < {u(n_el)}) {{ {st} }}")
             else:
@@ -704,7 +743,8 @@ class _GemmGen:
         step k + BK·KS's global loads are issued before the FMAs on step k, so their latency
         hides behind the arithmetic (the matmul kernel's scheme)."""
         gm, i2, BKs = self.gm, ind + "    ", self.BKs
-        L += [f"{ind}var v{w}{l}: f32 = 0.0;" for w, l, *_ in self.plan]
+        L += [f"{ind}var v{it.which}{it.l}: vec4<f32> = vec4<f32>(0.0);" if it.q == 4 else
+              f"{ind}var v{it.which}{it.l}: f32 = 0.0;" for it in self.plan]
         if gm.K is not None:
             K = gm.K
             kf, ks = K - K % BKs, -(-K // BKs) * BKs
@@ -789,7 +829,7 @@ class _GemmGen:
             L.append(f"{ind}}}")
 
 
-def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, int]:
+def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, int, set]:
     ind = "    "
     g = _GemmGen(gm, t)
     L: list[str] = []
@@ -812,14 +852,19 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, in
         nbytes += 4 * g.tab_len
     check_workgroup_storage(gm.name, nbytes, t)
     check_invocations(gm.name, g.nth, t)
-    return L, shared, nbytes, g.grid, helpers, g.nth
+    vec4 = {it.op.binding for it in g.plan if it.q == 4}
+    return L, shared, nbytes, g.grid, helpers, g.nth, vec4
 
 
 def _module(name, bd, extra_dts, gemm, t, meta) -> KernelSpec:
-    body, shared, nbytes, grid, helpers, nth = gemm
+    body, shared, nbytes, grid, helpers, nth, vec4 = gemm
     check_bindings(name, len(bd.dtypes), t)
     uses_f16 = check_dtypes(name, bd.dtypes + list(extra_dts), t)
-    lines = module_source(module_header(uses_f16) + bd.decls() + shared, helpers, nth, body)
+    # operands read as vec4 (ST = 3) are declared as arrays of vec4 (``_quad_ok``)
+    decls = [ln.replace(": array<f32>;", ": array<vec4<f32>>;")
+             if ln.split(" var<storage, read_write> ")[1].split(":")[0] in vec4 else ln
+             for ln in bd.decls()]
+    lines = module_source(module_header(uses_f16) + decls + shared, helpers, nth, body)
     meta = dict(meta, workgroup_size=nth, workgroup_storage=nbytes,
                 binding_dtypes=tuple(bd.dtypes))
     return KernelSpec(name=name, wgsl=lines, n_bindings=bd.n,
@@ -886,16 +931,18 @@ def _forward_checks(k: Conv2dKernel, t):
     return sx, sw, sb, xs, op_dt, out_dt
 
 
-def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt,
-                      table_len: int = 0) -> tuple[_Operand, _Operand]:
+def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt, table_len: int = 0,
+                      quads: bool = False) -> tuple[_Operand, _Operand]:
     """A = the weight (rows o, k = (c, i, j)), B = the input (columns (n, oh, ow));
-    ``table_len`` > 0 (ST = 2): B through an offset table of that many K indices, where it
-    fits."""
+    ``table_len`` > 0 (ST >= 2): B through an offset table of that many K indices, where it
+    fits; ``quads`` (ST = 3): vec4 loads where aligned."""
     G, x, w = k.geom, k.x, k.w
     sh_, sw_ = G.stride
     pt, pl = G.pad[0][0], G.pad[1][0]
     ohw = G.oh * G.ow
-    k_linear = (sw[1], sw[2], sw[3]) == (G.kh * G.kw, G.kw, 1)
+    # K runs contiguously along each weight row (strides of size-1 axes do not matter)
+    k_linear = all(s == want or size == 1 for s, want, size in (
+        (sw[1], G.kh * G.kw, G.cg), (sw[2], G.kw, G.kh), (sw[3], 1, G.kw)))
 
     def a_hoist(r, tag, L, ind):
         L.append(f"{ind}let ab{tag} = {_lin([(f'(gi * {u(G.og)} + {r})', sw[0])], w.offset)};")
@@ -918,11 +965,33 @@ def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt,
         c, i, j = _split3(kv, (G.kh, G.kw), f"x{tag}", L, ind)
         return _input_at(G, sx, tag, i, G.dilation[0], j, G.dilation[1], (c, sx[1]), L, ind)
 
-    A = _Operand(bd.name(1), op_dt, not (sw[0] == 1 and G.og > 1), a_hoist, a_load)
+    def a_quad(kv, tag, L, ind):
+        return "", f"(ab{tag} + {kv}) / 4u"
+
+    def b_quad(kv, tag, L, ind):  # 1×1, stride 1, unpadded: column p at plane offset pq
+        return "", f"(xb{tag} + {_mul(kv, sx[1])} + pq{tag}) / 4u"
+
+    K = G.cg * G.kh * G.kw
+    a_vec = quads and k_linear and _quad_ok(bd, 1, w, (sw[0], K))
+    A = _Operand(bd.name(1), op_dt, not (sw[0] == 1 and G.og > 1), a_hoist, a_load,
+                 quad=a_quad if a_vec else None)
     names = ("pn", "pq", "ih", "iw", "xb")
     if table_len and _table_fits(G, sx, table_len):
         return A, _tabled_input(G, sx, bd.name(0), op_dt, b_hoist, names, table_len)
-    return A, _Operand(bd.name(0), op_dt, False, b_hoist, b_load, names)
+    pointwise = (G.kh, G.kw, G.stride, G.pad) == (1, 1, (1, 1), ((0, 0), (0, 0)))
+    b_vec = quads and pointwise and sx[3] == 1 and sx[2] == G.w and _quad_ok(
+        bd, 0, x, (sx[0], sx[1], ohw))
+    return A, _Operand(bd.name(0), op_dt, False, b_hoist, b_load, names,
+                       quad=b_quad if b_vec else None)
+
+
+def _quad_ok(bd: Bindings, slot: int, v: Strided, multiples) -> bool:
+    """vec4 loads of operand ``v`` (binding ``slot``): f32, the offset, the bound range and
+    ``multiples`` (strides and extents the quads step by) multiples of 4, and no other slot
+    sharing its binding (its declared element type changes)."""
+    shared = any(bd.alias[i] == bd.alias[slot] for i in range(len(bd.alias)) if i != slot)
+    return (v.dtype is f32 and not shared and v.offset % 4 == 0 and v.extent % 4 == 0
+            and all(m % 4 == 0 for m in multiples))
 
 
 TABLE_MAX = 2048  # entries (8 KiB of workgroup memory)
@@ -1042,7 +1111,7 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
                            f"epilogue; the kernel summing the partials runs it")
     chunk = split_chunk(K, S)
     cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile, staging(k))
-    A, B = _forward_operands(k, sx, sw, bd, op_dt, chunk if cfg.ST == 2 else 0)
+    A, B = _forward_operands(k, sx, sw, bd, op_dt, chunk if cfg.ST >= 2 else 0, cfg.ST == 3)
     gb_lines, krange = _split_lines(G.groups, S, chunk, K)
     gm = _Gemm(name, M, N, K if S == 1 else None, G.groups * S, cfg, A, B, gb_lines, krange,
                _forward_store(k, bd, sb, xs, op_dt, out_dt))
