@@ -24,7 +24,7 @@ C = Strided.contiguous
 # tile whose A operand fills only half a staging round (the partial-round condition)
 ST_CONFIGS = [(TileCfg(64, 64, 4, 4, 1, 16, 1, 2), SHAPES),
               (TileCfg(8, 64, 1, 2, 1, 16, 0, 1), SHAPES[:1]),
-              (TileCfg(32, 32, 4, 4, 4, 8, 0, 3), SHAPES)]
+              (TileCfg(32, 32, 4, 4, 4, 8, 0, 4), SHAPES)]
 
 
 @pytest.mark.parametrize("cfg,shapes", ST_CONFIGS,
@@ -39,7 +39,7 @@ def test_staging_modes_all_three_kernels(run, cfg, shapes):
 # K tail (297 = 5·64 − 23), a 1×1 stride-2 conv (no table) and a 7×7 stem-like kernel (49
 # taps: no table); ST 3: vec4 weights (K = 288, 1×1 K = 24 split in chunks of 16) and vec4
 # input columns (1×1 stride 1, 16 positions per image), none where K or H·W is not a multiple
-# of 4
+# of 4; ST 4: gathered column quads (crossing rows and images, stride 2, partial last tile)
 SPLIT_CASES = [
     ((2, 33, 5, 5), (40, 33, 3, 3), 1, 1, 2, 2, 0),
     ((2, 33, 5, 5), (40, 33, 3, 3), 1, 1, 5, 2, 0),
@@ -49,6 +49,8 @@ SPLIT_CASES = [
     ((2, 24, 4, 4), (36, 24, 1, 1), 1, 0, 2, 3, 2),
     ((2, 24, 3, 5), (36, 24, 1, 1), 1, 0, 1, 3, 1),
     ((1, 3, 11, 11), (8, 3, 7, 7), 2, 3, 1, 3, 0),
+    ((2, 32, 5, 5), (40, 32, 3, 3), 1, 1, 3, 4, 1),
+    ((1, 20, 6, 7), (12, 20, 3, 3), 2, 1, 2, 4, 1),
 ]
 
 
@@ -79,6 +81,6 @@ def test_staging_flag_round_trips_and_is_checked():
     assert (c.PF, c.ST) == (0, 2) and tile_cfg(c.tuple()) == c
     assert tile_cfg((64, 64, 4, 4, 1, 16, 1)).ST == 0
     assert dataclasses.replace(c, ST=0).tuple() == (64, 64, 4, 4, 1, 16)
-    for bad in [(64, 64, 4, 4, 1, 16, 0, 4), (64, 64, 4, 4, 1, 16, 2, 1)]:
+    for bad in [(64, 64, 4, 4, 1, 16, 0, 5), (64, 64, 4, 4, 1, 16, 2, 1)]:
         with pytest.raises(CodegenError):
             tile_cfg(bad)

@@ -246,9 +246,12 @@ class _Operand:
     # same row/column as round 0 alias round 0's lets instead of recomputing them
     hoisted: tuple[str, ...] = ()
     table: _OffsetTable | None = None  # ST >= 2: K index -> offset entry, one per workgroup
-    # ST = 3: ``quad(k, tag, lines, ind) -> (condition, vec4 index)`` of the four elements
+    # ST >= 3: ``quad(k, tag, lines, ind) -> (condition, vec4 index)`` of the four elements
     # (r, k..k+3) (k_fast) or (r..r+3, k) starting at a multiple of 4, all valid or none
     quad: Callable | None = None
+    # ST = 4, columns staged four at a time from scalar loads (one vec4 store):
+    # ``gather(k, tag, column tags, lines, ind) -> [(condition, index)]`` per column
+    gather: Callable | None = None
 
 
 @dataclass
@@ -301,7 +304,9 @@ class TileCfg:
     # then stores them all; 2 as 1, plus the forward's im2col offsets from a per-workgroup
     # table (``_OffsetTable``) instead of div/mod per element (other kernels: as 1); 3 as 2,
     # plus vec4 loads of four K-consecutive weights and, for 1×1 stride-1 forwards, of four
-    # consecutive input columns (one vec4 store to workgroup memory) where aligned (``_Quad``).
+    # consecutive input columns (one vec4 store to workgroup memory) where aligned
+    # (``_Operand.quad``); 4 as 3, plus the table-read input columns staged four at a time
+    # (scalar loads sharing one table read, one vec4 store: ``_Operand.gather``).
     ST: int = 0
 
     @property
@@ -349,7 +354,7 @@ def tile_cfg(forced) -> TileCfg:
     if len(forced) in (6, 7, 8):
         c = TileCfg(*(int(v) for v in forced))
         ok = all(v >= 1 for v in forced[:6]) and c.TM % c.RM == 0 and c.TN % c.RN == 0
-        ok = ok and c.PF in (0, 1) and c.ST in (0, 1, 2, 3)
+        ok = ok and c.PF in (0, 1) and c.ST in (0, 1, 2, 3, 4)
         if ok and c.threads <= 1024 and c.BK % 4 == 0:
             return c
     raise CodegenError(f"conv tile must be a (TM, TN) pair from {sorted(TILES)} or a valid "
@@ -440,7 +445,7 @@ def _check_split(name: str, S) -> int:
 
 
 # Default staging mode (``TileCfg.ST``) per kernel: see docs/benchmarks.md (conv staging).
-STAGING = {"conv2d": 3, "conv2d_input_grad": 0, "conv2d_weight_grad": 0}
+STAGING = {"conv2d": 4, "conv2d_input_grad": 0, "conv2d_weight_grad": 0}
 
 
 def staging(k) -> int:
@@ -456,7 +461,7 @@ def _candidate_cfgs(M: int, N: int, K: int, GB: int, st: int = 0) -> list[TileCf
     """Configurations worth timing for one GEMM shape (the heuristic's first, then it with
     the other staging modes and with prefetch)."""
     first = choose_cfg(M, N, K, GB, st=st)
-    modes = [dataclasses.replace(first, ST=m) for m in (3, 2, 1, 0) if m != st]
+    modes = [dataclasses.replace(first, ST=m) for m in (4, 3, 2, 1, 0) if m != st]
     rest = [dataclasses.replace(c, ST=st) for c in (
         *(_FEW_ROWS if M <= 8 else ()), *_LADDER, *_SMALL, *_EXTRA)]
     allc = [first, *modes[:1], dataclasses.replace(first, PF=1), *modes[1:], *rest]
@@ -542,22 +547,34 @@ class _GemmGen:
                     L.append(f"{ind}let {rn} = {_mul(f'({e} % {u(T // q)})', q)};")
                     L.append(f"{ind}let {kn} = {e} / {u(T // q)};")
                 tag = f"{which}{l}"
-                if l and self.bf and op.hoisted and not op.k_fast and (l * nth) % (T // q) == 0:
-                    # this round stages round 0's columns: reuse its lets
-                    for nm in ("g", *op.hoisted, "ok"):
-                        L.append(f"{ind}let {nm}{tag} = {nm}{which}0;")
-                else:
-                    L.append(f"{ind}let g{tag} = {'row0' if which == 'a' else 'col0'} + {rn};")
-                    op.hoist(f"g{tag}", tag, L, ind)
+                # a gathered quad: four columns, each with its own hoisted lets
+                cols = [(f"{tag}c{i}", f" + {u(i)}") for i in range(4)] if (
+                    q == 4 and op.quad is None) else [(tag, "")]
+                for ctag, plus in cols:
+                    if l and self.bf and op.hoisted and not op.k_fast and \
+                            (l * nth) % (T // q) == 0:
+                        # this round stages round 0's columns: reuse its lets
+                        first = ctag.replace(tag, f"{which}0", 1)
+                        for nm in ("g", *op.hoisted, "ok"):
+                            L.append(f"{ind}let {nm}{ctag} = {nm}{first};")
+                        continue
+                    base = "row0" if which == "a" else "col0"
+                    L.append(f"{ind}let g{ctag} = {base} + {rn}{plus};")
+                    op.hoist(f"g{ctag}", ctag, L, ind)
                     live = " && live" if self.live else ""
-                    L.append(f"{ind}let ok{tag} = g{tag} < {lim}{live};")
+                    L.append(f"{ind}let ok{ctag} = g{ctag} < {lim}{live};")
                 partial = (l + 1) * nth > n_el  # the last round stages fewer elements
                 self.plan.append(_Item(which, l, rn, kn, op, T, partial, n_el, q))
 
     def quads(self, op: _Operand, T: int) -> bool:
-        """Whether ``op`` is staged four elements per item (ST = 3, vec4 loads)."""
-        return self.cfg.ST == 3 and op.quad is not None and (op.k_fast or (
-            T % 4 == 0 and self.vec))
+        """Whether ``op`` is staged four elements per item (ST >= 3: vec4 loads; ST = 4 also
+        four gathered columns)."""
+        if self.cfg.ST < 3:
+            return False
+        if op.k_fast:
+            return op.quad is not None
+        gather = op.gather is not None and self.cfg.ST == 4
+        return (op.quad is not None or gather) and T % 4 == 0 and self.vec
 
     def _sh(self, off: int, T: int, k: str, x: str) -> str:
         """Workgroup-memory element (k, x) of a staged operand at f32 offset ``off`` (rows of
@@ -577,6 +594,8 @@ class _GemmGen:
         of four elements (``_Operand.quad``)."""
         kv = f"k{tag}"
         out.append(f"{jj}let {kv} = {k_expr};")
+        if q == 4 and op.quad is None:
+            return self._gather(out, jj, tag, kv, op, check_k, kend, declare, extra)
         cond, idx = (op.quad if q == 4 else op.load)(kv, tag, out, jj)
         conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
             cond.split(" && ") if cond else []) + ([extra] if extra else [])
@@ -593,6 +612,21 @@ class _GemmGen:
         out.append(f"{jj}if ({' && '.join(conds)}) {{")
         out.append(f"{jj}    v{tag} = {_read(op.binding, idx, op.dtype)};")
         out.append(f"{jj}}}")
+
+    def _gather(self, out: list[str], jj: str, tag: str, kv: str, op, check_k: bool,
+                kend: str, declare: bool, extra: str) -> None:
+        """``v<tag>`` = the vec4 of four columns' elements at K index ``kv`` (branch-free
+        scalar loads, one shared table read: ``_Operand.gather``)."""
+        cols = [f"{tag}c{i}" for i in range(4)]
+        comps = []
+        for c, (cond, idx) in zip(cols, op.gather(kv, tag, cols, out, jj), strict=True):
+            conds = [f"ok{c}"] + ([f"{kv} < {kend}"] if check_k else []) + (
+                cond.split(" && ") if cond else []) + ([extra] if extra else [])
+            out.append(f"{jj}let cnd{c} = {' & '.join(f'({x})' for x in conds)};")
+            out.append(f"{jj}let idx{c} = select(0u, {idx}, cnd{c});")
+            comps.append(f"select(0.0, {_read(op.binding, f'idx{c}', op.dtype)}, cnd{c})")
+        val = f"vec4<f32>({', '.join(comps)})"
+        out.append(f"{jj}let v{tag}: vec4<f32> = {val};" if declare else f"{jj}v{tag} = {val};")
 
     def _stage(self, out: list[str], ii: str, check_k: bool, kend: str) -> None:
         """Copy step k0's slices of both operands into workgroup memory (zero outside)."""
@@ -852,7 +886,7 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, in
         nbytes += 4 * g.tab_len
     check_workgroup_storage(gm.name, nbytes, t)
     check_invocations(gm.name, g.nth, t)
-    vec4 = {it.op.binding for it in g.plan if it.q == 4}
+    vec4 = {it.op.binding for it in g.plan if it.q == 4 and it.op.quad is not None}
     return L, shared, nbytes, g.grid, helpers, g.nth, vec4
 
 
@@ -860,7 +894,7 @@ def _module(name, bd, extra_dts, gemm, t, meta) -> KernelSpec:
     body, shared, nbytes, grid, helpers, nth, vec4 = gemm
     check_bindings(name, len(bd.dtypes), t)
     uses_f16 = check_dtypes(name, bd.dtypes + list(extra_dts), t)
-    # operands read as vec4 (ST = 3) are declared as arrays of vec4 (``_quad_ok``)
+    # operands read as vec4 (ST >= 3) are declared as arrays of vec4 (``_quad_ok``)
     decls = [ln.replace(": array<f32>;", ": array<vec4<f32>>;")
              if ln.split(" var<storage, read_write> ")[1].split(":")[0] in vec4 else ln
              for ln in bd.decls()]
@@ -935,7 +969,7 @@ def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt, table_len: i
                       quads: bool = False) -> tuple[_Operand, _Operand]:
     """A = the weight (rows o, k = (c, i, j)), B = the input (columns (n, oh, ow));
     ``table_len`` > 0 (ST >= 2): B through an offset table of that many K indices, where it
-    fits; ``quads`` (ST = 3): vec4 loads where aligned."""
+    fits; ``quads`` (ST >= 3): vec4 loads where aligned."""
     G, x, w = k.geom, k.x, k.w
     sh_, sw_ = G.stride
     pt, pl = G.pad[0][0], G.pad[1][0]
@@ -1040,6 +1074,14 @@ def _tabled_input(G: ConvGeom, sx, binding: str, op_dt, b_hoist, names, length) 
         cond = f"((mk{tag} >> (te{tag} & 31u)) & 1u) != 0u" if masked else ""
         return cond, f"xq{tag} + (te{tag} >> 5u)"
 
+    def gather(kv, tag, cols, L, ind):  # one table read for four columns
+        L.append(f"{ind}let te{tag} = Kt[{kv} - kbeg];")
+        L.append(f"{ind}let to{tag} = te{tag} >> 5u;")
+        if masked:
+            L.append(f"{ind}let tb{tag} = 1u << (te{tag} & 31u);")
+        return [(f"(mk{c} & tb{tag}) != 0u" if masked else "", f"xq{c} + to{tag}")
+                for c in cols]
+
     def entry(k, L, ind):
         L.append(f"{ind}let tc = {k} / {u(khw)};")
         L.append(f"{ind}let tr = {k} % {u(khw)};")
@@ -1048,7 +1090,7 @@ def _tabled_input(G: ConvGeom, sx, binding: str, op_dt, b_hoist, names, length) 
         return f"(({off}) << 5u) | tr"
 
     return _Operand(binding, op_dt, False, hoist, load, names + ("mk", "xq"),
-                    _OffsetTable(length, entry))
+                    _OffsetTable(length, entry), gather=gather)
 
 
 def _forward_store(k: Conv2dKernel, bd: Bindings, sb, xs, op_dt, out_dt):
@@ -1111,7 +1153,7 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
                            f"epilogue; the kernel summing the partials runs it")
     chunk = split_chunk(K, S)
     cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile, staging(k))
-    A, B = _forward_operands(k, sx, sw, bd, op_dt, chunk if cfg.ST >= 2 else 0, cfg.ST == 3)
+    A, B = _forward_operands(k, sx, sw, bd, op_dt, chunk if cfg.ST >= 2 else 0, cfg.ST >= 3)
     gb_lines, krange = _split_lines(G.groups, S, chunk, K)
     gm = _Gemm(name, M, N, K if S == 1 else None, G.groups * S, cfg, A, B, gb_lines, krange,
                _forward_store(k, bd, sb, xs, op_dt, out_dt))
