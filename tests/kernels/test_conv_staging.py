@@ -39,7 +39,8 @@ def test_staging_modes_all_three_kernels(run, cfg, shapes):
 # K tail (297 = 5·64 − 23), a 1×1 stride-2 conv (no table) and a 7×7 stem-like kernel (49
 # taps: no table); ST 3: vec4 weights (K = 288, 1×1 K = 24 split in chunks of 16) and vec4
 # input columns (1×1 stride 1, 16 positions per image), none where K or H·W is not a multiple
-# of 4; ST 4: gathered column quads (crossing rows and images, stride 2, partial last tile)
+# of 4; ST 4: gathered column quads (crossing rows and images, stride 2, partial last tile;
+# without a table: 1×1 stride 2, 49 taps)
 SPLIT_CASES = [
     ((2, 33, 5, 5), (40, 33, 3, 3), 1, 1, 2, 2, 0),
     ((2, 33, 5, 5), (40, 33, 3, 3), 1, 1, 5, 2, 0),
@@ -51,6 +52,8 @@ SPLIT_CASES = [
     ((1, 3, 11, 11), (8, 3, 7, 7), 2, 3, 1, 3, 0),
     ((2, 32, 5, 5), (40, 32, 3, 3), 1, 1, 3, 4, 1),
     ((1, 20, 6, 7), (12, 20, 3, 3), 2, 1, 2, 4, 1),
+    ((1, 12, 7, 6), (20, 12, 1, 1), 2, 0, 1, 4, 1),
+    ((1, 3, 11, 11), (8, 3, 7, 7), 2, 3, 1, 4, 0),
 ]
 
 

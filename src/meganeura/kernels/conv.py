@@ -249,8 +249,9 @@ class _Operand:
     # ST >= 3: ``quad(k, tag, lines, ind) -> (condition, vec4 index)`` of the four elements
     # (r, k..k+3) (k_fast) or (r..r+3, k) starting at a multiple of 4, all valid or none
     quad: Callable | None = None
-    # ST = 4, columns staged four at a time from scalar loads (one vec4 store):
-    # ``gather(k, tag, column tags, lines, ind) -> [(condition, index)]`` per column
+    # ST = 4, columns staged four at a time from scalar loads (one vec4 store), the work the
+    # four share done once: ``gather(k, tag, column tags, lines, ind) -> [(condition, index)]``
+    # per column (without it: ``load`` per column)
     gather: Callable | None = None
 
 
@@ -305,8 +306,8 @@ class TileCfg:
     # table (``_OffsetTable``) instead of div/mod per element (other kernels: as 1); 3 as 2,
     # plus vec4 loads of four K-consecutive weights and, for 1×1 stride-1 forwards, of four
     # consecutive input columns (one vec4 store to workgroup memory) where aligned
-    # (``_Operand.quad``); 4 as 3, plus the table-read input columns staged four at a time
-    # (scalar loads sharing one table read, one vec4 store: ``_Operand.gather``).
+    # (``_Operand.quad``); 4 as 3, plus other columns staged four at a time (scalar loads, one
+    # vec4 store; table-read ones share one table read: ``_Operand.gather``).
     ST: int = 0
 
     @property
@@ -573,8 +574,7 @@ class _GemmGen:
             return False
         if op.k_fast:
             return op.quad is not None
-        gather = op.gather is not None and self.cfg.ST == 4
-        return (op.quad is not None or gather) and T % 4 == 0 and self.vec
+        return (op.quad is not None or self.cfg.ST == 4) and T % 4 == 0 and self.vec
 
     def _sh(self, off: int, T: int, k: str, x: str) -> str:
         """Workgroup-memory element (k, x) of a staged operand at f32 offset ``off`` (rows of
@@ -619,7 +619,9 @@ class _GemmGen:
         scalar loads, one shared table read: ``_Operand.gather``)."""
         cols = [f"{tag}c{i}" for i in range(4)]
         comps = []
-        for c, (cond, idx) in zip(cols, op.gather(kv, tag, cols, out, jj), strict=True):
+        items = op.gather(kv, tag, cols, out, jj) if op.gather else [
+            op.load(kv, c, out, jj) for c in cols]  # no shared work: each column's own
+        for c, (cond, idx) in zip(cols, items, strict=True):
             conds = [f"ok{c}"] + ([f"{kv} < {kend}"] if check_k else []) + (
                 cond.split(" && ") if cond else []) + ([extra] if extra else [])
             out.append(f"{jj}let cnd{c} = {' & '.join(f'({x})' for x in conds)};")
