@@ -114,10 +114,10 @@ INFER = ("r50 3x3 (4,64,56,56)", "r50 3x3 (4,128,28,28)", "r50 3x3 (4,256,14,14)
          "r50 1x1s2 (4,512,28,28)->1024", "r50 stem 7x7s2 (4,3,224,224)")
 # (ST, PF, K-step factor, (TM, TN, RM, RN) or None for the heuristic tile's) variants timed by
 # the staging sweep; the first is the template before the staging modes ("before").  The two
-# larger tiles (32 results per invocation, 256 invocations) are also timed at twice the split.
+# larger tiles (32 results per invocation, 256 invocations) are timed at the split and twice it.
 ST_VARIANTS = ((0, 0, 1, None), (1, 0, 1, None), (2, 0, 1, None), (3, 0, 1, None),
-               (4, 0, 1, None), (4, 1, 1, None), (4, 0, 2, None), (4, 0, 1, (128, 64, 8, 4)),
-               (4, 0, 1, (64, 128, 4, 8)))
+               (4, 0, 1, None), (4, 1, 1, None), (4, 2, 1, None), (4, 0, 2, None),
+               (4, 0, 1, (128, 64, 8, 4)), (4, 0, 1, (64, 128, 4, 8)))
 
 # CONV_TINY=1: a dry run of the whole script on a CPU adapter (lavapipe)
 TINY = {
@@ -316,7 +316,7 @@ def staged(desc, S: int, st: int, pf: int, bkx: int, shape=None):
 
 
 def run_staging(dev, target, label, kind, desc, inputs, oshape, ref, s_new) -> list[dict]:
-    """The ``st`` rows: the plan's split and half of it (forward; the larger tiles also at
+    """The ``st`` rows: the plan's split and half of it (forward; the larger tiles at it and
     twice it, ST 4 also at a quarter; the gradients at the plan's split, ST 0 / 1 only) × the
     staging variants; ``heuristic`` marks the plan as it is now (split and default tile, no
     forced tile)."""
@@ -334,7 +334,7 @@ def run_staging(dev, target, label, kind, desc, inputs, oshape, ref, s_new) -> l
     for st, pf, bkx, shape in ST_VARIANTS if fwd else ST_VARIANTS[:2]:
         more = (min(2 * s_new, 32, max(1, K // 64)),) if shape else ()
         more += (max(1, s_new // 4),) if (st, pf, bkx, shape) == (4, 0, 1, None) else ()
-        for S in dict.fromkeys(more + splits):
+        for S in dict.fromkeys(more + (splits[:1] if shape else splits)):
             d = staged(desc, S, st, pf, bkx, shape)
             if tile_cfg(d.tile).storage() + 8192 > target.lim(
                     "max_compute_workgroup_storage_size"):  # (+ the table, at most 8 KiB)

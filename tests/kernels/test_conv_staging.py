@@ -21,14 +21,19 @@ from ._util import assert_close
 
 C = Strided.contiguous
 # the plan's tile with prefetch and the table (the gradients stage as ST = 1); a legacy 8×64
-# tile whose A operand fills only half a staging round (the partial-round condition)
+# tile whose A operand fills only half a staging round (the partial-round condition); vec4
+# and gathered quads with an in-workgroup split; double-buffered staging (PF = 2), also
+# before an in-workgroup split's reduction in workgroup memory
 ST_CONFIGS = [(TileCfg(64, 64, 4, 4, 1, 16, 1, 2), SHAPES),
               (TileCfg(8, 64, 1, 2, 1, 16, 0, 1), SHAPES[:1]),
-              (TileCfg(32, 32, 4, 4, 4, 8, 0, 4), SHAPES)]
+              (TileCfg(32, 32, 4, 4, 4, 8, 0, 4), SHAPES),
+              (TileCfg(64, 64, 4, 4, 1, 16, 2, 4), SHAPES),
+              (TileCfg(32, 32, 4, 4, 4, 8, 2, 1), SHAPES[1:2])]
 
 
 @pytest.mark.parametrize("cfg,shapes", ST_CONFIGS,
-                         ids=["plan-tile-pf-table", "8x64-partial", "ks4-quads"])
+                         ids=["plan-tile-pf-table", "8x64-partial", "ks4-quads",
+                              "double-buffer-quads", "double-buffer-ks4"])
 def test_staging_modes_all_three_kernels(run, cfg, shapes):
     rng = np.random.default_rng(sum(cfg.tuple()))
     for shape in shapes:
@@ -61,7 +66,7 @@ SPLIT_CASES = [
                          ids=lambda c: f"k{c[1][2]}-s{c[2]}-split{c[4]}-st{c[5]}")
 def test_table_with_split_chunks_and_fallbacks(run, rng, case):
     xs, ws, st, p, S, mode, n_vec4 = case
-    pf = S % 2  # with and without register prefetch
+    pf = (S % 2) * (1 + mode % 2)  # without prefetch, with it, and double-buffered
     G = _geom(xs, ws, (st, st), ((p, p), (p, p)), (1, 1), 1)
     ys = (G.n, G.o, G.oh, G.ow)
     x, w = (rng.normal(size=s).astype(np.float32) for s in (xs, ws))
@@ -82,8 +87,10 @@ def test_table_with_split_chunks_and_fallbacks(run, rng, case):
 def test_staging_flag_round_trips_and_is_checked():
     c = tile_cfg((64, 64, 4, 4, 1, 16, 0, 2))
     assert (c.PF, c.ST) == (0, 2) and tile_cfg(c.tuple()) == c
+    d = tile_cfg((64, 64, 4, 4, 1, 16, 2))
+    assert d.PF == 2 and d.storage() == 2 * c.storage()
     assert tile_cfg((64, 64, 4, 4, 1, 16, 1)).ST == 0
     assert dataclasses.replace(c, ST=0).tuple() == (64, 64, 4, 4, 1, 16)
-    for bad in [(64, 64, 4, 4, 1, 16, 0, 5), (64, 64, 4, 4, 1, 16, 2, 1)]:
+    for bad in [(64, 64, 4, 4, 1, 16, 0, 5), (64, 64, 4, 4, 1, 16, 3, 1)]:
         with pytest.raises(CodegenError):
             tile_cfg(bad)

@@ -299,7 +299,9 @@ class TileCfg:
     RN: int
     KS: int = 1
     BK: int = 16
-    PF: int = 0  # 1: register prefetch (the next step's loads issued before this step's FMAs)
+    # 1: register prefetch (the next step's loads issued before this step's FMAs); 2: and two
+    # staging buffers used in turn, so one barrier per K step instead of two
+    PF: int = 0
     # Staging code: 0 reads each element under a branch and stores it at once; 1 reads every
     # element of the step first, branch-free (a load at a clamped index, the value selected),
     # then stores them all; 2 as 1, plus the forward's im2col offsets from a per-workgroup
@@ -327,7 +329,11 @@ class TileCfg:
         """Bytes of workgroup memory: the staged K step (rows padded by SH_PAD), or the
         partial tiles if larger."""
         red = self.KS * self.TM * self.TN if self.KS > 1 else 0
-        return 4 * max(self.BK * self.KS * (self.TM + self.TN + 2 * SH_PAD), red)
+        return 4 * max(self.stage_elems() * (2 if self.PF == 2 else 1), red)
+
+    def stage_elems(self) -> int:
+        """f32 elements of one staged K step (both operands, rows padded)."""
+        return self.BK * self.KS * (self.TM + self.TN + 2 * SH_PAD)
 
     def tuple(self) -> tuple[int, ...]:
         base = (self.TM, self.TN, self.RM, self.RN, self.KS, self.BK)
@@ -355,7 +361,7 @@ def tile_cfg(forced) -> TileCfg:
     if len(forced) in (6, 7, 8):
         c = TileCfg(*(int(v) for v in forced))
         ok = all(v >= 1 for v in forced[:6]) and c.TM % c.RM == 0 and c.TN % c.RN == 0
-        ok = ok and c.PF in (0, 1) and c.ST in (0, 1, 2, 3, 4)
+        ok = ok and c.PF in (0, 1, 2) and c.ST in (0, 1, 2, 3, 4)
         if ok and c.threads <= 1024 and c.BK % 4 == 0:
             return c
     raise CodegenError(f"conv tile must be a (TM, TN) pair from {sorted(TILES)} or a valid "
@@ -460,12 +466,13 @@ def staging(k) -> int:
 
 def _candidate_cfgs(M: int, N: int, K: int, GB: int, st: int = 0) -> list[TileCfg]:
     """Configurations worth timing for one GEMM shape (the heuristic's first, then it with
-    the other staging modes and with prefetch)."""
+    the other staging modes, with prefetch and with double buffering)."""
     first = choose_cfg(M, N, K, GB, st=st)
     modes = [dataclasses.replace(first, ST=m) for m in (4, 3, 2, 1, 0) if m != st]
     rest = [dataclasses.replace(c, ST=st) for c in (
         *(_FEW_ROWS if M <= 8 else ()), *_LADDER, *_SMALL, *_EXTRA)]
-    allc = [first, *modes[:1], dataclasses.replace(first, PF=1), *modes[1:], *rest]
+    allc = [first, *modes[:1], dataclasses.replace(first, PF=1),
+            dataclasses.replace(first, PF=2), *modes[1:], *rest]
     out = []
     for c in allc:
         if c not in out and (c.KS == 1 or K >= 2 * c.BK * c.KS):
@@ -504,6 +511,8 @@ class _GemmGen:
         self.live = "" if self.grid.exact else "live"
         self.vec = c.vec
         self.offb = self.BKs * (self.TM + SH_PAD)  # Bs after As (in f32 elements)
+        # PF = 2: the staging buffer in use starts at ``sbo`` (Sh index units)
+        self.sb = "sbo + " if c.PF == 2 else ""
         self.bf = c.ST >= 1  # branch-free staging, all reads of a step before its stores
         tabs = [op.table for op in (gm.A, gm.B) if op.table is not None] if c.ST >= 2 else []
         self.table = tabs[0] if tabs else None
@@ -580,8 +589,9 @@ class _GemmGen:
         """Workgroup-memory element (k, x) of a staged operand at f32 offset ``off`` (rows of
         T + SH_PAD elements)."""
         if self.vec:
-            return f"Sh[{u(off // 4)} + {k} * {u((T + SH_PAD) // 4)} + {x} / 4u][{x} % 4u]"
-        return f"Sh[{u(off)} + {k} * {u(T + SH_PAD)} + {x}]"
+            return (f"Sh[{self.sb}{u(off // 4)} + {k} * {u((T + SH_PAD) // 4)} + {x} / 4u]"
+                    f"[{x} % 4u]")
+        return f"Sh[{self.sb}{u(off)} + {k} * {u(T + SH_PAD)} + {x}]"
 
     def _read_element(self, out: list[str], jj: str, tag: str, k_expr: str, op,
                       check_k: bool, kend: str, declare: bool, extra: str = "",
@@ -673,7 +683,7 @@ class _GemmGen:
                                    (self.offb, self.RN, self.TN, "rb", "tx")):
             if self.vec:
                 for q in range(R // 4):
-                    out.append(f"{jj}let {who}4_{q} = Sh[{u(off // 4)} + kk * "
+                    out.append(f"{jj}let {who}4_{q} = Sh[{self.sb}{u(off // 4)} + kk * "
                                f"{u((T + SH_PAD) // 4)} + "
                                f"{th} * {u(R // 4)} + {u(q)}];")
                 for i in range(R):
@@ -681,7 +691,8 @@ class _GemmGen:
             else:
                 for i in range(R):
                     x = f"{th} * {u(R)} + {u(i)}" if R > 1 else th
-                    out.append(f"{jj}let {who}{i} = Sh[{u(off)} + kk * {u(T + SH_PAD)} + {x}];")
+                    out.append(f"{jj}let {who}{i} = Sh[{self.sb}{u(off)} + kk * "
+                               f"{u(T + SH_PAD)} + {x}];")
         for i in range(self.RM):
             for j in range(self.RN):
                 out.append(f"{jj}acc{i}_{j} = fma(ra{i}, rb{j}, acc{i}_{j});")
@@ -751,7 +762,8 @@ class _GemmGen:
             if q == 1:
                 st = f"{self._sh(off, T, kn, rn)} = {v};"
             elif not op.k_fast:  # four columns of one K row: one aligned vec4
-                st = f"Sh[{u(off // 4)} + {kn} * {u((T + SH_PAD) // 4)} + {rn} / 4u] = {v};"
+                st = (f"Sh[{self.sb}{u(off // 4)} + {kn} * {u((T + SH_PAD) // 4)} + {rn} / 4u]"
+                      f" = {v};")
             else:  # four K rows of one column
                 st = " ".join(f"{self._sh(off, T, f'({kn} + {u(i)})', rn)} = {v}.{'xyzw'[i]};"
                               for i in range(4))
@@ -795,6 +807,9 @@ class _GemmGen:
         self.fill_table(L, ind, "kbeg")
         L.append(f"{ind}let kfirst = kbeg;")
         self._load_next(L, ind, "kfirst", "kfull", "kend", whole, tail)
+        db = self.cfg.PF == 2
+        if db:
+            L.append(f"{ind}var sbo: u32 = 0u;")
         L.append(f"{ind}for (var k0: u32 = kbeg; k0 < kend; k0 = k0 + {u(BKs)}) {{"
                  if ks is None else
                  f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(BKs)}) {{")
@@ -803,8 +818,15 @@ class _GemmGen:
         L.append(f"{i2}let k1 = k0 + {u(BKs)};")
         self._load_next(L, i2, "k1", "kfull", "kend", whole and (ks is None or ks > BKs), tail)
         self._mma(L, i2)
-        L.append(f"{i2}workgroupBarrier();")
+        if db:  # the next step stages into the other buffer: every invocation passed this
+            # step's barrier after its FMAs on that buffer, so no second barrier is needed
+            stage = self.cfg.stage_elems() // (4 if self.vec else 1)
+            L.append(f"{i2}sbo = {u(stage)} - sbo;")
+        else:
+            L.append(f"{i2}workgroupBarrier();")
         L.append(f"{ind}}}")
+        if db:
+            L.append(f"{ind}workgroupBarrier();")  # Sh is reused after the loop
 
     def _guard(self, r: str, n: str, mod_m: bool) -> list[str]:
         gm = self.gm
@@ -1155,7 +1177,11 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
                            f"epilogue; the kernel summing the partials runs it")
     chunk = split_chunk(K, S)
     cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile, staging(k))
-    A, B = _forward_operands(k, sx, sw, bd, op_dt, chunk if cfg.ST >= 2 else 0, cfg.ST >= 3)
+    # the table where it fits next to the staging buffers (else the div/mod staging)
+    room = t.lim("max_compute_workgroup_storage_size") - cfg.storage()
+    tab = chunk if cfg.ST >= 2 and 4 * (-(-chunk // (cfg.BK * cfg.KS)) * cfg.BK * cfg.KS) <= \
+        room else 0
+    A, B = _forward_operands(k, sx, sw, bd, op_dt, tab, cfg.ST >= 3)
     gb_lines, krange = _split_lines(G.groups, S, chunk, K)
     gm = _Gemm(name, M, N, K if S == 1 else None, G.groups * S, cfg, A, B, gb_lines, krange,
                _forward_store(k, bd, sb, xs, op_dt, out_dt))
