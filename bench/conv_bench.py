@@ -23,7 +23,7 @@ Two groups of rows per problem, from the same process (so before/after share one
   convolutions ResNet-50 inference runs on the conv kernels (``INFER``): the plan as compiled
   now (marked heuristic), then at the plan's split and half of it each ``ST_VARIANTS``
   entry (staging mode ``TileCfg.ST``, prefetch, K step) on the heuristic tile, the first being
-  the template before the staging modes; the two gradients at their plan's split, ST 0 and 1.
+  the template before the staging modes; the two gradients at their plan's split, ST 0, 1, 4.
 
 Usage: [CONV_ALL=1] [CONV_PF=1] [CONV_ST=1] python bench/conv_bench.py wgpu|dawn OUT.json
 [SHAPE_FILTER]
@@ -118,6 +118,7 @@ INFER = ("r50 3x3 (4,64,56,56)", "r50 3x3 (4,128,28,28)", "r50 3x3 (4,256,14,14)
 ST_VARIANTS = ((0, 0, 1, None), (1, 0, 1, None), (2, 0, 1, None), (3, 0, 1, None),
                (4, 0, 1, None), (4, 1, 1, None), (4, 2, 1, None), (4, 0, 2, None),
                (4, 0, 1, (128, 64, 8, 4)), (4, 0, 1, (64, 128, 4, 8)))
+GRAD_VARIANTS = ((0, 0, 1, None), (1, 0, 1, None), (4, 0, 1, None))
 
 # CONV_TINY=1: a dry run of the whole script on a CPU adapter (lavapipe)
 TINY = {
@@ -317,7 +318,7 @@ def staged(desc, S: int, st: int, pf: int, bkx: int, shape=None):
 
 def run_staging(dev, target, label, kind, desc, inputs, oshape, ref, s_new) -> list[dict]:
     """The ``st`` rows: the plan's split and half of it (forward; the larger tiles at it and
-    twice it, ST 4 also at a quarter; the gradients at the plan's split, ST 0 / 1 only) × the
+    twice it, ST 4 also at a quarter; the gradients at the plan's split, GRAD_VARIANTS) × the
     staging variants; ``heuristic`` marks the plan as it is now (split and default tile, no
     forced tile)."""
     want = ref()
@@ -331,7 +332,7 @@ def run_staging(dev, target, label, kind, desc, inputs, oshape, ref, s_new) -> l
     fwd = kind == "fwd"
     splits = (s_new, max(1, s_new // 2)) if fwd else (s_new,)
     K = gemm_shape(desc)[2]
-    for st, pf, bkx, shape in ST_VARIANTS if fwd else ST_VARIANTS[:2]:
+    for st, pf, bkx, shape in ST_VARIANTS if fwd else GRAD_VARIANTS:
         more = (min(2 * s_new, 32, max(1, K // 64)),) if shape else ()
         more += (max(1, s_new // 4),) if (st, pf, bkx, shape) == (4, 0, 1, None) else ()
         for S in dict.fromkeys(more + (splits[:1] if shape else splits)):
