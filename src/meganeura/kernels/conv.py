@@ -388,14 +388,24 @@ _LADDER_FILL = (96, 192, 192, 256)
 FILL = 256  # workgroups wanted (about two per SM of a large GPU; shapes only, plans portable)
 
 
-def choose_cfg(M: int, N: int, K: int, GB: int, forced=(), st: int = 0) -> TileCfg:
+def choose_cfg(M: int, N: int, K: int, GB: int, forced=(), st: int = 0,
+               pf: int = 0) -> TileCfg:
     """The tile configuration for an M×N×K GEMM repeated GB times (``forced``: the
-    description's ``tile``; ``st``: the staging mode of the default).  Big grids take 64×64
-    tiles; grids too small to fill the GPU take smaller tiles, then in-workgroup split-K while
-    each slice keeps ≥ 4 K steps."""
+    description's ``tile``; ``st``, ``pf``: the default's staging mode and prefetch).  Big
+    grids take 64×64 tiles; grids too small to fill the GPU take smaller tiles, then
+    in-workgroup split-K while each slice keeps ≥ 4 K steps."""
     if forced:
         return tile_cfg(forced)
-    return dataclasses.replace(_choose_tile(M, N, K, GB), ST=st)
+    return dataclasses.replace(_choose_tile(M, N, K, GB), ST=st, PF=pf)
+
+
+def _heuristic(k, M: int, N: int, K: int, GB: int, t) -> TileCfg:
+    """The configuration emitted for ``k``: its forced tile, or the heuristic's with the
+    kernel's staging defaults (``STAGING``), single-buffered where two buffers do not fit."""
+    c = choose_cfg(M, N, K, GB, k.tile, *staging(k))
+    if not k.tile and c.PF == 2 and c.storage() > t.lim("max_compute_workgroup_storage_size"):
+        c = dataclasses.replace(c, PF=1)
+    return c
 
 
 def _choose_tile(M: int, N: int, K: int, GB: int) -> TileCfg:
@@ -452,11 +462,11 @@ def _check_split(name: str, S) -> int:
 
 
 # Default staging mode (``TileCfg.ST``) per kernel: see docs/benchmarks.md (conv staging).
-STAGING = {"conv2d": 4, "conv2d_input_grad": 0, "conv2d_weight_grad": 0}
+STAGING = {"conv2d": (4, 0), "conv2d_input_grad": (0, 0), "conv2d_weight_grad": (0, 0)}
 
 
-def staging(k) -> int:
-    """The heuristic's staging mode for conv description ``k``."""
+def staging(k) -> tuple[int, int]:
+    """The heuristic's (staging mode ``ST``, prefetch ``PF``) for conv description ``k``."""
     if isinstance(k, Conv2dKernel):
         return STAGING["conv2d"]
     if isinstance(k, Conv2dInputGradKernel):
@@ -464,15 +474,16 @@ def staging(k) -> int:
     return STAGING["conv2d_weight_grad"]
 
 
-def _candidate_cfgs(M: int, N: int, K: int, GB: int, st: int = 0) -> list[TileCfg]:
+def _candidate_cfgs(M: int, N: int, K: int, GB: int, st: int = 0,
+                    pf: int = 0) -> list[TileCfg]:
     """Configurations worth timing for one GEMM shape (the heuristic's first, then it with
     the other staging modes, with prefetch and with double buffering)."""
-    first = choose_cfg(M, N, K, GB, st=st)
+    first = choose_cfg(M, N, K, GB, st=st, pf=pf)
     modes = [dataclasses.replace(first, ST=m) for m in (4, 3, 2, 1, 0) if m != st]
-    rest = [dataclasses.replace(c, ST=st) for c in (
+    rest = [dataclasses.replace(c, ST=st, PF=pf) for c in (
         *(_FEW_ROWS if M <= 8 else ()), *_LADDER, *_SMALL, *_EXTRA)]
-    allc = [first, *modes[:1], dataclasses.replace(first, PF=1),
-            dataclasses.replace(first, PF=2), *modes[1:], *rest]
+    allc = [first, *modes[:1], *(dataclasses.replace(first, PF=p) for p in (0, 1, 2) if p != pf),
+            *modes[1:], *rest]
     out = []
     for c in allc:
         if c not in out and (c.KS == 1 or K >= 2 * c.BK * c.KS):
@@ -1176,7 +1187,7 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
         raise CodegenError(f"kernel {name!r}: a split-K partial (split_k={S}) takes no "
                            f"epilogue; the kernel summing the partials runs it")
     chunk = split_chunk(K, S)
-    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile, staging(k))
+    cfg = _heuristic(k, M, N, chunk, G.groups * S, t)
     # the table where it fits next to the staging buffers (else the div/mod staging)
     room = t.lim("max_compute_workgroup_storage_size") - cfg.storage()
     tab = chunk if cfg.ST >= 2 and 4 * (-(-chunk // (cfg.BK * cfg.KS)) * cfg.BK * cfg.KS) <= \
@@ -1305,7 +1316,7 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
     A = _Operand(bd.name(1), op_dt, not (sw[1] == 1 and G.cg > 1), a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
     chunk = split_chunk(K, S)
-    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile, staging(k))
+    cfg = _heuristic(k, M, N, chunk, G.groups * S, t)
     gb_lines, krange = _split_lines(G.groups, S, chunk, K)
     gm = _Gemm(name, M, N, K if S == 1 else None, G.groups * S, cfg, A, B, gb_lines, krange,
                store)
@@ -1445,8 +1456,7 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
     B = _phase_dy_operand(G, sd, dy, (hdo, wdo), bd.name(0), op_dt)
     GB = G.groups * sh_ * sw_ * S  # the grid covers every phase (empty ones store zeros)
-    cfg = choose_cfg(M, N, -(-kmax // S), G.groups * _active_phases(hrows, wrows) * S, k.tile,
-                     staging(k))
+    cfg = _heuristic(k, M, N, -(-kmax // S), G.groups * _active_phases(hrows, wrows) * S, t)
     gm = _Gemm(name, M, N, None, GB, cfg, A, B, gb_lines, krange, store, n_bound="ncol")
     flops = 2 * M * G.groups * G.n * G.og * sum(
         rh[0] * rw[0] * rh[2] * rw[2] for rh in hrows for rw in wrows)  # taps that land
@@ -1511,7 +1521,7 @@ def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None,
     # neighbouring invocations walk (n, oh, ow): contiguous rows of dy and x
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, True, b_hoist, b_load)
-    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile, staging(k))
+    cfg = _heuristic(k, M, N, chunk, G.groups * S, t)
     if S == 1:
         gm = _Gemm(name, M, N, KT, G.groups, cfg, A, B, gb_lines, None, store)
     else:
@@ -1600,7 +1610,7 @@ def conv_candidates(k, target) -> list:
     store = target.lim("max_compute_workgroup_storage_size")
     inv = target.lim("max_compute_invocations_per_workgroup")
     cfgs = [choose_cfg(M, N, K, GB, k.tile)] if k.tile else []
-    cfgs += _candidate_cfgs(M, N, K, GB, staging(k))
+    cfgs += _candidate_cfgs(M, N, K, GB, *staging(k))
     out = []
     for c in cfgs:
         if c.storage() <= store and c.threads <= inv:
