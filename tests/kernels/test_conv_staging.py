@@ -94,3 +94,17 @@ def test_staging_flag_round_trips_and_is_checked():
     for bad in [(64, 64, 4, 4, 1, 16, 0, 5), (64, 64, 4, 4, 1, 16, 3, 1)]:
         with pytest.raises(CodegenError):
             tile_cfg(bad)
+
+
+def test_double_buffered_default_falls_back_where_it_does_not_fit(monkeypatch):
+    """A (ST, PF = 2) default keeps two staging buffers only where the device has the room:
+    WebGPU's guaranteed 16 KiB does not hold two 64×64 buffers, 48 KiB does."""
+    from meganeura.kernels import conv as K
+
+    monkeypatch.setitem(K.STAGING, "conv2d", (4, 2))
+    G = _geom((4, 64, 14, 14), (256, 64, 3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+    k = Conv2dKernel(G, C(f32, (4, 64, 14, 14)), C(f32, (256, 64, 3, 3)))
+    small = emit(k, None).meta["tile"]
+    big = emit(k, {"max_compute_workgroup_storage_size": 49152}).meta["tile"]
+    assert small[:6] == big[:6] == (64, 64, 4, 4, 1, 16)
+    assert (small[6:], big[6:]) == ((1, 4), (2, 4))
