@@ -102,8 +102,8 @@ def test_double_buffered_default_falls_back_where_it_does_not_fit(monkeypatch):
     from meganeura.kernels import conv as K
 
     monkeypatch.setitem(K.STAGING, "conv2d", (4, 2))
-    G = _geom((4, 64, 14, 14), (256, 64, 3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 1)
-    k = Conv2dKernel(G, C(f32, (4, 64, 14, 14)), C(f32, (256, 64, 3, 3)))
+    G = _geom((2, 16, 40, 40), (128, 16, 3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+    k = Conv2dKernel(G, C(f32, (2, 16, 40, 40)), C(f32, (128, 16, 3, 3)))  # 100 tiles
     small = emit(k, None).meta["tile"]
     big = emit(k, {"max_compute_workgroup_storage_size": 49152}).meta["tile"]
     assert small[:6] == big[:6] == (64, 64, 4, 4, 1, 16)
