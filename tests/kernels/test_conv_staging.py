@@ -108,3 +108,31 @@ def test_double_buffered_default_falls_back_where_it_does_not_fit(monkeypatch):
     big = emit(k, {"max_compute_workgroup_storage_size": 49152}).meta["tile"]
     assert small[:6] == big[:6] == (64, 64, 4, 4, 1, 16)
     assert (small[6:], big[6:]) == ((1, 4), (2, 4))
+
+
+def test_pointwise_forward_defaults():
+    """1×1 forwards: K chunks of 512 (K = 512 stays whole where a 3×3 GEMM of that K would be
+    split in two) and K step 32 where the device has the room; the gradients stage
+    branch-free (ST 4 / 1), every forward with ST 4."""
+    from meganeura.kernels.conv import (
+        Conv2dInputGradKernel,
+        Conv2dWeightGradKernel,
+        staging,
+        with_split_k,
+    )
+
+    def fwd(xs, ws, p):
+        G = _geom(xs, ws, (1, 1), ((p, p), (p, p)), (1, 1), 1)
+        return Conv2dKernel(G, C(f32, xs), C(f32, ws))
+
+    pw = fwd((4, 512, 7, 7), (2048, 512, 1, 1), 0)
+    assert with_split_k(pw).split_k == 1
+    assert with_split_k(fwd((4, 1024, 14, 14), (256, 1024, 1, 1), 0)).split_k == 2
+    assert with_split_k(fwd((4, 57, 7, 7), (2048, 57, 3, 3), 1)).split_k == 2  # K = 513
+    big = emit(pw, {"max_compute_workgroup_storage_size": 49152}).meta["tile"]
+    assert big == (64, 64, 4, 4, 1, 32, 0, 4)
+    assert emit(pw, None).meta["tile"] == (64, 64, 4, 4, 1, 16, 0, 4)  # 16 KiB: base K step
+    G = pw.geom
+    ys = (G.n, G.o, G.oh, G.ow)
+    assert staging(Conv2dInputGradKernel(G, C(f32, ys), pw.w))[:2] == (4, 0)
+    assert staging(Conv2dWeightGradKernel(G, pw.x, C(f32, ys)))[:2] == (1, 0)

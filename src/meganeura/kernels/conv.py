@@ -389,22 +389,28 @@ FILL = 256  # workgroups wanted (about two per SM of a large GPU; shapes only, p
 
 
 def choose_cfg(M: int, N: int, K: int, GB: int, forced=(), st: int = 0,
-               pf: int = 0) -> TileCfg:
+               pf: int = 0, bkx: int = 1) -> TileCfg:
     """The tile configuration for an M×N×K GEMM repeated GB times (``forced``: the
-    description's ``tile``; ``st``, ``pf``: the default's staging mode and prefetch).  Big
-    grids take 64×64 tiles; grids too small to fill the GPU take smaller tiles, then
-    in-workgroup split-K while each slice keeps ≥ 4 K steps."""
+    description's ``tile``; ``st``, ``pf``: the default's staging mode and prefetch, ``bkx``
+    its K step factor for tiles without in-workgroup split).  Big grids take 64×64 tiles;
+    grids too small to fill the GPU take smaller tiles, then in-workgroup split-K while each
+    slice keeps ≥ 4 K steps."""
     if forced:
         return tile_cfg(forced)
-    return dataclasses.replace(_choose_tile(M, N, K, GB), ST=st, PF=pf)
+    c = _choose_tile(M, N, K, GB)
+    return dataclasses.replace(c, ST=st, PF=pf, BK=c.BK * (bkx if c.KS == 1 else 1))
 
 
 def _heuristic(k, M: int, N: int, K: int, GB: int, t) -> TileCfg:
     """The configuration emitted for ``k``: its forced tile, or the heuristic's with the
-    kernel's staging defaults (``STAGING``), single-buffered where two buffers do not fit."""
+    kernel's defaults (``staging``); single-buffered, then with the base K step, where the
+    device's workgroup memory does not hold them (WebGPU guarantees only 16 KiB)."""
     c = choose_cfg(M, N, K, GB, k.tile, *staging(k))
-    if not k.tile and c.PF == 2 and c.storage() > t.lim("max_compute_workgroup_storage_size"):
+    room = t.lim("max_compute_workgroup_storage_size")
+    if not k.tile and c.PF == 2 and c.storage() > room:
         c = dataclasses.replace(c, PF=1)
+    if not k.tile and c.storage() > room:
+        c = dataclasses.replace(c, BK=_choose_tile(M, N, K, GB).BK)
     return c
 
 
@@ -442,14 +448,20 @@ def split_chunk(K: int, S: int) -> int:
     return -(-per // 16) * 16
 
 
-def choose_split_k(M: int, N: int, K: int, GB: int) -> int:
+# 1×1 forwards (vec4 staging, K step 32) take chunks of 512: `CONV_ST=1 bench/conv_bench.py
+# dawn` (H200, 2026-12-01, docs/benchmarks.md "conv staging"): K = 512 unsplit 27–69 µs
+# against 31–87 µs in two chunks plus the sum kernel; K = 1024 in two chunks as fast as in four
+SPLIT_K_CHUNK_1X1 = 512
+
+
+def choose_split_k(M: int, N: int, K: int, GB: int, chunk: int = SPLIT_K_CHUNK) -> int:
     """How many K chunks (partial sums the schedule adds) a conv GEMM is cut into: 1 unless
-    its 64×64 tiles cannot fill a large GPU and K holds two chunks; every chunk non-empty.
-    Shapes only, so plans stay portable."""
+    its 64×64 tiles cannot fill a large GPU and K holds two chunks of about ``chunk``; every
+    chunk non-empty.  Shapes only, so plans stay portable."""
     tiles = -(-M // 64) * -(-N // 64) * GB
     if M <= 8 or tiles >= SPLIT_K_FEW:
         return 1
-    s = min(K // SPLIT_K_CHUNK, SPLIT_K_MAX)
+    s = min(K // chunk, SPLIT_K_MAX)
     if s <= 1:
         return 1
     return -(-K // split_chunk(K, s))
@@ -462,23 +474,31 @@ def _check_split(name: str, S) -> int:
 
 
 # Default staging mode (``TileCfg.ST``) per kernel: see docs/benchmarks.md (conv staging).
-STAGING = {"conv2d": (4, 0), "conv2d_input_grad": (0, 0), "conv2d_weight_grad": (0, 0)}
+# `CONV_ST=1 bench/conv_bench.py dawn` (H200, 2026-12-01; docs/benchmarks.md "conv staging"):
+# ResNet-50's conv-path forwards 2,168 → 1,632 µs per inference step with ST 4 (1×1 at 14×14
+# 55 → 34 µs), the gradients at ST 1/4 2,464 → 1,983 µs summed over 16 problems.  The weight
+# gradient's operands are both staged along K, where ST 4 stages as ST 1.
+STAGING = {"conv2d": (4, 0), "conv2d_input_grad": (4, 0), "conv2d_weight_grad": (1, 0)}
+# 1×1 forwards: K step 32 (BK × 2) — 5–15 % faster at every measured 1×1 shape (same bench)
+POINTWISE_BKX = 2
 
 
-def staging(k) -> tuple[int, int]:
-    """The heuristic's (staging mode ``ST``, prefetch ``PF``) for conv description ``k``."""
+def staging(k) -> tuple[int, int, int]:
+    """The heuristic's (staging mode ``ST``, prefetch ``PF``, K step factor) for conv
+    description ``k``."""
     if isinstance(k, Conv2dKernel):
-        return STAGING["conv2d"]
+        pointwise = (k.geom.kh, k.geom.kw) == (1, 1)
+        return STAGING["conv2d"] + ((POINTWISE_BKX if pointwise else 1),)
     if isinstance(k, Conv2dInputGradKernel):
-        return STAGING["conv2d_input_grad"]
-    return STAGING["conv2d_weight_grad"]
+        return STAGING["conv2d_input_grad"] + (1,)
+    return STAGING["conv2d_weight_grad"] + (1,)
 
 
-def _candidate_cfgs(M: int, N: int, K: int, GB: int, st: int = 0,
-                    pf: int = 0) -> list[TileCfg]:
+def _candidate_cfgs(M: int, N: int, K: int, GB: int, st: int = 0, pf: int = 0,
+                    bkx: int = 1) -> list[TileCfg]:
     """Configurations worth timing for one GEMM shape (the heuristic's first, then it with
     the other staging modes, with prefetch and with double buffering)."""
-    first = choose_cfg(M, N, K, GB, st=st, pf=pf)
+    first = choose_cfg(M, N, K, GB, st=st, pf=pf, bkx=bkx)
     modes = [dataclasses.replace(first, ST=m) for m in (4, 3, 2, 1, 0) if m != st]
     rest = [dataclasses.replace(c, ST=st, PF=pf) for c in (
         *(_FEW_ROWS if M <= 8 else ()), *_LADDER, *_SMALL, *_EXTRA)]
@@ -1560,7 +1580,8 @@ def with_split_k(k):
     """``k`` (forward or input gradient, unsplit) with the global split-K its GEMM shape asks
     for (``choose_split_k``); the phase-decomposed input gradient splits its output channels."""
     M, N, K, GB = gemm_shape(k)
-    S = choose_split_k(M, N, K, GB)
+    pointwise = isinstance(k, Conv2dKernel) and (k.geom.kh, k.geom.kw) == (1, 1)
+    S = choose_split_k(M, N, K, GB, SPLIT_K_CHUNK_1X1 if pointwise else SPLIT_K_CHUNK)
     if S > 1 and isinstance(k, Conv2dInputGradKernel) and k.geom.stride != (1, 1):
         S = -(-k.geom.og // -(-k.geom.og // S))  # whole channel chunks, none empty
     return k if S == 1 else dataclasses.replace(k, split_k=S)
