@@ -476,8 +476,8 @@ def _check_split(name: str, S) -> int:
 # Default staging mode (``TileCfg.ST``) per kernel: see docs/benchmarks.md (conv staging).
 # `CONV_ST=1 bench/conv_bench.py dawn` (H200, 2026-12-01; docs/benchmarks.md "conv staging"):
 # ResNet-50's conv-path forwards 2,168 → 1,632 µs per inference step with ST 4 (1×1 at 14×14
-# 55 → 34 µs), the gradients at ST 1/4 2,464 → 1,983 µs summed over 16 problems.  The weight
-# gradient's operands are both staged along K, where ST 4 stages as ST 1.
+# 55 → 34 µs), the gradients (input ST 4, weight ST 1) 2,464 → 1,995 µs over 16 problems.
+# The weight gradient's operands are both staged along K, where ST 4 stages as ST 1.
 STAGING = {"conv2d": (4, 0), "conv2d_input_grad": (4, 0), "conv2d_weight_grad": (1, 0)}
 # 1×1 forwards: K step 32 (BK × 2) — 5–15 % faster at every measured 1×1 shape (same bench)
 POINTWISE_BKX = 2
