@@ -5,7 +5,11 @@ GEMM operands into workgroup memory straight from the tensors (padding reads as 
 every invocation accumulates an RM×RN block of the output tile in registers.  The tile
 configuration (``TileCfg``: TM×TN tile, RM×RN register block, KS-way in-workgroup split-K,
 BK) is chosen from the GEMM's size so that small spatial sizes still give many workgroups
-(``choose_cfg``); ``conv_candidates`` offers the tuner the others.
+(``choose_cfg``); ``conv_candidates`` offers the tuner the others.  How a step is staged
+(``TileCfg.ST``: per-element branches, or branch-free with every read of the step issued
+before its stores, an im2col offset table instead of div/mod, vec4 loads) and whether the next
+step is prefetched or double-buffered (``TileCfg.PF``) are part of the configuration; each
+kernel's default is in ``STAGING`` (measured on the H200, docs/benchmarks.md).
 
 The three GEMMs (per group ``g``; ``Og = O/groups``, ``Cg = C/groups``):
 
