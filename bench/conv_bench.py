@@ -19,7 +19,14 @@ Two groups of rows per problem, from the same process (so before/after share one
   (``TileCfg.PF``) on its heuristic tile (``CONV_PF_HEUR=1``: the plan's split only;
   ``CONV_SKIP_OLD=1`` leaves the ``old`` group out).
 
-Usage: [CONV_ALL=1] [CONV_PF=1] python bench/conv_bench.py wgpu|dawn OUT.json [SHAPE_FILTER]
+* ``st`` (``CONV_ST=1``, instead of the groups above): the staging sweep over the forward
+  convolutions ResNet-50 inference runs on the conv kernels (``INFER``): the plan as compiled
+  now (marked heuristic), then at the plan's split and half of it each ``ST_VARIANTS``
+  entry (staging mode ``TileCfg.ST``, prefetch, K step) on the heuristic tile, the first being
+  the template before the staging modes; the two gradients at their plan's split, ST 0, 1, 4.
+
+Usage: [CONV_ALL=1] [CONV_PF=1] [CONV_ST=1] python bench/conv_bench.py wgpu|dawn OUT.json
+[SHAPE_FILTER]
 (SHAPE_FILTER "1x1 (": only the 1×1 stride-1 shapes.)
 (CONV_ALL: the old rows time every configuration of the template, not only the ≤ 8
 candidates.)
@@ -54,8 +61,10 @@ from meganeura.kernels.conv import (
     Conv2dKernel,
     Conv2dWeightGradKernel,
     ConvGeom,
+    TileCfg,
     choose_cfg,
     gemm_shape,
+    tile_cfg,
     with_split_k,
 )
 from meganeura.ops.conv import _conv2d_ref, _input_grad_ref, _weight_grad_ref, weight_grad_split
@@ -81,6 +90,13 @@ SHAPES = {
     "r50 1x1 (4,512,28,28)->256": ((4, 512, 28, 28), (256, 512, 1, 1), 1, 0),
     "r50 1x1 (4,1024,14,14)->512": ((4, 1024, 14, 14), (512, 1024, 1, 1), 1, 0),
     "r50 1x1 (4,512,7,7)->2048": ((4, 512, 7, 7), (2048, 512, 1, 1), 1, 0),
+    # the rest of ResNet-50's forward convolutions on the conv path (strided, stem)
+    "r50 3x3s2 (4,128,56,56)": ((4, 128, 56, 56), (128, 128, 3, 3), 2, 1),
+    "r50 3x3s2 (4,512,14,14)": ((4, 512, 14, 14), (512, 512, 3, 3), 2, 1),
+    "r50 1x1s2 (4,256,56,56)->512": ((4, 256, 56, 56), (512, 256, 1, 1), 2, 0),
+    "r50 1x1s2 (4,512,28,28)->1024": ((4, 512, 28, 28), (1024, 512, 1, 1), 2, 0),
+    "r50 1x1s2 (4,1024,14,14)->2048": ((4, 1024, 14, 14), (2048, 1024, 1, 1), 2, 0),
+    "r50 stem 7x7s2 (4,3,224,224)": ((4, 3, 224, 224), (64, 3, 7, 7), 2, 3),
     "unet (2,128,8,8)": ((2, 128, 8, 8), (128, 128, 3, 3), 1, 1),
     "unet (2,128,16,16)": ((2, 128, 16, 16), (128, 128, 3, 3), 1, 1),
     "unet (2,64,32,32)": ((2, 64, 32, 32), (64, 64, 3, 3), 1, 1),
@@ -88,6 +104,21 @@ SHAPES = {
     "unet (2,256,16,16)": ((2, 256, 16, 16), (256, 256, 3, 3), 1, 1),
     "unet out (2,64,32,32)->4": ((2, 64, 32, 32), (4, 64, 3, 3), 1, 1),
 }
+
+# CONV_ST=1: the forward convolutions ResNet-50 inference runs on the conv kernels (batch 4;
+# the 1×1 ones below MATMUL_MIN_TILES and the strided ones), the staging sweep only
+INFER = ("r50 3x3 (4,256,14,14)", "r50 1x1 (4,1024,14,14)", "r50 3x3 (4,128,28,28)",
+         "r50 3x3 (4,512,7,7)", "r50 1x1 (4,512,7,7)->2048", "r50 1x1 (4,512,28,28)->128",
+         "r50 3x3 (4,64,56,56)", "r50 1x1 (4,2048,7,7)", "r50 3x3s2 (4,256,28,28)",
+         "r50 1x1s2 (4,1024,14,14)->2048", "r50 1x1s2 (4,512,28,28)->1024",
+         "r50 1x1 (4,1024,14,14)->512", "r50 stem 7x7s2 (4,3,224,224)")  # most time first
+# (ST, PF, K-step factor, (TM, TN, RM, RN) or None for the heuristic tile's) variants timed by
+# the staging sweep; the first is the template before the staging modes ("before").  The two
+# larger tiles (32 results per invocation, 256 invocations) are timed at the split and twice it.
+ST_VARIANTS = ((0, 0, 1, None), (1, 0, 1, None), (2, 0, 1, None), (3, 0, 1, None),
+               (4, 0, 1, None), (4, 1, 1, None), (4, 2, 1, None), (4, 0, 2, None),
+               (4, 0, 1, (128, 64, 8, 4)), (4, 0, 1, (64, 128, 4, 8)))
+GRAD_VARIANTS = ((0, 0, 1, None), (1, 0, 1, None), (4, 0, 1, None))
 
 # CONV_TINY=1: a dry run of the whole script on a CPU adapter (lavapipe)
 TINY = {
@@ -274,6 +305,69 @@ def run_problem(dev, target, label, kind, desc, inputs, oshape, ref, s_old, s_ne
     return rows
 
 
+def staged(desc, S: int, st: int, pf: int, bkx: int, shape=None):
+    """``desc`` split S ways on its heuristic tile (or TM, TN, RM, RN = ``shape`` without
+    in-workgroup split) with staging ``st``, prefetch ``pf`` and ``bkx`` times its K step."""
+    d = with_split(desc, S) if S > 1 else desc
+    cfg = choose_cfg(*gemm_shape(d))
+    if shape is not None:
+        cfg = TileCfg(*shape)
+    return dataclasses.replace(d, tile=dataclasses.replace(cfg, ST=st, PF=pf,
+                                                           BK=cfg.BK * bkx).tuple())
+
+
+def run_staging(dev, target, label, kind, desc, inputs, oshape, ref, s_new) -> list[dict]:
+    """The ``st`` rows: the plan's split and half of it (forward; the larger tiles at it and
+    twice it, ST 4 also at a quarter; the gradients at the plan's split, GRAD_VARIANTS) × the
+    staging variants; ``heuristic`` marks the plan as it is now (split and default tile, no
+    forced tile)."""
+    want = ref()
+    scale = float(np.abs(want).max())
+    rows = []
+    plan = with_split(desc, s_new) if s_new > 1 else desc
+    r = measure(dev, plan, inputs, oshape, s_new, want, scale)
+    rows.append({"shape": label, "kind": kind, "group": "st", "heuristic": True, "st": None,
+                 **r})
+    print(json.dumps(rows[-1]), flush=True)
+    fwd = kind == "fwd"
+    splits = (s_new, max(1, s_new // 2)) if fwd else (s_new,)
+    K = gemm_shape(desc)[2]
+    for st, pf, bkx, shape in ST_VARIANTS if fwd else GRAD_VARIANTS:
+        more = (min(2 * s_new, 32, max(1, K // 64)),) if shape else ()
+        more += (max(1, s_new // 4),) if (st, pf, bkx, shape) == (4, 0, 1, None) else ()
+        for S in dict.fromkeys(more + (splits[:1] if shape else splits)):
+            d = staged(desc, S, st, pf, bkx, shape)
+            if tile_cfg(d.tile).storage() + 8192 > target.lim(
+                    "max_compute_workgroup_storage_size"):  # (+ the table, at most 8 KiB)
+                continue
+            r = measure(dev, d, inputs, oshape, S, want, scale)
+            rows.append({"shape": label, "kind": kind, "group": "st", "heuristic": False,
+                         "st": [st, pf, bkx, shape], **r})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def print_staging(rows) -> None:
+    """Per problem: before (plan split, ST 0), the plan now (heuristic), the best variant."""
+    print(f"{'shape':32} {'kind':6} {'before':>7} {'now':>7} {'TF':>5} {'best':>7} {'TF':>5} "
+          f"{'S':>3}  (ST, PF, BKx, tile)")
+    seen = {}
+    for r in rows:
+        if r["group"] == "st":
+            seen.setdefault((r["shape"], r["kind"]), []).append(r)
+    for (shape, kind), rs in seen.items():
+        now = next(r for r in rs if r["heuristic"])
+        var = [r for r in rs if not r["heuristic"]] or [now]
+        before = next((r for r in var if r["st"] == [0, 0, 1, None] and
+                       r["split"] == now["split"]),
+                      now)
+        b = min(var, key=lambda r: r["us"])
+        bad = "" if all(r["ok"] for r in rs) else "  WRONG"
+        print(f"{shape:32} {kind:6} {before['us']:7.1f} {now['us']:7.1f} {now['tflops']:5.1f} "
+              f"{b['us']:7.1f} {b['tflops']:5.1f} {b['split']:3d}  {tuple(b['st'] or ())}"
+              f"{bad}")
+
+
 def main() -> None:
     impl, out_path = sys.argv[1], sys.argv[2]
     filt = sys.argv[3] if len(sys.argv) > 3 else ""
@@ -282,7 +376,10 @@ def main() -> None:
     print(impl, dev.adapter_name, flush=True)
     rng = np.random.default_rng(0)
     rows, warmed = [], False
-    for label, (xs, ws, s, p) in (TINY if os.environ.get("CONV_TINY") else SHAPES).items():
+    st_mode = bool(os.environ.get("CONV_ST"))
+    shapes = TINY if os.environ.get("CONV_TINY") else (
+        {k: SHAPES[k] for k in INFER} if st_mode else SHAPES)
+    for label, (xs, ws, s, p) in shapes.items():
         if filt not in label:
             continue
         mms = mm_problems(geom(xs, ws, s, p))
@@ -293,11 +390,16 @@ def main() -> None:
                     dev.create_buffer(4 * int(np.prod(oshape)))]
                 warm_up(dev, spec, bufs)
                 warmed = True
-            rows += run_problem(dev, target, label, kind, desc, inputs, oshape, ref, s_old,
-                                s_new, sweep, mms.get(kind))
+            if st_mode:  # (the gradients of 1×1 stride-1 convolutions mostly run as matmuls)
+                if kind == "fwd" or not mms:
+                    rows += run_staging(dev, target, label, kind, desc, inputs, oshape, ref,
+                                        s_new)
+            else:
+                rows += run_problem(dev, target, label, kind, desc, inputs, oshape, ref, s_old,
+                                    s_new, sweep, mms.get(kind))
             with open(out_path, "w") as f:  # after every problem: a cut-off run keeps its rows
                 json.dump({"impl": impl, "adapter": dev.adapter_name, "rows": rows}, f, indent=1)
-    print_table(rows)
+    print_staging(rows) if st_mode else print_table(rows)
 
 
 def print_table(rows) -> None:

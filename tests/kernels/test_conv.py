@@ -20,6 +20,7 @@ from meganeura.kernels.conv import (
     choose_cfg,
     conv2d_with_epilogue,
     gemm_shape,
+    staging,
     tile_cfg,
 )
 from meganeura.ops.conv import _conv2d_ref, _input_grad_ref, _weight_grad_ref
@@ -99,7 +100,8 @@ def test_heuristic_fits_default_limits_and_candidates_are_valid():
     k = Conv2dKernel(G, C(f32, (4, 256, 14, 14)), C(f32, (256, 256, 3, 3)))
     cands = codegen.candidates(k, t)
     M, N, K, GB = gemm_shape(k)
-    assert cands[0].tile == choose_cfg(M, N, K, GB).tuple()
+    assert cands[0].tile == choose_cfg(M, N, K, GB, (), *staging(k)).tuple()
+    assert {tile_cfg(d.tile).ST for d in cands} == {0, 1, 2, 3, 4}  # every staging mode is tried
     assert 2 <= len(cands) <= 8
     for d in cands:
         assert dataclasses.replace(d, tile=()) == k

@@ -42,4 +42,4 @@ def test_prefetch_flag_is_checked():
     assert tile_cfg((64, 64, 4, 4, 1, 16, 1)).PF == 1
     assert tile_cfg((64, 64, 4, 4, 1, 16)).tuple() == (64, 64, 4, 4, 1, 16)
     with pytest.raises(CodegenError):
-        tile_cfg((64, 64, 4, 4, 1, 16, 2))
+        tile_cfg((64, 64, 4, 4, 1, 16, 3))

@@ -5,7 +5,11 @@ GEMM operands into workgroup memory straight from the tensors (padding reads as 
 every invocation accumulates an RM×RN block of the output tile in registers.  The tile
 configuration (``TileCfg``: TM×TN tile, RM×RN register block, KS-way in-workgroup split-K,
 BK) is chosen from the GEMM's size so that small spatial sizes still give many workgroups
-(``choose_cfg``); ``conv_candidates`` offers the tuner the others.
+(``choose_cfg``); ``conv_candidates`` offers the tuner the others.  How a step is staged
+(``TileCfg.ST``: per-element branches, or branch-free with every read of the step issued
+before its stores, an im2col offset table instead of div/mod, vec4 loads) and whether the next
+step is prefetched or double-buffered (``TileCfg.PF``) are part of the configuration; each
+kernel's default is in ``STAGING`` (measured on the H200, docs/benchmarks.md).
 
 The three GEMMs (per group ``g``; ``Og = O/groups``, ``Cg = C/groups``):
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..dtypes import DType, f32
 from .archetypes import register
@@ -241,6 +246,29 @@ class _Operand:
     k_fast: bool
     hoist: Callable
     load: Callable
+    # names (before the tag) ``hoist`` defines: with ST >= 1, staging rounds that stage the
+    # same row/column as round 0 alias round 0's lets instead of recomputing them
+    hoisted: tuple[str, ...] = ()
+    table: _OffsetTable | None = None  # ST >= 2: K index -> offset entry, one per workgroup
+    # ST >= 3: ``quad(k, tag, lines, ind) -> (condition, vec4 index)`` of the four elements
+    # (r, k..k+3) (k_fast) or (r..r+3, k) starting at a multiple of 4, all valid or none
+    quad: Callable | None = None
+    # ST = 4, columns staged four at a time from scalar loads (one vec4 store), the work the
+    # four share done once: ``gather(k, tag, column tags, lines, ind) -> [(condition, index)]``
+    # per column (without it: ``load`` per column)
+    gather: Callable | None = None
+
+
+@dataclass
+class _OffsetTable:
+    """A K-indexed u32 table in workgroup memory (``Kt``), filled once per workgroup for the
+    K range it reduces (``length`` entries from ``kbeg``): ``entry(k, lines, ind)`` emits the
+    lets for K index ``k`` and returns the entry expression.  The operand's table-mode ``load``
+    reads ``Kt[k - kbeg]`` — one workgroup-memory read instead of the div/mod chain that
+    splits k into (channel, tap) for every staged element."""
+
+    length: int
+    entry: Callable
 
 
 @dataclass
@@ -275,7 +303,18 @@ class TileCfg:
     RN: int
     KS: int = 1
     BK: int = 16
-    PF: int = 0  # 1: register prefetch (the next step's loads issued before this step's FMAs)
+    # 1: register prefetch (the next step's loads issued before this step's FMAs); 2: and two
+    # staging buffers used in turn, so one barrier per K step instead of two
+    PF: int = 0
+    # Staging code: 0 reads each element under a branch and stores it at once; 1 reads every
+    # element of the step first, branch-free (a load at a clamped index, the value selected),
+    # then stores them all; 2 as 1, plus the forward's im2col offsets from a per-workgroup
+    # table (``_OffsetTable``) instead of div/mod per element (other kernels: as 1); 3 as 2,
+    # plus vec4 loads of four K-consecutive weights and, for 1×1 stride-1 forwards, of four
+    # consecutive input columns (one vec4 store to workgroup memory) where aligned
+    # (``_Operand.quad``); 4 as 3, plus other columns staged four at a time (scalar loads, one
+    # vec4 store; table-read ones share one table read: ``_Operand.gather``).
+    ST: int = 0
 
     @property
     def slice_threads(self) -> int:
@@ -294,10 +333,16 @@ class TileCfg:
         """Bytes of workgroup memory: the staged K step (rows padded by SH_PAD), or the
         partial tiles if larger."""
         red = self.KS * self.TM * self.TN if self.KS > 1 else 0
-        return 4 * max(self.BK * self.KS * (self.TM + self.TN + 2 * SH_PAD), red)
+        return 4 * max(self.stage_elems() * (2 if self.PF == 2 else 1), red)
+
+    def stage_elems(self) -> int:
+        """f32 elements of one staged K step (both operands, rows padded)."""
+        return self.BK * self.KS * (self.TM + self.TN + 2 * SH_PAD)
 
     def tuple(self) -> tuple[int, ...]:
         base = (self.TM, self.TN, self.RM, self.RN, self.KS, self.BK)
+        if self.ST:
+            return base + (self.PF, self.ST)
         return base + (1,) if self.PF else base
 
 
@@ -317,14 +362,14 @@ def tile_cfg(forced) -> TileCfg:
     forced = tuple(forced)
     if len(forced) == 2 and forced in TILES:
         return _legacy(*forced)
-    if len(forced) in (6, 7):
+    if len(forced) in (6, 7, 8):
         c = TileCfg(*(int(v) for v in forced))
         ok = all(v >= 1 for v in forced[:6]) and c.TM % c.RM == 0 and c.TN % c.RN == 0
-        ok = ok and c.PF in (0, 1)
+        ok = ok and c.PF in (0, 1, 2) and c.ST in (0, 1, 2, 3, 4)
         if ok and c.threads <= 1024 and c.BK % 4 == 0:
             return c
     raise CodegenError(f"conv tile must be a (TM, TN) pair from {sorted(TILES)} or a valid "
-                       f"(TM, TN, RM, RN, KS, BK[, PF]) tuple, got {forced}")
+                       f"(TM, TN, RM, RN, KS, BK[, PF[, ST]]) tuple, got {forced}")
 
 
 def _units(c: TileCfg, M: int, N: int, GB: int) -> int:
@@ -347,12 +392,33 @@ _LADDER_FILL = (96, 192, 192, 256)
 FILL = 256  # workgroups wanted (about two per SM of a large GPU; shapes only, plans portable)
 
 
-def choose_cfg(M: int, N: int, K: int, GB: int, forced=()) -> TileCfg:
+def choose_cfg(M: int, N: int, K: int, GB: int, forced=(), st: int = 0,
+               pf: int = 0, bkx: int = 1) -> TileCfg:
     """The tile configuration for an M×N×K GEMM repeated GB times (``forced``: the
-    description's ``tile``).  Big grids take 64×64 tiles; grids too small to fill the GPU take
-    smaller tiles, then in-workgroup split-K while each slice keeps ≥ 4 K steps."""
+    description's ``tile``; ``st``, ``pf``: the default's staging mode and prefetch, ``bkx``
+    its K step factor for tiles without in-workgroup split).  Big grids take 64×64 tiles;
+    grids too small to fill the GPU take smaller tiles, then in-workgroup split-K while each
+    slice keeps ≥ 4 K steps."""
     if forced:
         return tile_cfg(forced)
+    c = _choose_tile(M, N, K, GB)
+    return dataclasses.replace(c, ST=st, PF=pf, BK=c.BK * (bkx if c.KS == 1 else 1))
+
+
+def _heuristic(k, M: int, N: int, K: int, GB: int, t) -> TileCfg:
+    """The configuration emitted for ``k``: its forced tile, or the heuristic's with the
+    kernel's defaults (``staging``); single-buffered, then with the base K step, where the
+    device's workgroup memory does not hold them (WebGPU guarantees only 16 KiB)."""
+    c = choose_cfg(M, N, K, GB, k.tile, *staging(k))
+    room = t.lim("max_compute_workgroup_storage_size")
+    if not k.tile and c.PF == 2 and c.storage() > room:
+        c = dataclasses.replace(c, PF=1)
+    if not k.tile and c.storage() > room:
+        c = dataclasses.replace(c, BK=_choose_tile(M, N, K, GB).BK)
+    return c
+
+
+def _choose_tile(M: int, N: int, K: int, GB: int) -> TileCfg:
     if M <= 8:
         cands = [c for c in _FEW_ROWS if K >= 4 * c.BK * c.KS] + [_legacy(8, 32)]
         return cands[0] if _units(_legacy(8, 64), M, N, GB) < FILL else _legacy(8, 64)
@@ -386,14 +452,20 @@ def split_chunk(K: int, S: int) -> int:
     return -(-per // 16) * 16
 
 
-def choose_split_k(M: int, N: int, K: int, GB: int) -> int:
+# 1×1 forwards (vec4 staging, K step 32) take chunks of 512: `CONV_ST=1 bench/conv_bench.py
+# dawn` (H200, 2026-12-01, docs/benchmarks.md "conv staging"): K = 512 unsplit 27–69 µs
+# against 31–87 µs in two chunks plus the sum kernel; K = 1024 in two chunks as fast as in four
+SPLIT_K_CHUNK_1X1 = 512
+
+
+def choose_split_k(M: int, N: int, K: int, GB: int, chunk: int = SPLIT_K_CHUNK) -> int:
     """How many K chunks (partial sums the schedule adds) a conv GEMM is cut into: 1 unless
-    its 64×64 tiles cannot fill a large GPU and K holds two chunks; every chunk non-empty.
-    Shapes only, so plans stay portable."""
+    its 64×64 tiles cannot fill a large GPU and K holds two chunks of about ``chunk``; every
+    chunk non-empty.  Shapes only, so plans stay portable."""
     tiles = -(-M // 64) * -(-N // 64) * GB
     if M <= 8 or tiles >= SPLIT_K_FEW:
         return 1
-    s = min(K // SPLIT_K_CHUNK, SPLIT_K_MAX)
+    s = min(K // chunk, SPLIT_K_MAX)
     if s <= 1:
         return 1
     return -(-K // split_chunk(K, s))
@@ -405,16 +477,57 @@ def _check_split(name: str, S) -> int:
     return S
 
 
-def _candidate_cfgs(M: int, N: int, K: int, GB: int) -> list[TileCfg]:
-    """Configurations worth timing for one GEMM shape (the heuristic's first)."""
-    first = choose_cfg(M, N, K, GB)
-    allc = [first, dataclasses.replace(first, PF=1), *(_FEW_ROWS if M <= 8 else ()), *_LADDER,
-            *_SMALL, *_EXTRA]
+# Default staging mode (``TileCfg.ST``) per kernel: see docs/benchmarks.md (conv staging).
+# `CONV_ST=1 bench/conv_bench.py dawn` (H200, 2026-12-01; docs/benchmarks.md "conv staging"):
+# ResNet-50's conv-path forwards 2,168 → 1,632 µs per inference step with ST 4 (1×1 at 14×14
+# 55 → 34 µs), the gradients (input ST 4, weight ST 1) 2,464 → 1,995 µs over 16 problems.
+# The weight gradient's operands are both staged along K, where ST 4 stages as ST 1.
+STAGING = {"conv2d": (4, 0), "conv2d_input_grad": (4, 0), "conv2d_weight_grad": (1, 0)}
+# 1×1 forwards: K step 32 (BK × 2) — 5–15 % faster at every measured 1×1 shape (same bench)
+POINTWISE_BKX = 2
+
+
+def staging(k) -> tuple[int, int, int]:
+    """The heuristic's (staging mode ``ST``, prefetch ``PF``, K step factor) for conv
+    description ``k``."""
+    if isinstance(k, Conv2dKernel):
+        pointwise = (k.geom.kh, k.geom.kw) == (1, 1)
+        return STAGING["conv2d"] + ((POINTWISE_BKX if pointwise else 1),)
+    if isinstance(k, Conv2dInputGradKernel):
+        return STAGING["conv2d_input_grad"] + (1,)
+    return STAGING["conv2d_weight_grad"] + (1,)
+
+
+def _candidate_cfgs(M: int, N: int, K: int, GB: int, st: int = 0, pf: int = 0,
+                    bkx: int = 1) -> list[TileCfg]:
+    """Configurations worth timing for one GEMM shape (the heuristic's first, then it with
+    the other staging modes, with prefetch and with double buffering)."""
+    first = choose_cfg(M, N, K, GB, st=st, pf=pf, bkx=bkx)
+    modes = [dataclasses.replace(first, ST=m) for m in (4, 3, 2, 1, 0) if m != st]
+    rest = [dataclasses.replace(c, ST=st, PF=pf) for c in (
+        *(_FEW_ROWS if M <= 8 else ()), *_LADDER, *_SMALL, *_EXTRA)]
+    allc = [first, *modes[:1], *(dataclasses.replace(first, PF=p) for p in (0, 1, 2) if p != pf),
+            *modes[1:], *rest]
     out = []
     for c in allc:
         if c not in out and (c.KS == 1 or K >= 2 * c.BK * c.KS):
             out.append(c)
     return out[:8]
+
+
+class _Item(NamedTuple):
+    """One staging round of one operand: ``q`` elements per invocation (1, or 4 read as one
+    vec4), at staged row/column ``rn`` and K offset ``kn`` (WGSL names)."""
+
+    which: str
+    l: int
+    rn: str
+    kn: str
+    op: _Operand
+    T: int
+    partial: bool
+    n_el: int
+    q: int
 
 
 class _GemmGen:
@@ -433,6 +546,12 @@ class _GemmGen:
         self.live = "" if self.grid.exact else "live"
         self.vec = c.vec
         self.offb = self.BKs * (self.TM + SH_PAD)  # Bs after As (in f32 elements)
+        # PF = 2: the staging buffer in use starts at ``sbo`` (Sh index units)
+        self.sb = "sbo + " if c.PF == 2 else ""
+        self.bf = c.ST >= 1  # branch-free staging, all reads of a step before its stores
+        tabs = [op.table for op in (gm.A, gm.B) if op.table is not None] if c.ST >= 2 else []
+        self.table = tabs[0] if tabs else None
+        self.tab_len = -(-self.table.length // self.BKs) * self.BKs if self.table else 0
 
     def head(self, L: list[str], ind: str) -> None:
         gm = self.gm
@@ -461,48 +580,111 @@ class _GemmGen:
         self.plan = []
         for which, op, T, lim in (("a", gm.A, self.TM, u(gm.M)),
                                   ("b", gm.B, self.TN, gm.n_bound or u(gm.N))):
-            n_el = T * BKs
+            q = 4 if self.quads(op, T) else 1  # elements per staged item
+            n_el = T * BKs // q
             for l in range(-(-n_el // nth)):
                 e = f"(lid + {u(l * nth)})" if l else "lid"
                 rn, kn = f"s{which}r{l}", f"s{which}k{l}"
                 if op.k_fast:
-                    L.append(f"{ind}let {kn} = {e} % {u(BKs)};")
-                    L.append(f"{ind}let {rn} = {e} / {u(BKs)};")
+                    L.append(f"{ind}let {kn} = {_mul(f'({e} % {u(BKs // q)})', q)};")
+                    L.append(f"{ind}let {rn} = {e} / {u(BKs // q)};")
                 else:
-                    L.append(f"{ind}let {rn} = {e} % {u(T)};")
-                    L.append(f"{ind}let {kn} = {e} / {u(T)};")
+                    L.append(f"{ind}let {rn} = {_mul(f'({e} % {u(T // q)})', q)};")
+                    L.append(f"{ind}let {kn} = {e} / {u(T // q)};")
                 tag = f"{which}{l}"
-                L.append(f"{ind}let g{tag} = {'row0' if which == 'a' else 'col0'} + {rn};")
-                op.hoist(f"g{tag}", tag, L, ind)
-                L.append(f"{ind}let ok{tag} = g{tag} < {lim}{' && live' if self.live else ''};")
+                # a gathered quad: four columns, each with its own hoisted lets
+                cols = [(f"{tag}c{i}", f" + {u(i)}") for i in range(4)] if (
+                    q == 4 and op.quad is None) else [(tag, "")]
+                for ctag, plus in cols:
+                    if l and self.bf and op.hoisted and not op.k_fast and \
+                            (l * nth) % (T // q) == 0:
+                        # this round stages round 0's columns: reuse its lets
+                        first = ctag.replace(tag, f"{which}0", 1)
+                        for nm in ("g", *op.hoisted, "ok"):
+                            L.append(f"{ind}let {nm}{ctag} = {nm}{first};")
+                        continue
+                    base = "row0" if which == "a" else "col0"
+                    L.append(f"{ind}let g{ctag} = {base} + {rn}{plus};")
+                    op.hoist(f"g{ctag}", ctag, L, ind)
+                    live = " && live" if self.live else ""
+                    L.append(f"{ind}let ok{ctag} = g{ctag} < {lim}{live};")
                 partial = (l + 1) * nth > n_el  # the last round stages fewer elements
-                self.plan.append((which, l, rn, kn, op, T, partial, n_el))
+                self.plan.append(_Item(which, l, rn, kn, op, T, partial, n_el, q))
+
+    def quads(self, op: _Operand, T: int) -> bool:
+        """Whether ``op`` is staged four elements per item (ST >= 3: vec4 loads; ST = 4 also
+        four gathered columns)."""
+        if self.cfg.ST < 3:
+            return False
+        if op.k_fast:
+            return op.quad is not None
+        return (op.quad is not None or self.cfg.ST == 4) and T % 4 == 0 and self.vec
 
     def _sh(self, off: int, T: int, k: str, x: str) -> str:
         """Workgroup-memory element (k, x) of a staged operand at f32 offset ``off`` (rows of
         T + SH_PAD elements)."""
         if self.vec:
-            return f"Sh[{u(off // 4)} + {k} * {u((T + SH_PAD) // 4)} + {x} / 4u][{x} % 4u]"
-        return f"Sh[{u(off)} + {k} * {u(T + SH_PAD)} + {x}]"
+            return (f"Sh[{self.sb}{u(off // 4)} + {k} * {u((T + SH_PAD) // 4)} + {x} / 4u]"
+                    f"[{x} % 4u]")
+        return f"Sh[{self.sb}{u(off)} + {k} * {u(T + SH_PAD)} + {x}]"
 
-    @staticmethod
-    def _read_element(out: list[str], jj: str, tag: str, k_expr: str, op, check_k: bool,
-                      kend: str, declare: bool) -> None:
+    def _read_element(self, out: list[str], jj: str, tag: str, k_expr: str, op,
+                      check_k: bool, kend: str, declare: bool, extra: str = "",
+                      q: int = 1) -> None:
         """``v<tag>`` = the operand element at K index ``k_expr`` (zero outside the tile, the
-        K range or the padding); ``declare``: as a new ``var`` (else an existing register)."""
+        K range or the padding); ``declare``: as a new ``var`` (else an existing register).
+        Branch-free (ST >= 1): every load is issued (at index 0 where the element is outside)
+        and the value selected, so the compiler can put all loads of a step in flight at
+        once; ``extra``: one more condition (a partial staging round); ``q`` = 4: the vec4
+        of four elements (``_Operand.quad``)."""
         kv = f"k{tag}"
         out.append(f"{jj}let {kv} = {k_expr};")
-        cond, idx = op.load(kv, tag, out, jj)
+        if q == 4 and op.quad is None:
+            return self._gather(out, jj, tag, kv, op, check_k, kend, declare, extra)
+        cond, idx = (op.quad if q == 4 else op.load)(kv, tag, out, jj)
         conds = [f"ok{tag}"] + ([f"{kv} < {kend}"] if check_k else []) + (
-            [cond] if cond else [])
+            cond.split(" && ") if cond else []) + ([extra] if extra else [])
+        if self.bf:
+            out.append(f"{jj}let cnd{tag} = {' & '.join(f'({c})' for c in conds)};")
+            out.append(f"{jj}let idx{tag} = select(0u, {idx}, cnd{tag});")
+            raw = f"{op.binding}[idx{tag}]" if q == 4 else _read(op.binding, f"idx{tag}",
+                                                                 op.dtype)
+            ty, zero = ("vec4<f32>", "vec4<f32>(0.0)") if q == 4 else ("f32", "0.0")
+            val = f"select({zero}, {raw}, cnd{tag})"
+            out.append(f"{jj}let v{tag}: {ty} = {val};" if declare else f"{jj}v{tag} = {val};")
+            return
         out.append(f"{jj}var v{tag}: f32 = 0.0;" if declare else f"{jj}v{tag} = 0.0;")
         out.append(f"{jj}if ({' && '.join(conds)}) {{")
         out.append(f"{jj}    v{tag} = {_read(op.binding, idx, op.dtype)};")
         out.append(f"{jj}}}")
 
+    def _gather(self, out: list[str], jj: str, tag: str, kv: str, op, check_k: bool,
+                kend: str, declare: bool, extra: str) -> None:
+        """``v<tag>`` = the vec4 of four columns' elements at K index ``kv`` (branch-free
+        scalar loads, one shared table read: ``_Operand.gather``)."""
+        cols = [f"{tag}c{i}" for i in range(4)]
+        comps = []
+        items = op.gather(kv, tag, cols, out, jj) if op.gather else [
+            op.load(kv, c, out, jj) for c in cols]  # no shared work: each column's own
+        for c, (cond, idx) in zip(cols, items, strict=True):
+            conds = [f"ok{c}"] + ([f"{kv} < {kend}"] if check_k else []) + (
+                cond.split(" && ") if cond else []) + ([extra] if extra else [])
+            out.append(f"{jj}let cnd{c} = {' & '.join(f'({x})' for x in conds)};")
+            out.append(f"{jj}let idx{c} = select(0u, {idx}, cnd{c});")
+            comps.append(f"select(0.0, {_read(op.binding, f'idx{c}', op.dtype)}, cnd{c})")
+        val = f"vec4<f32>({', '.join(comps)})"
+        out.append(f"{jj}let v{tag}: vec4<f32> = {val};" if declare else f"{jj}v{tag} = {val};")
+
     def _stage(self, out: list[str], ii: str, check_k: bool, kend: str) -> None:
         """Copy step k0's slices of both operands into workgroup memory (zero outside)."""
-        for which, l, rn, kn, op, T, partial, n_el in self.plan:
+        if self.bf:  # all reads, then all stores
+            for which, l, _rn, kn, op, _t, partial, n_el, q in self.plan:
+                part = f"lid + {u(l * self.nth)} < {u(n_el)}" if partial else ""
+                self._read_element(out, ii, f"{which}{l}", f"k0 + {kn}", op, check_k, kend,
+                                   True, part, q)
+            self._store_regs(out, ii)
+            return
+        for which, l, rn, kn, op, T, partial, n_el, _q in self.plan:
             tag, jj = f"{which}{l}", ii
             if partial:
                 out.append(f"{ii}if (lid + {u(l * self.nth)} < {u(n_el)}) {{")
@@ -512,6 +694,19 @@ class _GemmGen:
             out.append(f"{jj}{self._sh(off, T, kn, rn)} = v{tag};")
             if partial:
                 out.append(f"{ii}}}")
+
+    def fill_table(self, L: list[str], ind: str, kbeg: str) -> None:
+        """ST = 2: the workgroup's offset table for K indices kbeg … kbeg + length (all
+        invocations, then a barrier); ``kbeg`` the first K index of this workgroup."""
+        if self.table is None:
+            return
+        i2 = ind + "    "
+        L.append(f"{ind}for (var tq: u32 = lid; tq < {u(self.tab_len)}; tq = tq + "
+                 f"{u(self.nth)}) {{")
+        L.append(f"{i2}let tk = {kbeg} + tq;")
+        L.append(f"{i2}Kt[tq] = {self.table.entry('tk', L, i2)};")
+        L.append(f"{ind}}}")
+        L.append(f"{ind}workgroupBarrier();")
 
     def _mma(self, out: list[str], ii: str) -> None:
         """acc += As·Bs over this invocation's BK-deep slice of the staged step (vec4 reads
@@ -523,7 +718,7 @@ class _GemmGen:
                                    (self.offb, self.RN, self.TN, "rb", "tx")):
             if self.vec:
                 for q in range(R // 4):
-                    out.append(f"{jj}let {who}4_{q} = Sh[{u(off // 4)} + kk * "
+                    out.append(f"{jj}let {who}4_{q} = Sh[{self.sb}{u(off // 4)} + kk * "
                                f"{u((T + SH_PAD) // 4)} + "
                                f"{th} * {u(R // 4)} + {u(q)}];")
                 for i in range(R):
@@ -531,7 +726,8 @@ class _GemmGen:
             else:
                 for i in range(R):
                     x = f"{th} * {u(R)} + {u(i)}" if R > 1 else th
-                    out.append(f"{jj}let {who}{i} = Sh[{u(off)} + kk * {u(T + SH_PAD)} + {x}];")
+                    out.append(f"{jj}let {who}{i} = Sh[{self.sb}{u(off)} + kk * "
+                               f"{u(T + SH_PAD)} + {x}];")
         for i in range(self.RM):
             for j in range(self.RN):
                 out.append(f"{jj}acc{i}_{j} = fma(ra{i}, rb{j}, acc{i}_{j});")
@@ -550,6 +746,9 @@ class _GemmGen:
         if gm.K is not None:
             K = gm.K
             kf = K - K % BKs
+            if self.table is not None:
+                L.append(f"{ind}let kbeg = 0u;")
+                self.fill_table(L, ind, "kbeg")
             if kf:
                 L.append(f"{ind}for (var k0: u32 = 0u; k0 < {u(kf)}; k0 = k0 + {u(BKs)}) {{")
                 self.step(L, i2, False, u(K))
@@ -561,6 +760,7 @@ class _GemmGen:
                 L.append(f"{ind}}}")
             return
         gm.krange(L, ind)  # defines kbeg, kend (uniform)
+        self.fill_table(L, ind, "kbeg")
         L.append(f"{ind}var k0: u32 = kbeg;")
         L.append(f"{ind}loop {{")
         L.append(f"{i2}if (k0 + {u(BKs)} > kend) {{")
@@ -577,21 +777,31 @@ class _GemmGen:
     def _load_regs(self, out: list[str], ii: str, base: str, check_k: bool, kend: str) -> None:
         """Step ``base``'s elements of both operands into the registers ``v<tag>`` (zero
         outside), each in its own block (the operands' lets may repeat per step)."""
-        for which, l, _rn, kn, op, _t, partial, n_el in self.plan:
+        for which, l, _rn, kn, op, _t, partial, n_el, q in self.plan:
             tag, jj = f"{which}{l}", ii + "    "
             out.append(f"{ii}{{")
-            if partial:
-                out.append(f"{jj}if (lid + {u(l * self.nth)} < {u(n_el)}) {{")
+            part = f"lid + {u(l * self.nth)} < {u(n_el)}" if partial else ""
+            if part and not self.bf:
+                out.append(f"{jj}if ({part}) {{")
                 jj += "    "
-            self._read_element(out, jj, tag, f"{base} + {kn}", op, check_k, kend, declare=False)
-            if partial:
+            self._read_element(out, jj, tag, f"{base} + {kn}", op, check_k, kend, False,
+                               part if self.bf else "", q)
+            if part and not self.bf:
                 out.append(f"{ii}    }}")
             out.append(f"{ii}}}")
 
     def _store_regs(self, out: list[str], ii: str) -> None:
-        for which, l, rn, kn, _op, T, partial, n_el in self.plan:
+        for which, l, rn, kn, op, T, partial, n_el, q in self.plan:
             off = 0 if which == "a" else self.offb
-            st = f"{self._sh(off, T, kn, rn)} = v{which}{l};"
+            v = f"v{which}{l}"
+            if q == 1:
+                st = f"{self._sh(off, T, kn, rn)} = {v};"
+            elif not op.k_fast:  # four columns of one K row: one aligned vec4
+                st = (f"Sh[{self.sb}{u(off // 4)} + {kn} * {u((T + SH_PAD) // 4)} + {rn} / 4u]"
+                      f" = {v};")
+            else:  # four K rows of one column
+                st = " ".join(f"{self._sh(off, T, f'({kn} + {u(i)})', rn)} = {v}.{'xyzw'[i]};"
+                              for i in range(4))
             if partial:
                 out.append(f"{ii}if (lid + {u(l * self.nth)} < {u(n_el)}) {{ {st} }}")
             else:
@@ -616,7 +826,8 @@ class _GemmGen:
         step k + BK·KS's global loads are issued before the FMAs on step k, so their latency
         hides behind the arithmetic (the matmul kernel's scheme)."""
         gm, i2, BKs = self.gm, ind + "    ", self.BKs
-        L += [f"{ind}var v{w}{l}: f32 = 0.0;" for w, l, *_ in self.plan]
+        L += [f"{ind}var v{it.which}{it.l}: vec4<f32> = vec4<f32>(0.0);" if it.q == 4 else
+              f"{ind}var v{it.which}{it.l}: f32 = 0.0;" for it in self.plan]
         if gm.K is not None:
             K = gm.K
             kf, ks = K - K % BKs, -(-K // BKs) * BKs
@@ -628,8 +839,12 @@ class _GemmGen:
             gm.krange(L, ind)  # defines kbeg, kend (uniform)
             L.append(f"{ind}let kfull = kend - min(kend, {u(BKs - 1)});")  # k < kfull: whole
             ks, whole, tail = None, True, True
+        self.fill_table(L, ind, "kbeg")
         L.append(f"{ind}let kfirst = kbeg;")
         self._load_next(L, ind, "kfirst", "kfull", "kend", whole, tail)
+        db = self.cfg.PF == 2
+        if db:
+            L.append(f"{ind}var sbo: u32 = 0u;")
         L.append(f"{ind}for (var k0: u32 = kbeg; k0 < kend; k0 = k0 + {u(BKs)}) {{"
                  if ks is None else
                  f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(BKs)}) {{")
@@ -638,8 +853,15 @@ class _GemmGen:
         L.append(f"{i2}let k1 = k0 + {u(BKs)};")
         self._load_next(L, i2, "k1", "kfull", "kend", whole and (ks is None or ks > BKs), tail)
         self._mma(L, i2)
-        L.append(f"{i2}workgroupBarrier();")
+        if db:  # the next step stages into the other buffer: every invocation passed this
+            # step's barrier after its FMAs on that buffer, so no second barrier is needed
+            stage = self.cfg.stage_elems() // (4 if self.vec else 1)
+            L.append(f"{i2}sbo = {u(stage)} - sbo;")
+        else:
+            L.append(f"{i2}workgroupBarrier();")
         L.append(f"{ind}}}")
+        if db:
+            L.append(f"{ind}workgroupBarrier();")  # Sh is reused after the loop
 
     def _guard(self, r: str, n: str, mod_m: bool) -> list[str]:
         gm = self.gm
@@ -700,7 +922,7 @@ class _GemmGen:
             L.append(f"{ind}}}")
 
 
-def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, int]:
+def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, int, set]:
     ind = "    "
     g = _GemmGen(gm, t)
     L: list[str] = []
@@ -718,16 +940,24 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, in
     nbytes = gm.tile.storage()
     shared = [f"var<workgroup> Sh: array<vec4<f32>, {nbytes // 16}>;" if g.vec
               else f"var<workgroup> Sh: array<f32, {nbytes // 4}>;"]
+    if g.table is not None:
+        shared.append(f"var<workgroup> Kt: array<u32, {g.tab_len}>;")
+        nbytes += 4 * g.tab_len
     check_workgroup_storage(gm.name, nbytes, t)
     check_invocations(gm.name, g.nth, t)
-    return L, shared, nbytes, g.grid, helpers, g.nth
+    vec4 = {it.op.binding for it in g.plan if it.q == 4 and it.op.quad is not None}
+    return L, shared, nbytes, g.grid, helpers, g.nth, vec4
 
 
 def _module(name, bd, extra_dts, gemm, t, meta) -> KernelSpec:
-    body, shared, nbytes, grid, helpers, nth = gemm
+    body, shared, nbytes, grid, helpers, nth, vec4 = gemm
     check_bindings(name, len(bd.dtypes), t)
     uses_f16 = check_dtypes(name, bd.dtypes + list(extra_dts), t)
-    lines = module_source(module_header(uses_f16) + bd.decls() + shared, helpers, nth, body)
+    # operands read as vec4 (ST >= 3) are declared as arrays of vec4 (``_quad_ok``)
+    decls = [ln.replace(": array<f32>;", ": array<vec4<f32>>;")
+             if ln.split(" var<storage, read_write> ")[1].split(":")[0] in vec4 else ln
+             for ln in bd.decls()]
+    lines = module_source(module_header(uses_f16) + decls + shared, helpers, nth, body)
     meta = dict(meta, workgroup_size=nth, workgroup_storage=nbytes,
                 binding_dtypes=tuple(bd.dtypes))
     return KernelSpec(name=name, wgsl=lines, n_bindings=bd.n,
@@ -794,13 +1024,18 @@ def _forward_checks(k: Conv2dKernel, t):
     return sx, sw, sb, xs, op_dt, out_dt
 
 
-def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt) -> tuple[_Operand, _Operand]:
-    """A = the weight (rows o, k = (c, i, j)), B = the input (columns (n, oh, ow))."""
+def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt, table_len: int = 0,
+                      quads: bool = False) -> tuple[_Operand, _Operand]:
+    """A = the weight (rows o, k = (c, i, j)), B = the input (columns (n, oh, ow));
+    ``table_len`` > 0 (ST >= 2): B through an offset table of that many K indices, where it
+    fits; ``quads`` (ST >= 3): vec4 loads where aligned."""
     G, x, w = k.geom, k.x, k.w
     sh_, sw_ = G.stride
     pt, pl = G.pad[0][0], G.pad[1][0]
     ohw = G.oh * G.ow
-    k_linear = (sw[1], sw[2], sw[3]) == (G.kh * G.kw, G.kw, 1)
+    # K runs contiguously along each weight row (strides of size-1 axes do not matter)
+    k_linear = all(s == want or size == 1 for s, want, size in (
+        (sw[1], G.kh * G.kw, G.cg), (sw[2], G.kw, G.kh), (sw[3], 1, G.kw)))
 
     def a_hoist(r, tag, L, ind):
         L.append(f"{ind}let ab{tag} = {_lin([(f'(gi * {u(G.og)} + {r})', sw[0])], w.offset)};")
@@ -823,8 +1058,98 @@ def _forward_operands(k: Conv2dKernel, sx, sw, bd: Bindings, op_dt) -> tuple[_Op
         c, i, j = _split3(kv, (G.kh, G.kw), f"x{tag}", L, ind)
         return _input_at(G, sx, tag, i, G.dilation[0], j, G.dilation[1], (c, sx[1]), L, ind)
 
-    return (_Operand(bd.name(1), op_dt, not (sw[0] == 1 and G.og > 1), a_hoist, a_load),
-            _Operand(bd.name(0), op_dt, False, b_hoist, b_load))
+    def a_quad(kv, tag, L, ind):
+        return "", f"(ab{tag} + {kv}) / 4u"
+
+    def b_quad(kv, tag, L, ind):  # 1×1, stride 1, unpadded: column p at plane offset pq
+        return "", f"(xb{tag} + {_mul(kv, sx[1])} + pq{tag}) / 4u"
+
+    K = G.cg * G.kh * G.kw
+    a_vec = quads and k_linear and _quad_ok(bd, 1, w, (sw[0], K))
+    A = _Operand(bd.name(1), op_dt, not (sw[0] == 1 and G.og > 1), a_hoist, a_load,
+                 quad=a_quad if a_vec else None)
+    names = ("pn", "pq", "ih", "iw", "xb")
+    if table_len and _table_fits(G, sx, table_len):
+        return A, _tabled_input(G, sx, bd.name(0), op_dt, b_hoist, names, table_len)
+    pointwise = (G.kh, G.kw, G.stride, G.pad) == (1, 1, (1, 1), ((0, 0), (0, 0)))
+    b_vec = quads and pointwise and sx[3] == 1 and sx[2] == G.w and _quad_ok(
+        bd, 0, x, (sx[0], sx[1], ohw))
+    return A, _Operand(bd.name(0), op_dt, False, b_hoist, b_load, names,
+                       quad=b_quad if b_vec else None)
+
+
+def _quad_ok(bd: Bindings, slot: int, v: Strided, multiples) -> bool:
+    """vec4 loads of operand ``v`` (binding ``slot``): f32, the offset, the bound range and
+    ``multiples`` (strides and extents the quads step by) multiples of 4, and no other slot
+    sharing its binding (its declared element type changes)."""
+    shared = any(bd.alias[i] == bd.alias[slot] for i in range(len(bd.alias)) if i != slot)
+    return (v.dtype is f32 and not shared and v.offset % 4 == 0 and v.extent % 4 == 0
+            and all(m % 4 == 0 for m in multiples))
+
+
+TABLE_MAX = 2048  # entries (8 KiB of workgroup memory)
+
+
+def _table_fits(G: ConvGeom, sx, length: int) -> bool:
+    """Whether the forward's offset table applies: several taps (≤ 32, one mask bit each),
+    every offset below 2**27 (5 bits hold the tap) and at most TABLE_MAX entries."""
+    khw = G.kh * G.kw
+    top = ((G.cg - 1) * sx[1] + (G.kh - 1) * G.dilation[0] * sx[2]
+           + (G.kw - 1) * G.dilation[1] * sx[3])
+    return 1 < khw <= 32 and top < 2 ** 27 and length <= TABLE_MAX
+
+
+def _tabled_input(G: ConvGeom, sx, binding: str, op_dt, b_hoist, names, length) -> _Operand:
+    """The forward's input operand read through an offset table: entry k = (offset of
+    (channel, tap) relative to the column's window corner) << 5 | tap; each staged column
+    keeps a bit mask of the taps inside the image (padding reads as zero) and its corner's
+    index, so a staged element costs a table read, a mask test and an add."""
+    (dh, dw), khw = G.dilation, G.kh * G.kw
+    pt, pl = G.pad[0][0], G.pad[1][0]
+    sh_, sw_ = G.stride
+
+    def checks(tag):
+        rows = [_range_check(f"(ih{tag} + {i32_lit(i * dh)})", i * dh - pt,
+                             (G.oh - 1) * sh_ - pt + i * dh, G.h) for i in range(G.kh)]
+        cols = [_range_check(f"(iw{tag} + {i32_lit(j * dw)})", j * dw - pl,
+                             (G.ow - 1) * sw_ - pl + j * dw, G.w) for j in range(G.kw)]
+        return rows, cols
+
+    masked = any(any(c) for c in checks(""))  # some tap can fall into the padding
+
+    def hoist(p, tag, L, ind):
+        b_hoist(p, tag, L, ind)
+        rows, cols = checks(tag)
+        bits = []
+        for r in range(khw):
+            c = " & ".join(f"({e})" for e in (rows[r // G.kw], cols[r % G.kw]) if e)
+            bits.append(f"select(0u, {u(1 << r)}, {c})" if c else u(1 << r))
+        L.append(f"{ind}let mk{tag} = {' | '.join(bits)};")
+        L.append(f"{ind}let xq{tag} = "
+                 f"{_lin([(f'u32(ih{tag})', sx[2]), (f'u32(iw{tag})', sx[3])], f'xb{tag}')};")
+
+    def load(kv, tag, L, ind):
+        L.append(f"{ind}let te{tag} = Kt[{kv} - kbeg];")
+        cond = f"((mk{tag} >> (te{tag} & 31u)) & 1u) != 0u" if masked else ""
+        return cond, f"xq{tag} + (te{tag} >> 5u)"
+
+    def gather(kv, tag, cols, L, ind):  # one table read for four columns
+        L.append(f"{ind}let te{tag} = Kt[{kv} - kbeg];")
+        L.append(f"{ind}let to{tag} = te{tag} >> 5u;")
+        if masked:
+            L.append(f"{ind}let tb{tag} = 1u << (te{tag} & 31u);")
+        return [(f"(mk{c} & tb{tag}) != 0u" if masked else "", f"xq{c} + to{tag}")
+                for c in cols]
+
+    def entry(k, L, ind):
+        L.append(f"{ind}let tc = {k} / {u(khw)};")
+        L.append(f"{ind}let tr = {k} % {u(khw)};")
+        off = _lin([("tc", sx[1]), (f"(tr / {u(G.kw)})", dh * sx[2]),
+                    (f"(tr % {u(G.kw)})", dw * sx[3])])
+        return f"(({off}) << 5u) | tr"
+
+    return _Operand(binding, op_dt, False, hoist, load, names + ("mk", "xq"),
+                    _OffsetTable(length, entry), gather=gather)
 
 
 def _forward_store(k: Conv2dKernel, bd: Bindings, sb, xs, op_dt, out_dt):
@@ -886,8 +1211,12 @@ def emit_forward(k: Conv2dKernel, limits=None, features=None, alias=None) -> Ker
         raise CodegenError(f"kernel {name!r}: a split-K partial (split_k={S}) takes no "
                            f"epilogue; the kernel summing the partials runs it")
     chunk = split_chunk(K, S)
-    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile)
-    A, B = _forward_operands(k, sx, sw, bd, op_dt)
+    cfg = _heuristic(k, M, N, chunk, G.groups * S, t)
+    # the table where it fits next to the staging buffers (else the div/mod staging)
+    room = t.lim("max_compute_workgroup_storage_size") - cfg.storage()
+    tab = chunk if cfg.ST >= 2 and 4 * (-(-chunk // (cfg.BK * cfg.KS)) * cfg.BK * cfg.KS) <= \
+        room else 0
+    A, B = _forward_operands(k, sx, sw, bd, op_dt, tab, cfg.ST >= 3)
     gb_lines, krange = _split_lines(G.groups, S, chunk, K)
     gm = _Gemm(name, M, N, K if S == 1 else None, G.groups * S, cfg, A, B, gb_lines, krange,
                _forward_store(k, bd, sb, xs, op_dt, out_dt))
@@ -1011,7 +1340,7 @@ def emit_input_grad(k: Conv2dInputGradKernel, limits=None, features=None,
     A = _Operand(bd.name(1), op_dt, not (sw[1] == 1 and G.cg > 1), a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, False, b_hoist, b_load)
     chunk = split_chunk(K, S)
-    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile)
+    cfg = _heuristic(k, M, N, chunk, G.groups * S, t)
     gb_lines, krange = _split_lines(G.groups, S, chunk, K)
     gm = _Gemm(name, M, N, K if S == 1 else None, G.groups * S, cfg, A, B, gb_lines, krange,
                store)
@@ -1151,7 +1480,7 @@ def _input_grad_phases(k: Conv2dInputGradKernel, t, sd, sw, out_dt, bd) -> Kerne
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
     B = _phase_dy_operand(G, sd, dy, (hdo, wdo), bd.name(0), op_dt)
     GB = G.groups * sh_ * sw_ * S  # the grid covers every phase (empty ones store zeros)
-    cfg = choose_cfg(M, N, -(-kmax // S), G.groups * _active_phases(hrows, wrows) * S, k.tile)
+    cfg = _heuristic(k, M, N, -(-kmax // S), G.groups * _active_phases(hrows, wrows) * S, t)
     gm = _Gemm(name, M, N, None, GB, cfg, A, B, gb_lines, krange, store, n_bound="ncol")
     flops = 2 * M * G.groups * G.n * G.og * sum(
         rh[0] * rw[0] * rh[2] * rw[2] for rh in hrows for rw in wrows)  # taps that land
@@ -1216,7 +1545,7 @@ def emit_weight_grad(k: Conv2dWeightGradKernel, limits=None, features=None,
     # neighbouring invocations walk (n, oh, ow): contiguous rows of dy and x
     A = _Operand(bd.name(1), op_dt, True, a_hoist, a_load)
     B = _Operand(bd.name(0), op_dt, True, b_hoist, b_load)
-    cfg = choose_cfg(M, N, chunk, G.groups * S, k.tile)
+    cfg = _heuristic(k, M, N, chunk, G.groups * S, t)
     if S == 1:
         gm = _Gemm(name, M, N, KT, G.groups, cfg, A, B, gb_lines, None, store)
     else:
@@ -1255,7 +1584,8 @@ def with_split_k(k):
     """``k`` (forward or input gradient, unsplit) with the global split-K its GEMM shape asks
     for (``choose_split_k``); the phase-decomposed input gradient splits its output channels."""
     M, N, K, GB = gemm_shape(k)
-    S = choose_split_k(M, N, K, GB)
+    pointwise = isinstance(k, Conv2dKernel) and (k.geom.kh, k.geom.kw) == (1, 1)
+    S = choose_split_k(M, N, K, GB, SPLIT_K_CHUNK_1X1 if pointwise else SPLIT_K_CHUNK)
     if S > 1 and isinstance(k, Conv2dInputGradKernel) and k.geom.stride != (1, 1):
         S = -(-k.geom.og // -(-k.geom.og // S))  # whole channel chunks, none empty
     return k if S == 1 else dataclasses.replace(k, split_k=S)
@@ -1305,7 +1635,7 @@ def conv_candidates(k, target) -> list:
     store = target.lim("max_compute_workgroup_storage_size")
     inv = target.lim("max_compute_invocations_per_workgroup")
     cfgs = [choose_cfg(M, N, K, GB, k.tile)] if k.tile else []
-    cfgs += _candidate_cfgs(M, N, K, GB)
+    cfgs += _candidate_cfgs(M, N, K, GB, *staging(k))
     out = []
     for c in cfgs:
         if c.storage() <= store and c.threads <= inv:
