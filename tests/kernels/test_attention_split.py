@@ -117,7 +117,10 @@ def test_fused_dq_choice():
     assert dq_fused_block(8, 16, 4096, 4096, 64, False, 0) == 0
     assert dq_fused_block(1, 8, 1024, 1024, 128, False, 0) == 0
     assert grad_plan(1, 6, 6, 1500, 1500, 64, False, 0) == {
-        "dq_block": 32, "dq_splits": 1, "split_heads": False, "splits": 4}
+        "dq_block": 32, "dq_splits": 1, "split_heads": False, "splits": 4, "grad_sum": False,
+        "delta_in_kernel": False}
+    # short: every sum in one kernel, so 4 chunks of 32 positions (288 workgroups); δ in dK/dV
     assert grad_plan(1, 9, 3, 128, 128, 64, True, 0) == {
-        "dq_block": 16, "dq_splits": 1, "split_heads": True, "splits": 1}
+        "dq_block": 16, "dq_splits": 1, "split_heads": True, "splits": 4, "grad_sum": True,
+        "delta_in_kernel": True}
     assert grad_plan(1, 8, 8, 1024, 1024, 128, False, 0)["dq_splits"] == 4
