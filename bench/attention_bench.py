@@ -6,6 +6,11 @@ Checks each result against a float64 numpy reference (relative max error) and pr
 scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
 
   python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
+      [--short] [--shapes whisper,smollm2]
+
+``--short``: first, one layer's attention trained and profiled like the real step (each
+dispatch in its own timestamped pass) for each variant of the short-problem plan
+(``SHORT_VARIANTS``: before / after in one process); ``--shapes``: op paths of these only.
 
 ``--quick``: the heuristic configuration only; ``--all``: every configuration that fits (the
 unsplit (8, 16, 4, 2) one is the configuration before split-K: the "before" row);
@@ -445,11 +450,19 @@ def op_path(dev, sname, shape):
                                  ref)[1:]
         if nq > 1:
             parts["dq_sum"] = (0.0, reduce_us(dev, nq, (B, Hq, S, D)))
-    desc = dataclasses.replace(describe("dkdv", x, a), splits=n, dq_block=blk)
-    parts["dkdv" + ("+dq" if blk else "")] = run_config(dev, desc, x, ref)[1:]
-    if blk:
+    dx = dict(x, delta=ref["out"].astype(np.float32)) if plan["delta_in_kernel"] else x
+    desc = dataclasses.replace(describe("dkdv", dx, a), splits=n, dq_block=blk,
+                               delta_out=plan["delta_in_kernel"])
+    parts["dkdv" + ("+dq" if blk else "") + ("+delta" if desc.delta_out else "")] = \
+        run_config(dev, desc, dx, ref)[1:]
+    if not desc.delta_out:
+        parts["delta"] = (0.0, delta_us(dev, (B, Hq, S, D)))
+    if plan["grad_sum"]:
+        parts["grad_sum"] = (0.0, grad_sum_us(dev, (B, Hq, Hkv, S, S, D, D), n,
+                                              plan["split_heads"], blk))
+    elif blk:
         parts["dq_sum"] = (0.0, reduce_us(dev, -(-S // blk), (B, Hq, S, D)))
-    if n > 1 or plan["split_heads"]:
+    if (n > 1 or plan["split_heads"]) and not plan["grad_sum"]:
         lead = n * (Hq // Hkv if plan["split_heads"] else 1)  # partials per dK (dV) element
         parts["dkdv_sums"] = (0.0, reduce_us(dev, lead, (B, Hkv, S, D), members=2))
     fl = 4 * S * S * D * Hq * B * (0.5 if causal else 1.0)
@@ -462,6 +475,92 @@ def op_path(dev, sname, shape):
           f"{bwd:8.1f} µs  total {fwd + bwd:8.1f} µs = {tf:5.2f} TFLOP/s", flush=True)
     return [{"shape": sname, "kind": "op_path", "plan": plan, "parts": parts, "fwd_us": fwd,
              "bwd_us": bwd, "total_us": fwd + bwd, "tflops": tf}]
+
+
+def grad_sum_us(dev, dims, n, heads, blk):
+    """GPU µs of the one ``attention_grad_sum`` kernel of a short backward."""
+    from meganeura.kernels.attention_combine import AttentionGradSumKernel, grad_sum_sizes
+
+    size = sum(grad_sum_sizes(dims, n, heads, blk))
+    spec = kernels.emit(AttentionGradSumKernel(Strided.contiguous(f32, (size,)), dims, n, heads,
+                                               blk), dev.limits, dev.features)
+    B, Hq, Hkv, Sq, Skv, D, Dv = dims
+    bufs = [dev.upload(np.zeros(sh, np.float32)) for sh in
+            ((size,), (B, Hq, Sq, D), (B, Hkv, Skv, D), (B, Hkv, Skv, Dv))]
+    return time_dispatch(dev, spec, bufs)
+
+
+def delta_us(dev, shape):
+    """GPU µs of the graph's δ = rowsum(dO·O) reduce (one fused kernel)."""
+    import meganeura as mn
+    from meganeura.ops import reduce as R
+
+    g = mn.Graph()
+    do, o = g.input("do", shape), g.input("o", shape)
+    sess = mn.compile(g, outputs={"d": R.sum(do * o, -1)}, device=dev, optimizer=None)
+    specs = [d.spec for d in sess.executable.infer.dispatches]
+    if len(specs) != 1:
+        return float("nan")
+    bufs = [dev.upload(np.zeros(shape, np.float32)) for _ in range(2)]
+    return time_dispatch(dev, specs[0], bufs + [dev.upload(np.zeros(shape[:-1], np.float32))])
+
+
+# --short: the attention of one layer trained as the real step profiles it (sess.profile():
+# each dispatch in its own timestamped pass, as bench/roofline.py), per variant of the short
+# plan (module switches of ops/attention.py, set in one process: before/after in one run)
+SHORT_VARIANTS = {
+    "before": {"GRAD_SUM": False, "DELTA_IN_KERNEL": False},
+    "delta_only": {"GRAD_SUM": False},
+    "sum_n1": {"SHORT_SPLIT_TARGET": 0},
+    "sum_n2": {"SHORT_SPLIT_ROWS": 64},
+    "after": {},
+    "after_n8": {"SHORT_SPLIT_TARGET": 1024, "SHORT_SPLIT_ROWS": 16},
+    "after_kv_heads": {"SPLIT_HEADS_BELOW": 0},
+}
+
+
+def short_rows(dev, shapes=("smollm2", "whisper"), steps=20):
+    """Per variant and shape: GPU µs per training step of q, k, v -> attention -> (o·c).sum()
+    (SGD), the attention kernels' and reduces' µs, dispatches; printed and returned."""
+    import meganeura as mn
+    from meganeura import optim
+
+    ops_att = sys.modules["meganeura.ops.attention"]
+    rows = []
+    for sname in shapes:
+        B, Hq, Hkv, S, D, causal = SHAPES[sname]
+        r = np.random.default_rng(0)
+        for name, sets in SHORT_VARIANTS.items():
+            if sname == "whisper" and name not in ("before", "after"):
+                continue
+            keep = {k: getattr(ops_att, k) for k in sets}
+            for k, val in sets.items():
+                setattr(ops_att, k, val)
+            try:
+                g = mn.Graph()
+                q = g.param("q", (B, Hq, S, D))
+                k_ = g.param("k", (B, Hkv, S, D))
+                v = g.param("v", (B, Hkv, S, D))
+                c = g.input("c", (B, Hq, S, D))
+                loss = (mn.ops.attention(q, k_, v, causal=causal) * c).sum()
+                sess = mn.compile(g, loss=loss, optimizer=optim.SGD(lr=1e-4), device=dev)
+                sess.set_params({n: r.standard_normal(p.shape).astype(np.float32)
+                                 for n, p in g.params.items()})
+                prof = sess.profile(steps=steps, c=r.standard_normal(c.shape).astype(np.float32))
+            finally:
+                for k, val in keep.items():
+                    setattr(ops_att, k, val)
+            kern = [(kt.label, kt.mean_s * 1e6) for kt in prof.rows()]
+            att = sum(us for lab, us in kern if lab.startswith(("attention", "reduce",
+                                                                  "multi_reduce")))
+            row = {"shape": sname, "kind": "short_step", "variant": name, "sets": sets,
+                   "gpu_us": prof.gpu_ms_per_step * 1e3, "dispatches": prof.dispatches_per_step,
+                   "attention_and_reduces_us": att, "kernels": kern}
+            rows.append(row)
+            print(f"short {sname:8} {name:15} step {row['gpu_us']:8.1f} µs  {row['dispatches']:3} "
+                  f"dispatches  attention+reduces {att:8.1f} µs  | " + "; ".join(
+                      f"{lab[:40]} {us:.1f}" for lab, us in kern if us > 0), flush=True)
+    return rows
 
 
 def config_rows(dev, t, sname, shape, quick, everything):
@@ -509,7 +608,13 @@ def main(argv) -> None:
             with open(path, "w") as f:
                 json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
 
+    if "--short" in argv:  # the profiled one-layer step per short-plan variant (first)
+        rows += short_rows(dev, ("smollm2",) if "--smoke" in argv else ("smollm2", "whisper"),
+                           3 if "--smoke" in argv else 20)
+        save()
     for sname, shape in SHAPES.items():  # first: the headline numbers
+        if "--shapes" in argv and sname not in argv[argv.index("--shapes") + 1].split(","):
+            continue
         rows += op_path(dev, sname, shape)
         save()
     if "--torch" in argv:

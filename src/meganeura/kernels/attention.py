@@ -846,8 +846,7 @@ def _dq_kernel(g: _Gen, t):
 
 
 def _keys_head(g: _Gen, L, ind, grid, total) -> None:
-    """Block of keys, this invocation's keys, the packed query rows that can see the block;
-    stage K (pre-scaled) and V."""
+    """Block of keys, this invocation's keys, the packed query rows that can see the block."""
     k, BKV = g.k, g.own
     _grid_head(L, ind, grid, total, "kb", -(-g.Skv // BKV), "hw", g.NH, g)
     if k.split_heads:
@@ -878,16 +877,25 @@ def _keys_head(g: _Gen, L, ind, grid, total) -> None:
         L.append(f"{ind}i_hi = min(i_hi, c_hi);")
     L.append(f"{ind}let R_lo = u32(i_lo) * {u(g.P)};")
     L.append(f"{ind}let R_hi = u32(max(i_hi, i_lo)) * {u(g.P)};")
+
+
+def _stage_kv(g: _Gen, L, ind) -> None:
+    """Stage the block's K (pre-scaled) and V (after the first row tile's loads are issued:
+    the two global latencies overlap)."""
+    k, BKV = g.k, g.own
     pre = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
+    L.append(f"{ind}if (R_lo < R_hi) {{  // a block no row sees (causal, chunks) loads nothing")
     for arr, which, w, pad, sc in (("Ks", "k", g.wd, g.dp, k.scale), ("Vs", "v", g.wv, g.vp,
                                                                        None)):
-        g.stage(L, ind, arr, BKV, which, w, pad, pre, f"jj < {u(g.Skv)}",
+        g.stage(L, ind + "    ", arr, BKV, which, w, pad, pre, f"jj < {u(g.Skv)}",
                 lambda c: ["b", "hkv", "jj", c], sc)
+    L.append(f"{ind}}}")
 
 
 def _keys_rows(g: _Gen, L, ind) -> None:
-    """The query-row loop's head: Q, dO, lse and delta of the first tile prefetched, then per
-    tile: registers to ``Qs``/``Os``/``Ls``/``Dl``, barrier, the next tile's loads issued."""
+    """The query-row loop's head: Q, dO, lse and delta of the first tile prefetched (then K and
+    V staged), then per tile: registers to ``Qs``/``Os``/``Ls``/``Dl``, barrier, the next
+    tile's loads issued."""
     i2, BQ = ind + "    ", g.loop
     dout = g.k.delta_out
     g.prefetch_decl(L, ind, "pq", BQ, "q")
@@ -898,6 +906,7 @@ def _keys_rows(g: _Gen, L, ind) -> None:
     L += [f"{ind}var pl{m}: f32;" + ("" if dout else f"\n{ind}var pd{m}: f32;")
           for m in range(n)]
     _rows_load(g, L, ind, "R_lo")
+    _stage_kv(g, L, ind)
     L.append(f"{ind}for (var R0: u32 = R_lo; R0 < R_hi; R0 = R0 + {u(BQ)}) {{")
     g.prefetch_store(L, i2, "pq", "Qs", BQ, "q", g.dp)
     g.prefetch_store(L, i2, "po", "Os", BQ, "dout", g.vp)
