@@ -6,11 +6,13 @@ Checks each result against a float64 numpy reference (relative max error) and pr
 scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
 
   python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
-      [--short] [--shapes whisper,smollm2]
+      [--short] [--shapes whisper,smollm2] [--share ROOFLINE_JSON]
 
-``--short``: first, one layer's attention trained and profiled like the real step (each
-dispatch in its own timestamped pass) for each variant of the short-problem plan
-(``SHORT_VARIANTS``: before / after in one process); ``--shapes``: op paths of these only.
+``--share ROOFLINE_JSON``: no device; SmolLM2's attention share of a profiled step (every
+attention kernel and attention-shaped reduce).  ``--short``: first, one layer's attention
+trained and profiled like the real step (each dispatch in its own timestamped pass) for
+each variant of the short-problem plan (``SHORT_VARIANTS``: before / after in one process);
+``--shapes``: op paths of these only.
 
 ``--quick``: the heuristic configuration only; ``--all``: every configuration that fits (the
 unsplit (8, 16, 4, 2) one is the configuration before split-K: the "before" row);
@@ -552,7 +554,8 @@ def short_rows(dev, shapes=("smollm2", "whisper"), steps=20):
                     setattr(ops_att, k, val)
             kern = [(kt.label, kt.mean_s * 1e6) for kt in prof.rows()]
             att = sum(us for lab, us in kern if lab.startswith(("attention", "reduce",
-                                                                  "multi_reduce")))
+                                                                  "multi_reduce"))
+                      and "->()" not in lab)  # not the loss's sum
             row = {"shape": sname, "kind": "short_step", "variant": name, "sets": sets,
                    "gpu_us": prof.gpu_ms_per_step * 1e3, "dispatches": prof.dispatches_per_step,
                    "attention_and_reduces_us": att, "kernels": kern}
@@ -561,6 +564,26 @@ def short_rows(dev, shapes=("smollm2", "whisper"), steps=20):
                   f"dispatches  attention+reduces {att:8.1f} µs  | " + "; ".join(
                       f"{lab[:40]} {us:.1f}" for lab, us in kern if us > 0), flush=True)
     return rows
+
+
+def attention_share(path, key="smollm2-train", marks=("9, 128, 64)", "3, 3, 128, 64)")):
+    """The attention share of a profiled step (``bench/roofline.py``'s roofline.json): every
+    ``attention*`` kernel plus the reduces over attention-shaped tensors (``marks``: SmolLM2's
+    (·, 9, 128, 64) and (·, 3, 3, 128, 64) — δ = rowsum(dO·O), the dQ partial sum, the dK/dV
+    head sums), each listed; returns (attention µs per step, step µs)."""
+    with open(path) as f:
+        res = json.load(f)["workloads"][key]
+    rows = res["rows"]
+    steps = max(r["calls"] for r in rows if r["label"].startswith("attention")) // 30
+    total = sum(r["mean_us"] * r["calls"] for r in rows) / steps
+    att = [r for r in rows if r["label"].startswith("attention") or (
+        r["label"].startswith(("reduce", "multi_reduce")) and any(m in r["label"] for m in marks))]
+    for r in att:
+        print(f"share {key}: {r['label'][:72]:72} {r['calls'] // steps:3}×{r['mean_us']:6.1f} µs")
+    us = sum(r["mean_us"] * r["calls"] for r in att) / steps
+    print(f"share {key}: attention {us:8.1f} µs of {total:8.1f} µs per step = "
+          f"{100 * us / total:5.2f} % ({res['dispatches']} dispatches per step)")
+    return us, total
 
 
 def config_rows(dev, t, sname, shape, quick, everything):
@@ -586,6 +609,9 @@ def config_rows(dev, t, sname, shape, quick, everything):
 
 
 def main(argv) -> None:
+    if "--share" in argv:  # no device: the attention share of a roofline.json (30 layers)
+        attention_share(argv[argv.index("--share") + 1])
+        return
     backend = next((a for a in argv if not a.startswith("-")), "dawn")
     quick = "--quick" in argv
     if "--smoke" in argv:
