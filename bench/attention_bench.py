@@ -511,13 +511,15 @@ def delta_us(dev, shape):
 # each dispatch in its own timestamped pass, as bench/roofline.py), per variant of the short
 # plan (module switches of ops/attention.py, set in one process: before/after in one run)
 SHORT_VARIANTS = {
-    "before": {"GRAD_SUM": False, "DELTA_IN_KERNEL": False},
+    "before": {"GRAD_SUM": False, "DELTA_IN_KERNEL": False, "A.EARLY_ROW_LOADS": False},
     "delta_only": {"GRAD_SUM": False},
     "sum_n1": {"SHORT_SPLIT_TARGET": 0},
     "sum_n2": {"SHORT_SPLIT_ROWS": 64},
     "after": {},
     "after_n8": {"SHORT_SPLIT_TARGET": 1024, "SHORT_SPLIT_ROWS": 16},
     "after_kv_heads": {"SPLIT_HEADS_BELOW": 0},
+    "after_late_loads": {"A.EARLY_ROW_LOADS": False},
+    "after_cfg_16x16": {"A.CONFIGS": ((16, 16, 1, 2),) + A.CONFIGS},
 }
 
 
@@ -535,9 +537,10 @@ def short_rows(dev, shapes=("smollm2", "whisper"), steps=20):
         for name, sets in SHORT_VARIANTS.items():
             if sname == "whisper" and name not in ("before", "after"):
                 continue
-            keep = {k: getattr(ops_att, k) for k in sets}
+            mods = {k: (A, k[2:]) if k.startswith("A.") else (ops_att, k) for k in sets}
+            keep = {k: getattr(*mods[k]) for k in sets}
             for k, val in sets.items():
-                setattr(ops_att, k, val)
+                setattr(*mods[k], val)
             try:
                 g = mn.Graph()
                 q = g.param("q", (B, Hq, S, D))
@@ -551,12 +554,13 @@ def short_rows(dev, shapes=("smollm2", "whisper"), steps=20):
                 prof = sess.profile(steps=steps, c=r.standard_normal(c.shape).astype(np.float32))
             finally:
                 for k, val in keep.items():
-                    setattr(ops_att, k, val)
+                    setattr(*mods[k], val)
             kern = [(kt.label, kt.mean_s * 1e6) for kt in prof.rows()]
             att = sum(us for lab, us in kern if lab.startswith(("attention", "reduce",
                                                                   "multi_reduce"))
                       and "->()" not in lab)  # not the loss's sum
-            row = {"shape": sname, "kind": "short_step", "variant": name, "sets": sets,
+            row = {"shape": sname, "kind": "short_step", "variant": name,
+                   "sets": {k: str(val)[:40] for k, val in sets.items()},
                    "gpu_us": prof.gpu_ms_per_step * 1e3, "dispatches": prof.dispatches_per_step,
                    "attention_and_reduces_us": att, "kernels": kern}
             rows.append(row)

@@ -384,3 +384,22 @@ def test_grad_sum_kernel(run, dev, rng, case):
     with pytest.raises(kernels.CodegenError, match="contiguous vector"):
         kernels.emit(dataclasses.replace(desc, part=C(f32, (size - 1,))), dev.limits,
                      dev.features)
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_dkdv_row_loads_before_or_after_kv(dev, rng, monkeypatch, early):
+    """The dK/dV kernel with its first row tile loaded before K/V are staged (blocks no row
+    sees staging nothing) and in the old order (the bench's before): the same values, unwritten
+    elements (NaN-poisoned) none; 3 query chunks so that causal leaves some blocks empty."""
+    from meganeura.ops.attention import _dkdv_ref
+
+    monkeypatch.setattr(A, "EARLY_ROW_LOADS", early)
+    n, dims = 3, (1, 4, 2, 40, 40, 8, 8)
+    x, a, _ = _problem(rng, dims, {"causal": True})
+    a2 = {**a, "splits": n, "split_heads": True, "dq_block": 16}
+    names = ("q", "k", "v", "dout", "lse", "delta")
+    (want,) = _dkdv_ref([x[k].astype(np.float64) for k in names], a2)
+    desc = dataclasses.replace(_desc("dkdv", x, a), splits=n, split_heads=True, dq_block=16)
+    assert ("if (R_lo < R_hi)" in kernels.emit(desc, dev.limits, dev.features).wgsl) == early
+    (flat,) = _run_poisoned(dev, desc, [x[k] for k in names], [(want.size,)])
+    _check(flat, want, f"dk|dv|dq partials, early row loads {early}")

@@ -211,6 +211,12 @@ def _comp(v: str, i: int, n: int) -> str:
 # before/after timings in one process)
 FMA = True
 
+# dK/dV: the first query-row tile's loads are issued before K and V are staged (their global
+# latencies overlap; a workgroup whose key block no row sees stages nothing); False restores
+# the old order (kept for before/after timings in one process: bench/attention_bench.py
+# --short)
+EARLY_ROW_LOADS = True
+
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
     """``acc`` plus the dot product of units ``a`` and ``b`` (width ``w``)."""
@@ -884,12 +890,15 @@ def _stage_kv(g: _Gen, L, ind) -> None:
     the two global latencies overlap)."""
     k, BKV = g.k, g.own
     pre = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
-    L.append(f"{ind}if (R_lo < R_hi) {{  // a block no row sees (causal, chunks) loads nothing")
+    i2 = ind + "    " if EARLY_ROW_LOADS else ind
+    if EARLY_ROW_LOADS:
+        L.append(f"{ind}if (R_lo < R_hi) {{  // a block no row sees (causal, chunks): no loads")
     for arr, which, w, pad, sc in (("Ks", "k", g.wd, g.dp, k.scale), ("Vs", "v", g.wv, g.vp,
                                                                        None)):
-        g.stage(L, ind + "    ", arr, BKV, which, w, pad, pre, f"jj < {u(g.Skv)}",
+        g.stage(L, i2, arr, BKV, which, w, pad, pre, f"jj < {u(g.Skv)}",
                 lambda c: ["b", "hkv", "jj", c], sc)
-    L.append(f"{ind}}}")
+    if EARLY_ROW_LOADS:
+        L.append(f"{ind}}}")
 
 
 def _keys_rows(g: _Gen, L, ind) -> None:
@@ -905,8 +914,11 @@ def _keys_rows(g: _Gen, L, ind) -> None:
     n = -(-BQ // g.wg)
     L += [f"{ind}var pl{m}: f32;" + ("" if dout else f"\n{ind}var pd{m}: f32;")
           for m in range(n)]
-    _rows_load(g, L, ind, "R_lo")
+    if EARLY_ROW_LOADS:
+        _rows_load(g, L, ind, "R_lo")
     _stage_kv(g, L, ind)
+    if not EARLY_ROW_LOADS:
+        _rows_load(g, L, ind, "R_lo")
     L.append(f"{ind}for (var R0: u32 = R_lo; R0 < R_hi; R0 = R0 + {u(BQ)}) {{")
     g.prefetch_store(L, i2, "pq", "Qs", BQ, "q", g.dp)
     g.prefetch_store(L, i2, "po", "Os", BQ, "dout", g.vp)
