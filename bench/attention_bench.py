@@ -520,6 +520,7 @@ SHORT_VARIANTS = {
     "after_kv_heads": {"SPLIT_HEADS_BELOW": 0},
     "after_late_loads": {"A.EARLY_ROW_LOADS": False},
     "after_cfg_16x16": {"A.CONFIGS": ((16, 16, 1, 2),) + A.CONFIGS},
+    "after_fwd_own8": {"A.MIN_OWN_BLOCK": 8},  # the forward in 8-row blocks (144 workgroups)
 }
 
 
