@@ -52,7 +52,9 @@ long cache, batch-1 encoders (Whisper fwd 308 → 257 µs, dK/dV 507 → 409 µs
 the H200).  ``precision="fast"``
 forwards run ``attention_fast.py`` (tensor cores) where the device has f16 subgroup matrices.
 
-``delta = rowsum(dO·O)`` is an ordinary fused reduce kernel (built by the op's VJP).  All sums
+``delta = rowsum(dO·O)`` is an ordinary fused reduce kernel (built by the op's expansion), or,
+for short problems (``delta_out``), computed by the dK/dV kernel from the O tile it loads beside
+each dO tile (per-unit products in ``Dx``, summed per row in order into ``Dl``).  All sums
 are in a fixed order (deterministic).  Inputs are read in place through their strides (views of
 (B, S, H, D) projections need no copy); the mask is read through broadcast strides.  The tile
 configuration is chosen from the device's workgroup-storage and invocation limits and the

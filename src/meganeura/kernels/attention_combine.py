@@ -8,7 +8,11 @@ summed in chunk order (deterministic).  Chunks with no visible key have lse_c = 
 0; a row with none at all outputs 0 and lse = -inf (the forward kernel's convention).  One
 invocation per output element; the one at column 0 also writes the row's lse.  Split-K pays off
 when (batch, head, row block) work items are few and keys many: decoding over a KV cache (one
-query row per head) and batch-1 encoders (Whisper, 1,500 positions)."""
+query row per head) and batch-1 encoders (Whisper, 1,500 positions).
+
+``attention_grad_sum`` (below) is the backward's counterpart for short problems: one kernel
+sums the fused dK/dV kernel's dQ partials and its dK/dV partials over query chunks and group
+heads (instead of a reduce and a multi-reduce)."""
 
 from __future__ import annotations
 

@@ -18,14 +18,17 @@ Semantics (identical in the numpy reference and the GPU kernels):
 * NaN scores propagate (NaN outputs), as in PyTorch.
 
 The op ``attention`` has two outputs: ``out`` and ``lse`` (per-row log-sum-exp of the visible
-scores, (B, Hq, Sq), -inf for empty rows).  Its VJP computes ``delta = rowsum(dout · out)`` with
-ordinary graph ops (a fused reduce kernel) and calls ``attention_grad(q, k, v, [mask], dout, lse,
-delta) -> dq, dk, dv``, which recomputes the probabilities from q, k and lse (no Sq×Skv tensor is
-kept between forward and backward).  On the GPU ``attention_grad`` expands (``grad_plan``)
-into ``attention_grad_dkdv`` (loops over query blocks and the query heads of a kv group),
-which for short loops, and long ones without causal/window rules, also writes dQ's partial
-sums per key block (summed by a reduce), or else into that kernel and ``attention_grad_dq``
-(loops over key blocks) — deterministic, no atomics.
+scores, (B, Hq, Sq), -inf for empty rows).  Its VJP calls ``attention_grad(q, k, v, [mask], dout,
+lse, out, delta_out=True) -> dq, dk, dv`` (``delta = rowsum(dout · out)`` is computed where the
+expansion decides: a fused reduce kernel, or inside the dK/dV kernel of short problems; when the
+lse has a gradient too the VJP passes ``delta - glse`` itself), which recomputes the
+probabilities from q, k and lse (no Sq×Skv tensor is kept between forward and backward).
+On the GPU ``attention_grad`` expands (``grad_plan``) into ``attention_grad_dkdv`` (loops over
+query blocks and the query heads of a kv group), which for short loops, and long ones without
+causal/window rules, also writes dQ's partial sums per key block (summed by a reduce), or else
+into that kernel and ``attention_grad_dq`` (loops over key blocks) — deterministic, no atomics.
+Short problems (``_short_plan``) end with one ``attention_grad_sum`` kernel for all the partial
+sums: two backward dispatches.
 
 The gradient with respect to a mask that depends on parameters is computed from ordinary graph
 ops (it materializes the (B, Hq, Sq, Skv) score gradient); it is only built into the compiled
