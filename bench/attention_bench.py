@@ -511,14 +511,14 @@ def delta_us(dev, shape):
 # each dispatch in its own timestamped pass, as bench/roofline.py), per variant of the short
 # plan (module switches of ops/attention.py, set in one process: before/after in one run)
 SHORT_VARIANTS = {
-    "before": {"GRAD_SUM": False, "DELTA_IN_KERNEL": False, "A.EARLY_ROW_LOADS": False},
+    "before": {"GRAD_SUM": False, "DELTA_IN_KERNEL": False, "A.EARLY_LOADS": False},
     "delta_only": {"GRAD_SUM": False},
     "sum_n1": {"SHORT_SPLIT_TARGET": 0},
     "sum_n2": {"SHORT_SPLIT_ROWS": 64},
     "after": {},
     "after_n8": {"SHORT_SPLIT_TARGET": 1024, "SHORT_SPLIT_ROWS": 16},
     "after_kv_heads": {"SPLIT_HEADS_BELOW": 0},
-    "after_late_loads": {"A.EARLY_ROW_LOADS": False},
+    "after_late_loads": {"A.EARLY_LOADS": False},
     "after_cfg_16x16": {"A.CONFIGS": ((16, 16, 1, 2),) + A.CONFIGS},
     "after_fwd_own8": {"A.MIN_OWN_BLOCK": 8},  # the forward in 8-row blocks (144 workgroups)
 }

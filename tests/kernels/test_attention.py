@@ -387,19 +387,22 @@ def test_grad_sum_kernel(run, dev, rng, case):
 
 
 @pytest.mark.parametrize("early", [False, True])
-def test_dkdv_row_loads_before_or_after_kv(dev, rng, monkeypatch, early):
-    """The dK/dV kernel with its first row tile loaded before K/V are staged (blocks no row
-    sees staging nothing) and in the old order (the bench's before): the same values, unwritten
-    elements (NaN-poisoned) none; 3 query chunks so that causal leaves some blocks empty."""
+def test_first_tile_loaded_before_or_after_staging(run, dev, rng, monkeypatch, early):
+    """``EARLY_LOADS``: the first loop tile's loads issued before the own block is staged (dK/dV
+    blocks no row sees staging nothing) or in the old order (the bench's before): the forward,
+    dQ and dK/dV (3 query chunks, causal: some blocks empty) give the same values, no element
+    left unwritten (NaN-poisoned)."""
     from meganeura.ops.attention import _dkdv_ref
 
-    monkeypatch.setattr(A, "EARLY_ROW_LOADS", early)
+    monkeypatch.setattr(A, "EARLY_LOADS", early)
     n, dims = 3, (1, 4, 2, 40, 40, 8, 8)
-    x, a, _ = _problem(rng, dims, {"causal": True})
+    x, a, ref = _problem(rng, dims, {"causal": True})
+    for kind in ("fwd", "dq"):
+        _check_kind(run, kind, x, a, ref)
     a2 = {**a, "splits": n, "split_heads": True, "dq_block": 16}
     names = ("q", "k", "v", "dout", "lse", "delta")
     (want,) = _dkdv_ref([x[k].astype(np.float64) for k in names], a2)
     desc = dataclasses.replace(_desc("dkdv", x, a), splits=n, split_heads=True, dq_block=16)
     assert ("if (R_lo < R_hi)" in kernels.emit(desc, dev.limits, dev.features).wgsl) == early
     (flat,) = _run_poisoned(dev, desc, [x[k] for k in names], [(want.size,)])
-    _check(flat, want, f"dk|dv|dq partials, early row loads {early}")
+    _check(flat, want, f"dk|dv|dq partials, early loads {early}")

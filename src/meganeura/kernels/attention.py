@@ -213,11 +213,12 @@ def _comp(v: str, i: int, n: int) -> str:
 # before/after timings in one process)
 FMA = True
 
-# dK/dV: the first query-row tile's loads are issued before K and V are staged (their global
-# latencies overlap; a workgroup whose key block no row sees stages nothing); False restores
-# the old order (kept for before/after timings in one process: bench/attention_bench.py
-# --short)
-EARLY_ROW_LOADS = True
+# The first loop tile's loads are issued before the own block is staged (their global
+# latencies overlap): fwd/dQ load K/V tile 0 before staging Q (and dO), dK/dV the first query
+# row tile before staging K and V (and a workgroup whose key block no row sees stages
+# nothing); False restores the old order (kept for before/after timings in one process:
+# bench/attention_bench.py --short)
+EARLY_LOADS = True
 
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
@@ -671,14 +672,21 @@ def _rows_stage_q(g: _Gen, L, ind) -> None:
                 lambda c: ["b", "sh", "si", c])
 
 
-def _kv_tiles(g: _Gen, L, ind) -> None:
-    """The key-tile loop's head: K/V of the first tile prefetched into registers, then per
-    tile: registers to ``Ks``/``Vs`` (keys past ``kv_hi`` as zeros), barrier, and the next
-    tile's loads issued (they land while this tile is computed)."""
-    i2 = ind + "    "
+def _kv_first(g: _Gen, L, ind) -> None:
+    """Registers for the K/V prefetch and the first tile's loads issued."""
     for tag, which in (("pk", "k"), ("pv", "v")):
         g.prefetch_decl(L, ind, tag, g.loop, which)
     _kv_load(g, L, ind, "kv_lo")
+
+
+def _kv_tiles(g: _Gen, L, ind) -> None:
+    """The key-tile loop's head: K/V of the first tile prefetched into registers (here unless
+    ``EARLY_LOADS`` issued them before the rows were staged), then per tile: registers to
+    ``Ks``/``Vs`` (keys past ``kv_hi`` as zeros), barrier, and the next tile's loads issued
+    (they land while this tile is computed)."""
+    i2 = ind + "    "
+    if not EARLY_LOADS:
+        _kv_first(g, L, ind)
     L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
     g.prefetch_store(L, i2, "pk", "Ks", g.loop, "k", g.dp)
     g.prefetch_store(L, i2, "pv", "Vs", g.loop, "v", g.vp)
@@ -752,6 +760,8 @@ def _fwd_kernel(g: _Gen, t):
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
+    if EARLY_LOADS:
+        _kv_first(g, L, ind)
     _rows_stage_q(g, L, ind)
     L.append(f"{ind}var m: {_vt(RM)} = {_vt(RM)}(-{FLT_MAX});")
     L.append(f"{ind}var l: {_vt(RM)} = {_vt(RM)}(0.0);")
@@ -834,6 +844,8 @@ def _dq_kernel(g: _Gen, t):
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
+    if EARLY_LOADS:
+        _kv_first(g, L, ind)
     _rows_stage_q(g, L, ind)
     _dq_row_stats(g, L, ind)
     nc = g.acc_decl(L, ind, "o", g.wd, g.du)
@@ -892,14 +904,14 @@ def _stage_kv(g: _Gen, L, ind) -> None:
     the two global latencies overlap)."""
     k, BKV = g.k, g.own
     pre = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
-    i2 = ind + "    " if EARLY_ROW_LOADS else ind
-    if EARLY_ROW_LOADS:
+    i2 = ind + "    " if EARLY_LOADS else ind
+    if EARLY_LOADS:
         L.append(f"{ind}if (R_lo < R_hi) {{  // a block no row sees (causal, chunks): no loads")
     for arr, which, w, pad, sc in (("Ks", "k", g.wd, g.dp, k.scale), ("Vs", "v", g.wv, g.vp,
                                                                        None)):
         g.stage(L, i2, arr, BKV, which, w, pad, pre, f"jj < {u(g.Skv)}",
                 lambda c: ["b", "hkv", "jj", c], sc)
-    if EARLY_ROW_LOADS:
+    if EARLY_LOADS:
         L.append(f"{ind}}}")
 
 
@@ -916,10 +928,10 @@ def _keys_rows(g: _Gen, L, ind) -> None:
     n = -(-BQ // g.wg)
     L += [f"{ind}var pl{m}: f32;" + ("" if dout else f"\n{ind}var pd{m}: f32;")
           for m in range(n)]
-    if EARLY_ROW_LOADS:
+    if EARLY_LOADS:
         _rows_load(g, L, ind, "R_lo")
     _stage_kv(g, L, ind)
-    if not EARLY_ROW_LOADS:
+    if not EARLY_LOADS:
         _rows_load(g, L, ind, "R_lo")
     L.append(f"{ind}for (var R0: u32 = R_lo; R0 < R_hi; R0 = R0 + {u(BQ)}) {{")
     g.prefetch_store(L, i2, "pq", "Qs", BQ, "q", g.dp)
