@@ -25,6 +25,7 @@ one new token over a KV cache of 512 / 2048 rows, batch 1 and 8, unsplit vs spli
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -524,13 +525,28 @@ SHORT_VARIANTS = {
 }
 
 
+@contextlib.contextmanager
+def variant(sets):
+    """Module switches set for the block (``A.NAME``: kernels/attention.py, else
+    ops/attention.py), restored after."""
+    ops_att = sys.modules["meganeura.ops.attention"]
+    mods = {k: (A, k[2:]) if k.startswith("A.") else (ops_att, k) for k in sets}
+    keep = {k: getattr(*mods[k]) for k in sets}
+    for k, val in sets.items():
+        setattr(*mods[k], val)
+    try:
+        yield
+    finally:
+        for k, val in keep.items():
+            setattr(*mods[k], val)
+
+
 def short_rows(dev, shapes=("smollm2", "whisper"), steps=20):
     """Per variant and shape: GPU µs per training step of q, k, v -> attention -> (o·c).sum()
     (SGD), the attention kernels' and reduces' µs, dispatches; printed and returned."""
     import meganeura as mn
     from meganeura import optim
 
-    ops_att = sys.modules["meganeura.ops.attention"]
     rows = []
     for sname in shapes:
         B, Hq, Hkv, S, D, causal = SHAPES[sname]
@@ -538,11 +554,7 @@ def short_rows(dev, shapes=("smollm2", "whisper"), steps=20):
         for name, sets in SHORT_VARIANTS.items():
             if sname == "whisper" and name not in ("before", "after"):
                 continue
-            mods = {k: (A, k[2:]) if k.startswith("A.") else (ops_att, k) for k in sets}
-            keep = {k: getattr(*mods[k]) for k in sets}
-            for k, val in sets.items():
-                setattr(*mods[k], val)
-            try:
+            with variant(sets):
                 g = mn.Graph()
                 q = g.param("q", (B, Hq, S, D))
                 k_ = g.param("k", (B, Hkv, S, D))
@@ -553,9 +565,6 @@ def short_rows(dev, shapes=("smollm2", "whisper"), steps=20):
                 sess.set_params({n: r.standard_normal(p.shape).astype(np.float32)
                                  for n, p in g.params.items()})
                 prof = sess.profile(steps=steps, c=r.standard_normal(c.shape).astype(np.float32))
-            finally:
-                for k, val in keep.items():
-                    setattr(*mods[k], val)
             kern = [(kt.label, kt.mean_s * 1e6) for kt in prof.rows()]
             att = sum(us for lab, us in kern if lab.startswith(("attention", "reduce",
                                                                   "multi_reduce"))
@@ -646,8 +655,11 @@ def main(argv) -> None:
     for sname, shape in SHAPES.items():  # first: the headline numbers
         if "--shapes" in argv and sname not in argv[argv.index("--shapes") + 1].split(","):
             continue
-        rows += op_path(dev, sname, shape)
-        save()
+        for name in ("before", "after") if "--short" in argv else ("after",):
+            print(f"op path {sname:8} variant {name}", flush=True)
+            with variant(SHORT_VARIANTS[name]):  # "after": as the code is
+                rows += [dict(r, variant=name) for r in op_path(dev, sname, shape)]
+            save()
     if "--torch" in argv:
         for sname, shape in SHAPES.items():
             tt = torch_times(shape)
