@@ -387,18 +387,15 @@ def test_grad_sum_kernel(run, dev, rng, case):
 
 
 @pytest.mark.parametrize("early", [False, True])
-def test_first_tile_loaded_before_or_after_staging(run, dev, rng, monkeypatch, early):
-    """``EARLY_LOADS``: the first loop tile's loads issued before the own block is staged (dK/dV
-    blocks no row sees staging nothing) or in the old order (the bench's before): the forward,
-    dQ and dK/dV (3 query chunks, causal: some blocks empty) give the same values, no element
-    left unwritten (NaN-poisoned)."""
+def test_first_tile_loaded_before_or_after_staging(dev, rng, monkeypatch, early):
+    """``EARLY_LOADS``: dK/dV's first query-row tile loaded before K/V are staged (blocks no
+    row sees staging nothing) or in the old order (the bench's before): 3 query chunks, causal
+    (some blocks empty), the same values, no element left unwritten (NaN-poisoned)."""
     from meganeura.ops.attention import _dkdv_ref
 
     monkeypatch.setattr(A, "EARLY_LOADS", early)
     n, dims = 3, (1, 4, 2, 40, 40, 8, 8)
-    x, a, ref = _problem(rng, dims, {"causal": True})
-    for kind in ("fwd", "dq"):
-        _check_kind(run, kind, x, a, ref)
+    x, a, _ = _problem(rng, dims, {"causal": True})
     a2 = {**a, "splits": n, "split_heads": True, "dq_block": 16}
     names = ("q", "k", "v", "dout", "lse", "delta")
     (want,) = _dkdv_ref([x[k].astype(np.float64) for k in names], a2)

@@ -213,11 +213,11 @@ def _comp(v: str, i: int, n: int) -> str:
 # before/after timings in one process)
 FMA = True
 
-# The first loop tile's loads are issued before the own block is staged (their global
-# latencies overlap): fwd/dQ load K/V tile 0 before staging Q (and dO), dK/dV the first query
-# row tile before staging K and V (and a workgroup whose key block no row sees stages
-# nothing); False restores the old order (kept for before/after timings in one process:
-# bench/attention_bench.py --short)
+# dK/dV: the first query-row tile's loads are issued before K and V are staged (their global
+# latencies overlap; a workgroup whose key block no row sees stages nothing); False restores
+# the old order (kept for before/after timings in one process: bench/attention_bench.py
+# --short).  H200 (2026-12-01): Whisper's dK/dV 508.5 -> 505.5 µs.  The same for the forward
+# (K/V tile 0 before Q) was not kept: docs/rejected-optimizations.md
 EARLY_LOADS = True
 
 
@@ -672,21 +672,14 @@ def _rows_stage_q(g: _Gen, L, ind) -> None:
                 lambda c: ["b", "sh", "si", c])
 
 
-def _kv_first(g: _Gen, L, ind) -> None:
-    """Registers for the K/V prefetch and the first tile's loads issued."""
+def _kv_tiles(g: _Gen, L, ind) -> None:
+    """The key-tile loop's head: K/V of the first tile prefetched into registers, then per
+    tile: registers to ``Ks``/``Vs`` (keys past ``kv_hi`` as zeros), barrier, and the next
+    tile's loads issued (they land while this tile is computed)."""
+    i2 = ind + "    "
     for tag, which in (("pk", "k"), ("pv", "v")):
         g.prefetch_decl(L, ind, tag, g.loop, which)
     _kv_load(g, L, ind, "kv_lo")
-
-
-def _kv_tiles(g: _Gen, L, ind) -> None:
-    """The key-tile loop's head: K/V of the first tile prefetched into registers (here unless
-    ``EARLY_LOADS`` issued them before the rows were staged), then per tile: registers to
-    ``Ks``/``Vs`` (keys past ``kv_hi`` as zeros), barrier, and the next tile's loads issued
-    (they land while this tile is computed)."""
-    i2 = ind + "    "
-    if not EARLY_LOADS:
-        _kv_first(g, L, ind)
     L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
     g.prefetch_store(L, i2, "pk", "Ks", g.loop, "k", g.dp)
     g.prefetch_store(L, i2, "pv", "Vs", g.loop, "v", g.vp)
@@ -760,8 +753,6 @@ def _fwd_kernel(g: _Gen, t):
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
-    if EARLY_LOADS:
-        _kv_first(g, L, ind)
     _rows_stage_q(g, L, ind)
     L.append(f"{ind}var m: {_vt(RM)} = {_vt(RM)}(-{FLT_MAX});")
     L.append(f"{ind}var l: {_vt(RM)} = {_vt(RM)}(0.0);")
@@ -844,8 +835,6 @@ def _dq_kernel(g: _Gen, t):
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
-    if EARLY_LOADS:
-        _kv_first(g, L, ind)
     _rows_stage_q(g, L, ind)
     _dq_row_stats(g, L, ind)
     nc = g.acc_decl(L, ind, "o", g.wd, g.du)
