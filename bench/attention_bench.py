@@ -6,6 +6,13 @@ Checks each result against a float64 numpy reference (relative max error) and pr
 scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
 
   python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
+      [--short] [--shapes whisper,smollm2] [--share ROOFLINE_JSON]
+
+``--share ROOFLINE_JSON``: no device; SmolLM2's attention share of a profiled step (every
+attention kernel and attention-shaped reduce).  ``--short``: first, one layer's attention
+trained and profiled like the real step (each dispatch in its own timestamped pass) for
+each variant of the short-problem plan (``SHORT_VARIANTS``: before / after in one process);
+``--shapes``: op paths of these only.
 
 ``--quick``: the heuristic configuration only; ``--all``: every configuration that fits (the
 unsplit (8, 16, 4, 2) one is the configuration before split-K: the "before" row);
@@ -18,6 +25,7 @@ one new token over a KV cache of 512 / 2048 rows, batch 1 and 8, unsplit vs spli
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -445,11 +453,19 @@ def op_path(dev, sname, shape):
                                  ref)[1:]
         if nq > 1:
             parts["dq_sum"] = (0.0, reduce_us(dev, nq, (B, Hq, S, D)))
-    desc = dataclasses.replace(describe("dkdv", x, a), splits=n, dq_block=blk)
-    parts["dkdv" + ("+dq" if blk else "")] = run_config(dev, desc, x, ref)[1:]
-    if blk:
+    dx = dict(x, delta=ref["out"].astype(np.float32)) if plan["delta_in_kernel"] else x
+    desc = dataclasses.replace(describe("dkdv", dx, a), splits=n, dq_block=blk,
+                               delta_out=plan["delta_in_kernel"])
+    parts["dkdv" + ("+dq" if blk else "") + ("+delta" if desc.delta_out else "")] = \
+        run_config(dev, desc, dx, ref)[1:]
+    if not desc.delta_out:
+        parts["delta"] = (0.0, delta_us(dev, (B, Hq, S, D)))
+    if plan["grad_sum"]:
+        parts["grad_sum"] = (0.0, grad_sum_us(dev, (B, Hq, Hkv, S, S, D, D), n,
+                                              plan["split_heads"], blk))
+    elif blk:
         parts["dq_sum"] = (0.0, reduce_us(dev, -(-S // blk), (B, Hq, S, D)))
-    if n > 1 or plan["split_heads"]:
+    if (n > 1 or plan["split_heads"]) and not plan["grad_sum"]:
         lead = n * (Hq // Hkv if plan["split_heads"] else 1)  # partials per dK (dV) element
         parts["dkdv_sums"] = (0.0, reduce_us(dev, lead, (B, Hkv, S, D), members=2))
     fl = 4 * S * S * D * Hq * B * (0.5 if causal else 1.0)
@@ -462,6 +478,126 @@ def op_path(dev, sname, shape):
           f"{bwd:8.1f} µs  total {fwd + bwd:8.1f} µs = {tf:5.2f} TFLOP/s", flush=True)
     return [{"shape": sname, "kind": "op_path", "plan": plan, "parts": parts, "fwd_us": fwd,
              "bwd_us": bwd, "total_us": fwd + bwd, "tflops": tf}]
+
+
+def grad_sum_us(dev, dims, n, heads, blk):
+    """GPU µs of the one ``attention_grad_sum`` kernel of a short backward."""
+    from meganeura.kernels.attention_combine import AttentionGradSumKernel, grad_sum_sizes
+
+    size = sum(grad_sum_sizes(dims, n, heads, blk))
+    spec = kernels.emit(AttentionGradSumKernel(Strided.contiguous(f32, (size,)), dims, n, heads,
+                                               blk), dev.limits, dev.features)
+    B, Hq, Hkv, Sq, Skv, D, Dv = dims
+    bufs = [dev.upload(np.zeros(sh, np.float32)) for sh in
+            ((size,), (B, Hq, Sq, D), (B, Hkv, Skv, D), (B, Hkv, Skv, Dv))]
+    return time_dispatch(dev, spec, bufs)
+
+
+def delta_us(dev, shape):
+    """GPU µs of the graph's δ = rowsum(dO·O) reduce (one fused kernel)."""
+    import meganeura as mn
+    from meganeura.ops import reduce as R
+
+    g = mn.Graph()
+    do, o = g.input("do", shape), g.input("o", shape)
+    sess = mn.compile(g, outputs={"d": R.sum(do * o, -1)}, device=dev, optimizer=None)
+    specs = [d.spec for d in sess.executable.infer.dispatches]
+    if len(specs) != 1:
+        return float("nan")
+    bufs = [dev.upload(np.zeros(shape, np.float32)) for _ in range(2)]
+    return time_dispatch(dev, specs[0], bufs + [dev.upload(np.zeros(shape[:-1], np.float32))])
+
+
+# --short: the attention of one layer trained as the real step profiles it (sess.profile():
+# each dispatch in its own timestamped pass, as bench/roofline.py), per variant of the short
+# plan (module switches of ops/attention.py, set in one process: before/after in one run)
+SHORT_VARIANTS = {
+    "before": {"GRAD_SUM": False, "DELTA_IN_KERNEL": False, "A.EARLY_LOADS": False},
+    "delta_only": {"GRAD_SUM": False},
+    "sum_n1": {"SHORT_SPLIT_TARGET": 0},
+    "sum_n2": {"SHORT_SPLIT_ROWS": 64},
+    "after": {},
+    "after_n8": {"SHORT_SPLIT_TARGET": 1024, "SHORT_SPLIT_ROWS": 16},
+    "after_kv_heads": {"SPLIT_HEADS_BELOW": 0},
+    "after_late_loads": {"A.EARLY_LOADS": False},
+    "after_cfg_16x16": {"A.CONFIGS": ((16, 16, 1, 2),) + A.CONFIGS},
+    "after_fwd_own8": {"A.MIN_OWN_BLOCK": 8},  # the forward in 8-row blocks (144 workgroups)
+}
+
+
+@contextlib.contextmanager
+def variant(sets):
+    """Module switches set for the block (``A.NAME``: kernels/attention.py, else
+    ops/attention.py), restored after."""
+    ops_att = sys.modules["meganeura.ops.attention"]
+    mods = {k: (A, k[2:]) if k.startswith("A.") else (ops_att, k) for k in sets}
+    keep = {k: getattr(*mods[k]) for k in sets}
+    for k, val in sets.items():
+        setattr(*mods[k], val)
+    try:
+        yield
+    finally:
+        for k, val in keep.items():
+            setattr(*mods[k], val)
+
+
+def short_rows(dev, shapes=("smollm2", "whisper"), steps=20):
+    """Per variant and shape: GPU µs per training step of q, k, v -> attention -> (o·c).sum()
+    (SGD), the attention kernels' and reduces' µs, dispatches; printed and returned."""
+    import meganeura as mn
+    from meganeura import optim
+
+    rows = []
+    for sname in shapes:
+        B, Hq, Hkv, S, D, causal = SHAPES[sname]
+        r = np.random.default_rng(0)
+        for name, sets in SHORT_VARIANTS.items():
+            if sname == "whisper" and name not in ("before", "after"):
+                continue
+            with variant(sets):
+                g = mn.Graph()
+                q = g.param("q", (B, Hq, S, D))
+                k_ = g.param("k", (B, Hkv, S, D))
+                v = g.param("v", (B, Hkv, S, D))
+                c = g.input("c", (B, Hq, S, D))
+                loss = (mn.ops.attention(q, k_, v, causal=causal) * c).sum()
+                sess = mn.compile(g, loss=loss, optimizer=optim.SGD(lr=1e-4), device=dev)
+                sess.set_params({n: r.standard_normal(p.shape).astype(np.float32)
+                                 for n, p in g.params.items()})
+                prof = sess.profile(steps=steps, c=r.standard_normal(c.shape).astype(np.float32))
+            kern = [(kt.label, kt.mean_s * 1e6) for kt in prof.rows()]
+            att = sum(us for lab, us in kern if lab.startswith(("attention", "reduce",
+                                                                  "multi_reduce"))
+                      and "->()" not in lab)  # not the loss's sum
+            row = {"shape": sname, "kind": "short_step", "variant": name,
+                   "sets": {k: str(val)[:40] for k, val in sets.items()},
+                   "gpu_us": prof.gpu_ms_per_step * 1e3, "dispatches": prof.dispatches_per_step,
+                   "attention_and_reduces_us": att, "kernels": kern}
+            rows.append(row)
+            print(f"short {sname:8} {name:15} step {row['gpu_us']:8.1f} µs  {row['dispatches']:3} "
+                  f"dispatches  attention+reduces {att:8.1f} µs  | " + "; ".join(
+                      f"{lab[:40]} {us:.1f}" for lab, us in kern if us > 0), flush=True)
+    return rows
+
+
+def attention_share(path, key="smollm2-train", marks=("9, 128, 64)", "3, 3, 128, 64)")):
+    """The attention share of a profiled step (``bench/roofline.py``'s roofline.json): every
+    ``attention*`` kernel plus the reduces over attention-shaped tensors (``marks``: SmolLM2's
+    (·, 9, 128, 64) and (·, 3, 3, 128, 64) — δ = rowsum(dO·O), the dQ partial sum, the dK/dV
+    head sums), each listed; returns (attention µs per step, step µs)."""
+    with open(path) as f:
+        res = json.load(f)["workloads"][key]
+    rows = res["rows"]
+    steps = max(r["calls"] for r in rows if r["label"].startswith("attention")) // 30
+    total = sum(r["mean_us"] * r["calls"] for r in rows) / steps
+    att = [r for r in rows if r["label"].startswith("attention") or (
+        r["label"].startswith(("reduce", "multi_reduce")) and any(m in r["label"] for m in marks))]
+    for r in att:
+        print(f"share {key}: {r['label'][:72]:72} {r['calls'] // steps:3}×{r['mean_us']:6.1f} µs")
+    us = sum(r["mean_us"] * r["calls"] for r in att) / steps
+    print(f"share {key}: attention {us:8.1f} µs of {total:8.1f} µs per step = "
+          f"{100 * us / total:5.2f} % ({res['dispatches']} dispatches per step)")
+    return us, total
 
 
 def config_rows(dev, t, sname, shape, quick, everything):
@@ -487,6 +623,9 @@ def config_rows(dev, t, sname, shape, quick, everything):
 
 
 def main(argv) -> None:
+    if "--share" in argv:  # no device: the attention share of a roofline.json (30 layers)
+        attention_share(argv[argv.index("--share") + 1])
+        return
     backend = next((a for a in argv if not a.startswith("-")), "dawn")
     quick = "--quick" in argv
     if "--smoke" in argv:
@@ -509,9 +648,18 @@ def main(argv) -> None:
             with open(path, "w") as f:
                 json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
 
-    for sname, shape in SHAPES.items():  # first: the headline numbers
-        rows += op_path(dev, sname, shape)
+    if "--short" in argv:  # the profiled one-layer step per short-plan variant (first)
+        rows += short_rows(dev, ("smollm2",) if "--smoke" in argv else ("smollm2", "whisper"),
+                           3 if "--smoke" in argv else 20)
         save()
+    for sname, shape in SHAPES.items():  # first: the headline numbers
+        if "--shapes" in argv and sname not in argv[argv.index("--shapes") + 1].split(","):
+            continue
+        for name in ("before", "after") if "--short" in argv else ("after",):
+            print(f"op path {sname:8} variant {name}", flush=True)
+            with variant(SHORT_VARIANTS[name]):  # "after": as the code is
+                rows += [dict(r, variant=name) for r in op_path(dev, sname, shape)]
+            save()
     if "--torch" in argv:
         for sname, shape in SHAPES.items():
             tt = torch_times(shape)

@@ -306,3 +306,100 @@ def test_split_dq(run, rng):
     (want,) = _dq_ref([x[k].astype(np.float64) for k in names], a)
     _check(dqp, want, "partial dq")
     _check(dqp.astype(np.float64).sum(0, keepdims=True), ref["dq"], "summed dq")
+
+
+DELTA_DIMS = {"vec": (1, 4, 2, 19, 37, 8, 12), "scalar": (1, 3, 3, 17, 21, 5, 3)}
+
+
+@pytest.mark.parametrize("rules", sorted(RULES))
+@pytest.mark.parametrize("split_heads", [False, True])
+@pytest.mark.parametrize("dims", sorted(DELTA_DIMS))
+def test_dkdv_delta_from_out(run, dev, rng, split_heads, rules, dims):
+    """``delta_out``: the dK/dV kernel (dQ partials, 2 query chunks) computes δ = rowsum(dO·O)
+    itself from O, read through strides as the forward stores it for the output projection
+    ((B, S, H, Dv)); vec4 and scalar head dims, Dv != D: the outputs (poisoned with NaN) match
+    the reference given δ.  Every fitting 16-key configuration of the masked GQA case."""
+    from meganeura.kernels.ir import Strided
+    from meganeura.ops.attention import _dkdv_ref
+
+    n, dims = 2, DELTA_DIMS[dims]
+    B, Hq, Hkv, Sq, Skv, D, Dv = dims
+    x, a, ref = _problem(rng, dims, RULES[rules],
+                         mask_shape=(1, Hq, Sq, Skv) if rules == "mask" else None)
+    out = ref["out"].astype(np.float32)
+    stored = np.ascontiguousarray(out.transpose(0, 2, 1, 3))  # (B, Sq, Hq, Dv)
+    o_view = Strided(f32, out.shape, (Sq * Hq * Dv, Dv, Hq * Dv, 1), 0, out.size)
+    a2 = {**a, "splits": n, "split_heads": split_heads, "dq_block": 16}
+    names = ("q", "k", "v") + (("mask",) if rules == "mask" else ()) + ("dout", "lse")
+    x64 = [x[k].astype(np.float64) for k in names]
+    (want,) = _dkdv_ref(x64 + [out.astype(np.float64)], {**a2, "delta_out": True})
+    delta = (x["dout"].astype(np.float64) * out).sum(-1)
+    np.testing.assert_allclose(want, _dkdv_ref(x64 + [delta], a2)[0], rtol=1e-12, atol=1e-12)
+    base = dataclasses.replace(_desc("dkdv", x, a), delta=o_view, splits=n,
+                               split_heads=split_heads, dq_block=16, delta_out=True)
+    t = make_target(dev.limits, dev.features)
+    cfgs = [c for c in A.CONFIGS if c[0] * c[2] == 16 and A.config_fits("dkdv", c, D, Dv, t, True)]
+    every = rules == "mask" and not split_heads and dims == DELTA_DIMS["vec"]
+    for cfg in [()] + cfgs[:None if every else 1]:
+        desc = dataclasses.replace(base, config=cfg)
+        spec = kernels.emit(desc, dev.limits, dev.features)
+        assert "Dx[" in spec.wgsl and spec.n_bindings == len(names) + 2
+        (flat,) = _run_poisoned(dev, desc, [x[k] for k in names] + [stored], [(want.size,)])
+        _check(flat, want, f"dk|dv|dq partials, δ from O, {cfg}")
+
+
+def test_delta_out_is_for_dkdv(dev):
+    """``delta_out`` on a dQ kernel is refused (its δ must be given)."""
+    q = C(f32, (1, 2, 8, 8))
+    row = C(f32, (1, 2, 8))
+    desc = A.AttentionGradDqKernel("dq", q, q, q, None, q, row, q, True, 0.3, 0, 0,
+                                   delta_out=True)
+    with pytest.raises(kernels.CodegenError, match="delta_out"):
+        kernels.emit(desc, dev.limits, dev.features)
+
+
+GRAD_SUM_CASES = [((1, 9, 3, 32, 32, 8, 8), 4, True, 16), ((2, 4, 2, 19, 37, 8, 4), 2, False, 16),
+                  ((1, 2, 2, 7, 45, 5, 3), 1, True, 32)]
+
+
+@pytest.mark.parametrize("case", range(len(GRAD_SUM_CASES)))
+def test_grad_sum_kernel(run, dev, rng, case):
+    """``attention_grad_sum``: dQ (key blocks' partials), dK and dV (query chunks × group heads)
+    from one flat dK/dV output in one dispatch, every output element written (NaN-poisoned),
+    equal to the op's reference; a flat input of the wrong size is refused."""
+    from meganeura.kernels.attention_combine import AttentionGradSumKernel, grad_sum_sizes
+    from meganeura.ops.attention import _grad_sum_ref
+
+    dims, n, heads, blk = GRAD_SUM_CASES[case]
+    B, Hq, Hkv, Sq, Skv, D, Dv = dims
+    size = sum(grad_sum_sizes(dims, n, heads, blk))
+    flat = rng.normal(size=(size,)).astype(np.float32)
+    desc = AttentionGradSumKernel(C(f32, (size,)), dims, n, heads, blk)
+    shapes = [(B, Hq, Sq, D), (B, Hkv, Skv, D), (B, Hkv, Skv, Dv)]
+    got = _run_poisoned(dev, desc, [flat], shapes)
+    want = _grad_sum_ref([flat.astype(np.float64)], {"dims": dims, "splits": n,
+                                                     "split_heads": heads, "dq_block": blk})
+    for g, w, what in zip(got, want, ("dq", "dk", "dv"), strict=True):
+        _check(g, w, f"grad sum {what}")
+    with pytest.raises(kernels.CodegenError, match="contiguous vector"):
+        kernels.emit(dataclasses.replace(desc, part=C(f32, (size - 1,))), dev.limits,
+                     dev.features)
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_first_tile_loaded_before_or_after_staging(dev, rng, monkeypatch, early):
+    """``EARLY_LOADS``: dK/dV's first query-row tile loaded before K/V are staged (blocks no
+    row sees staging nothing) or in the old order (the bench's before): 3 query chunks, causal
+    (some blocks empty), the same values, no element left unwritten (NaN-poisoned)."""
+    from meganeura.ops.attention import _dkdv_ref
+
+    monkeypatch.setattr(A, "EARLY_LOADS", early)
+    n, dims = 3, (1, 4, 2, 40, 40, 8, 8)
+    x, a, _ = _problem(rng, dims, {"causal": True})
+    a2 = {**a, "splits": n, "split_heads": True, "dq_block": 16}
+    names = ("q", "k", "v", "dout", "lse", "delta")
+    (want,) = _dkdv_ref([x[k].astype(np.float64) for k in names], a2)
+    desc = dataclasses.replace(_desc("dkdv", x, a), splits=n, split_heads=True, dq_block=16)
+    assert ("if (R_lo < R_hi)" in kernels.emit(desc, dev.limits, dev.features).wgsl) == early
+    (flat,) = _run_poisoned(dev, desc, [x[k] for k in names], [(want.size,)])
+    _check(flat, want, f"dk|dv|dq partials, early loads {early}")

@@ -117,7 +117,49 @@ def test_fused_dq_choice():
     assert dq_fused_block(8, 16, 4096, 4096, 64, False, 0) == 0
     assert dq_fused_block(1, 8, 1024, 1024, 128, False, 0) == 0
     assert grad_plan(1, 6, 6, 1500, 1500, 64, False, 0) == {
-        "dq_block": 32, "dq_splits": 1, "split_heads": False, "splits": 4}
+        "dq_block": 32, "dq_splits": 1, "split_heads": False, "splits": 4, "grad_sum": False,
+        "delta_in_kernel": False}
+    # short: every sum in one kernel, so 4 chunks of 32 positions (288 workgroups); δ in dK/dV
     assert grad_plan(1, 9, 3, 128, 128, 64, True, 0) == {
-        "dq_block": 16, "dq_splits": 1, "split_heads": True, "splits": 1}
+        "dq_block": 16, "dq_splits": 1, "split_heads": True, "splits": 4, "grad_sum": True,
+        "delta_in_kernel": True}
     assert grad_plan(1, 8, 8, 1024, 1024, 128, False, 0)["dq_splits"] == 4
+
+
+SHORT_CASES = {
+    "gqa_causal": ((1, 6, 2, 70, 70, 8, 8), {"causal": True}),
+    "window_offset": ((2, 2, 1, 67, 75, 4, 12), {"window": 20, "q_offset": 8}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHORT_CASES))
+def test_short_backward_two_kernels(gpu, case):
+    """A short problem's backward is the dK/dV kernel (δ from O inside it, dQ partials, query
+    chunks) and one ``attention_grad_sum``: no reduce or multi-reduce kernel; the gradients
+    match the float64 reference, and the program run twice is bit-identical."""
+    dims, attrs = SHORT_CASES[case]
+    B, Hq, Hkv, Sq, Skv, D, Dv = dims
+    plan = OPS.grad_plan(B, Hq, Hkv, Sq, Skv, D, attrs.get("causal", False),
+                         attrs.get("window", 0), Dv)
+    assert plan["grad_sum"] and plan["delta_in_kernel"] and plan["splits"] == 2
+    sess = _run_case(gpu, dims, attrs, also_unfused=True)
+    kinds = _archetypes(sess)
+    assert kinds[kinds.index("attention_dkdv"):] == ["attention_dkdv", "attention_grad_sum"]
+    assert "reduce" not in kinds and "multi_reduce" not in kinds
+    dkdv = next(d.spec for d in sess.executable.infer.dispatches
+                if d.spec.meta.get("archetype") == "attention_dkdv")
+    assert "Dx[" in dkdv.wgsl
+
+
+def test_short_plan_switches(gpu, monkeypatch):
+    """The short-problem plan's parts can each be turned off (the bench's before/after): no
+    grad sum (the reduces return, no query chunks), no δ in the kernel (its reduce returns)."""
+    dims, attrs = SHORT_CASES["gqa_causal"]
+    monkeypatch.setattr(OPS, "GRAD_SUM", False)
+    sess = _run_case(gpu, dims, attrs)
+    assert "attention_grad_sum" not in _archetypes(sess)
+    monkeypatch.setattr(OPS, "GRAD_SUM", True)
+    monkeypatch.setattr(OPS, "DELTA_IN_KERNEL", False)
+    sess = _run_case(gpu, dims, attrs)
+    kinds = _archetypes(sess)
+    assert "attention_grad_sum" in kinds and "reduce" in kinds

@@ -52,7 +52,9 @@ long cache, batch-1 encoders (Whisper fwd 308 → 257 µs, dK/dV 507 → 409 µs
 the H200).  ``precision="fast"``
 forwards run ``attention_fast.py`` (tensor cores) where the device has f16 subgroup matrices.
 
-``delta = rowsum(dO·O)`` is an ordinary fused reduce kernel (built by the op's VJP).  All sums
+``delta = rowsum(dO·O)`` is an ordinary fused reduce kernel (built by the op's expansion), or,
+for short problems (``delta_out``), computed by the dK/dV kernel from the O tile it loads beside
+each dO tile (per-unit products in ``Dx``, summed per row in order into ``Dl``).  All sums
 are in a fixed order (deterministic).  Inputs are read in place through their strides (views of
 (B, S, H, D) projections need no copy); the mask is read through broadcast strides.  The tile
 configuration is chosen from the device's workgroup-storage and invocation limits and the
@@ -159,6 +161,11 @@ class AttentionKernel:
     # the own block must be ``dq_block``.  The three outputs are packed into one flat tensor
     # (``packed_sizes``): 6 storage buffers (7 with a mask), within WebGPU's default 8
     dq_block: int = 0
+    # dkdv only: the ``delta`` operand is the forward's output O (B, Hq, Sq, Dv), not δ: the
+    # kernel computes δ = rowsum(dO·O) of each staged row tile itself from the dO tile it loads
+    # anyway and O's units loaded beside it (no reduce kernel, no δ buffer; a short problem is
+    # bound by its dispatches, H200 SmolLM2: ~8 µs per dispatch in a profiled step)
+    delta_out: bool = False
 
 
 # One description type per family (the registry maps types to families); ``kind`` still says
@@ -206,6 +213,13 @@ def _comp(v: str, i: int, n: int) -> str:
 # before/after timings in one process)
 FMA = True
 
+# dK/dV: the first query-row tile's loads are issued before K and V are staged (their global
+# latencies overlap; a workgroup whose key block no row sees stages nothing); False restores
+# the old order (kept for before/after timings in one process: bench/attention_bench.py
+# --short).  H200 (2026-12-01): Whisper's dK/dV 508.5 -> 505.5 µs.  The same for the forward
+# (K/V tile 0 before Q) was not kept: docs/rejected-optimizations.md
+EARLY_LOADS = True
+
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
     """``acc`` plus the dot product of units ``a`` and ``b`` (width ``w``)."""
@@ -241,8 +255,9 @@ def _pad(units: int, tc: int) -> int:
     return max(units, -(-units // tc) * tc) + 1
 
 
-def config_words(kind: str, cfg, D: int, Dv: int) -> int:
-    """f32 words of workgroup storage configuration ``cfg`` needs."""
+def config_words(kind: str, cfg, D: int, Dv: int, delta_out: bool = False) -> int:
+    """f32 words of workgroup storage configuration ``cfg`` needs (``delta_out``: dK/dV's
+    per-unit dO·O products of a row tile, ``Dx``)."""
     TR, TC, RM, RN = cfg
     own, loop = TR * RM, TC * RN
     (wd, du), (wv, vu) = _units(D), _units(Dv)
@@ -251,13 +266,15 @@ def config_words(kind: str, cfg, D: int, Dv: int) -> int:
         return own * dp + loop * (dp + vp) + loop * TR * RM + TC * TR * RM
     if kind == "dq":
         return (own + loop) * (dp + vp) + loop * TR * RM
-    return (own + loop) * (dp + vp) + 2 * loop * TR * RM + 2 * loop
+    dx = loop * vu if delta_out else 0
+    return (own + loop) * (dp + vp) + 2 * loop * TR * RM + 2 * loop + dx
 
 
-def config_fits(kind: str, cfg, D: int, Dv: int, t) -> bool:
+def config_fits(kind: str, cfg, D: int, Dv: int, t, delta_out: bool = False) -> bool:
     TR, TC, RM, RN = cfg
     return (RM in (1, 2, 4) and TR * TC <= t.lim("max_compute_invocations_per_workgroup")
-            and 4 * config_words(kind, cfg, D, Dv) <= t.lim("max_compute_workgroup_storage_size"))
+            and 4 * config_words(kind, cfg, D, Dv, delta_out)
+            <= t.lim("max_compute_workgroup_storage_size"))
 
 
 # Forwards split into key chunks (batch-1 encoders) try these first: 64 rows × 32 keys per
@@ -267,13 +284,14 @@ SPLIT_FWD_FIRST = ((16, 8, 4, 4),)
 
 
 def choose_config(kind: str, own_n: int, n_bh: int, D: int, Dv: int, t, own: int = 0,
-                  first: tuple = ()) -> tuple:
+                  first: tuple = (), delta_out: bool = False) -> tuple:
     """The heuristic configuration: the first of ``CONFIGS`` that fits the device, whose own
     block is not (much) larger than the problem nor smaller than ``MIN_OWN_BLOCK`` (tiny blocks
     re-stage every K/V tile for a few rows), and that gives ``MIN_WORKGROUPS`` workgroups; with
     fewer possible, the threshold halves (small problems take smaller blocks)."""
     order = list(first) + [c for c in CONFIGS if c not in first]
-    fit = [c for c in order if config_fits(kind, c, D, Dv, t) and own in (0, c[0] * c[2])]
+    fit = [c for c in order if config_fits(kind, c, D, Dv, t, delta_out)
+           and own in (0, c[0] * c[2])]
     if not fit:
         raise CodegenError(f"attention {kind}: no tile configuration fits the device's "
                            f"workgroup storage (D={D}, Dv={Dv}, own block {own or 'any'})")
@@ -319,7 +337,7 @@ def resolve_config(k: AttentionKernel, t) -> tuple:
     D, Dv = k.q.shape[3], k.v.shape[3]
     if k.config:
         cfg = tuple(int(x) for x in k.config)
-        if len(cfg) != 4 or not config_fits(k.kind, cfg, D, Dv, t):
+        if len(cfg) != 4 or not config_fits(k.kind, cfg, D, Dv, t, k.delta_out):
             raise CodegenError(f"kernel {k.name!r}: tile configuration {k.config} does not fit "
                                "the device (TR, TC, RM, RN with RM in 1, 2, 4)")
         if k.dq_block and cfg[0] * cfg[2] != k.dq_block:
@@ -328,7 +346,7 @@ def resolve_config(k: AttentionKernel, t) -> tuple:
         return cfg
     own_n, n_bh = _problem(k)
     first = SPLIT_FWD_FIRST if k.kind == "fwd" and k.splits > 1 else ()
-    return choose_config(k.kind, own_n, n_bh, D, Dv, t, k.dq_block, first)
+    return choose_config(k.kind, own_n, n_bh, D, Dv, t, k.dq_block, first, k.delta_out)
 
 
 def candidates(k: AttentionKernel, target) -> list:
@@ -338,7 +356,7 @@ def candidates(k: AttentionKernel, target) -> list:
     first = resolve_config(dataclasses.replace(k, config=()), t)
     own_n, _ = _problem(k)
     D, Dv = k.q.shape[3], k.v.shape[3]
-    rest = [c for c in CONFIGS if c != first and config_fits(k.kind, c, D, Dv, t)
+    rest = [c for c in CONFIGS if c != first and config_fits(k.kind, c, D, Dv, t, k.delta_out)
             and c[0] * c[2] <= pow2ceil(own_n) and k.dq_block in (0, c[0] * c[2])]
     return [dataclasses.replace(k, config=c) for c in [first] + rest[:7]]
 
@@ -374,7 +392,10 @@ class _Gen:
                 dts.append(s.dtype)
             self.dost = bcast_strides(k.dout, (self.B, self.Hq, self.Sq, self.Dv), "dout")
             self.lst = bcast_strides(k.lse, (self.B, self.Hq, self.Sq), "lse")
-            self.dlst = bcast_strides(k.delta, (self.B, self.Hq, self.Sq), "delta")
+            if k.delta_out and k.kind != "dkdv":
+                raise CodegenError(f"kernel {k.name!r}: delta_out is for dK/dV kernels")
+            self.dlst = bcast_strides(k.delta, (self.B, self.Hq, self.Sq) + (
+                (self.Dv,) if k.delta_out else ()), "out" if k.delta_out else "delta")
         outs = {"fwd": ["out", "lse_out"], "dq": ["dq"], "dkdv": ["dk", "dv"]}[k.kind]
         self.base = {}  # first element of each output in its binding
         if k.dq_block:  # dK, dV and dQ's partials packed in one binding (<= 8 storage buffers)
@@ -419,8 +440,12 @@ class _Gen:
     def src(self, name: str, coords: list[str]) -> str:
         """Load of element ``coords`` (4 u32 expressions) of q/k/v/dout."""
         k = self.k
-        s = {"q": k.q, "k": k.k, "v": k.v, "dout": k.dout}[name]
-        strides = self.dost if name == "dout" else s.strides
+        s = {"q": k.q, "k": k.k, "v": k.v, "dout": k.dout, "out": k.delta}[name]
+        if name in ("dout", "out"):
+            strides = self.dost if name == "dout" else self.dlst
+        else:
+            strides = s.strides
+        name = "delta" if name == "out" else name  # delta_out: O in the delta binding
         return self.ld(name, index_code([f"({c})" for c in coords], strides, s.offset), s.dtype)
 
     def midx(self, b, h, i, j):
@@ -476,8 +501,8 @@ class _Gen:
 
     def prefetch_units(self, which, nrows) -> tuple[int, int, int]:
         """(vec width, units per row, registers per invocation) of a prefetched tile."""
-        w = self.wv if which in ("v", "dout") else self.wd
-        units = (self.Dv if which in ("v", "dout") else self.D) // w
+        w = self.wv if which in ("v", "dout", "out") else self.wd
+        units = (self.Dv if which in ("v", "dout", "out") else self.D) // w
         return w, units, -(-nrows * units // self.wg)
 
     def prefetch_load(self, L, ind, tag, nrows, which, pre, valid, coords, scale=None):
@@ -830,8 +855,7 @@ def _dq_kernel(g: _Gen, t):
 
 
 def _keys_head(g: _Gen, L, ind, grid, total) -> None:
-    """Block of keys, this invocation's keys, the packed query rows that can see the block;
-    stage K (pre-scaled) and V."""
+    """Block of keys, this invocation's keys, the packed query rows that can see the block."""
     k, BKV = g.k, g.own
     _grid_head(L, ind, grid, total, "kb", -(-g.Skv // BKV), "hw", g.NH, g)
     if k.split_heads:
@@ -862,33 +886,82 @@ def _keys_head(g: _Gen, L, ind, grid, total) -> None:
         L.append(f"{ind}i_hi = min(i_hi, c_hi);")
     L.append(f"{ind}let R_lo = u32(i_lo) * {u(g.P)};")
     L.append(f"{ind}let R_hi = u32(max(i_hi, i_lo)) * {u(g.P)};")
+
+
+def _stage_kv(g: _Gen, L, ind) -> None:
+    """Stage the block's K (pre-scaled) and V (after the first row tile's loads are issued:
+    the two global latencies overlap)."""
+    k, BKV = g.k, g.own
     pre = lambda rr: [f"let jj = j0 + {rr};"]  # noqa: E731
+    i2 = ind + "    " if EARLY_LOADS else ind
+    if EARLY_LOADS:
+        L.append(f"{ind}if (R_lo < R_hi) {{  // a block no row sees (causal, chunks): no loads")
     for arr, which, w, pad, sc in (("Ks", "k", g.wd, g.dp, k.scale), ("Vs", "v", g.wv, g.vp,
                                                                        None)):
-        g.stage(L, ind, arr, BKV, which, w, pad, pre, f"jj < {u(g.Skv)}",
+        g.stage(L, i2, arr, BKV, which, w, pad, pre, f"jj < {u(g.Skv)}",
                 lambda c: ["b", "hkv", "jj", c], sc)
+    if EARLY_LOADS:
+        L.append(f"{ind}}}")
 
 
 def _keys_rows(g: _Gen, L, ind) -> None:
-    """The query-row loop's head: Q, dO, lse and delta of the first tile prefetched, then per
-    tile: registers to ``Qs``/``Os``/``Ls``/``Dl``, barrier, the next tile's loads issued."""
+    """The query-row loop's head: Q, dO, lse and delta of the first tile prefetched (then K and
+    V staged), then per tile: registers to ``Qs``/``Os``/``Ls``/``Dl``, barrier, the next
+    tile's loads issued."""
     i2, BQ = ind + "    ", g.loop
+    dout = g.k.delta_out
     g.prefetch_decl(L, ind, "pq", BQ, "q")
     g.prefetch_decl(L, ind, "po", BQ, "dout")
+    if dout:
+        g.prefetch_decl(L, ind, "pz", BQ, "out")
     n = -(-BQ // g.wg)
-    L += [f"{ind}var pl{m}: f32;\n{ind}var pd{m}: f32;" for m in range(n)]
-    _rows_load(g, L, ind, "R_lo")
+    L += [f"{ind}var pl{m}: f32;" + ("" if dout else f"\n{ind}var pd{m}: f32;")
+          for m in range(n)]
+    if EARLY_LOADS:
+        _rows_load(g, L, ind, "R_lo")
+    _stage_kv(g, L, ind)
+    if not EARLY_LOADS:
+        _rows_load(g, L, ind, "R_lo")
     L.append(f"{ind}for (var R0: u32 = R_lo; R0 < R_hi; R0 = R0 + {u(BQ)}) {{")
     g.prefetch_store(L, i2, "pq", "Qs", BQ, "q", g.dp)
     g.prefetch_store(L, i2, "po", "Os", BQ, "dout", g.vp)
+    if dout:
+        _delta_products(g, L, i2)
     for m in range(n):
         e = f"lid + {u(m * g.wg)}"
-        line = f"Ls[{e}] = pl{m}; Dl[{e}] = pd{m};"
+        line = f"Ls[{e}] = pl{m};" + ("" if dout else f" Dl[{e}] = pd{m};")
         L.append(f"{i2}{line}" if (m + 1) * g.wg <= BQ else f"{i2}if ({e} < {u(BQ)}) {{ {line} }}")
     L.append(f"{i2}workgroupBarrier();")
+    if dout:
+        _delta_rows(g, L, i2)
     L.append(f"{i2}if (R0 + {u(BQ)} < R_hi) {{")
     _rows_load(g, L, i2 + "    ", f"R0 + {u(BQ)}")
     L.append(f"{i2}}}")
+
+
+def _delta_products(g: _Gen, L, ind) -> None:
+    """``delta_out``: the dot product of each prefetched dO unit with the O unit loaded beside
+    it (the same element of the tile) into ``Dx`` (row-major, ``vu`` units per row)."""
+    _, units, n = g.prefetch_units("dout", g.loop)
+    for m in range(n):
+        e = f"(lid + {u(m * g.wg)})"
+        dot = f"dot(po{m}, pz{m})" if g.wv > 1 else f"po{m} * pz{m}"
+        line = f"Dx[{e}] = {dot};"
+        L.append(f"{ind}{line}" if (m + 1) * g.wg <= g.loop * units
+                 else f"{ind}if ({e} < {u(g.loop * units)}) {{ {line} }}")
+
+
+def _delta_rows(g: _Gen, L, ind) -> None:
+    """``delta_out``: δ of each row of the tile, its units' products summed in order, to
+    ``Dl`` (read after the barrier that ``_keys_p_ds`` is preceded by)."""
+    i2 = ind + "    "
+    L.append(f"{ind}for (var r: u32 = lid; r < {u(g.loop)}; r = r + {u(g.wg)}) {{")
+    L.append(f"{i2}var dsum: f32 = 0.0;")
+    L.append(f"{i2}for (var uu: u32 = 0u; uu < {u(g.vu)}; uu = uu + 1u) {{")
+    L.append(f"{i2}    dsum = dsum + Dx[r * {u(g.vu)} + uu];")
+    L.append(f"{i2}}}")
+    L.append(f"{i2}Dl[r] = dsum;")
+    L.append(f"{ind}}}")
 
 
 def _rows_load(g: _Gen, L, ind, start: str) -> None:
@@ -898,17 +971,21 @@ def _rows_load(g: _Gen, L, ind, start: str) -> None:
     coords = lambda c: ["b", "sh", "si", c]  # noqa: E731
     g.prefetch_load(L, ind, "pq", BQ, "q", pre, "RR < R_hi", coords)
     g.prefetch_load(L, ind, "po", BQ, "dout", pre, "RR < R_hi", coords)
+    if k.delta_out:
+        g.prefetch_load(L, ind, "pz", BQ, "out", pre, "RR < R_hi", coords)
     li = index_code(["b", "sh", "si"], g.lst, k.lse.offset)
-    di = index_code(["b", "sh", "si"], g.dlst, k.delta.offset)
+    di = None if k.delta_out else index_code(["b", "sh", "si"], g.dlst, k.delta.offset)
     for m in range(-(-BQ // g.wg)):
         L.append(f"{ind}{{")
         L.append(f"{i2}let RR = {start} + lid + {u(m * g.wg)};")
         L += [i2 + x for x in g.packed("RR", "s")]
         L.append(f"{i2}pl{m} = -mn_inf();")
-        L.append(f"{i2}pd{m} = 0.0;")
+        if di:
+            L.append(f"{i2}pd{m} = 0.0;")
         L.append(f"{i2}if (RR < R_hi && lid + {u(m * g.wg)} < {u(BQ)}) {{")
         L.append(f"{i2}    pl{m} = {g.ld('lse', li, k.lse.dtype)};")
-        L.append(f"{i2}    pd{m} = {g.ld('delta', di, k.delta.dtype)};")
+        if di:
+            L.append(f"{i2}    pd{m} = {g.ld('delta', di, k.delta.dtype)};")
         L.append(f"{i2}}}")
         L.append(f"{ind}}}")
 
@@ -954,6 +1031,8 @@ def _dkdv_kernel(g: _Gen, t):
                        ("Ps", g.RM, g.loop * g.TR), ("Ds", g.RM, g.loop * g.TR),
                        ("Ls", 1, g.loop), ("Dl", 1, g.loop)):
         g.array(name, w, n)
+    if k.delta_out:
+        g.array("Dx", 1, g.loop * g.vu)
     total = -(-g.Skv // g.own) * g.B * g.NH * g.ns
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
@@ -963,6 +1042,8 @@ def _dkdv_kernel(g: _Gen, t):
     _keys_rows(g, L, ind)
     g.dots(L, i2, "s", "Ks", "Qs", g.wd, g.du, g.dp)
     g.dots(L, i2, "t", "Vs", "Os", g.wv, g.vu, g.vp)
+    if k.delta_out:  # Dl (written after the tile's first barrier) is read below
+        L.append(f"{i2}workgroupBarrier();")
     _keys_p_ds(g, L, i2)
     g.outer(L, i2, g.loop, [("av", "Ps", "Os", g.vp, nv), ("ak", "Ds", "Qs", g.dp, nk)])
     if k.dq_block:
@@ -1094,7 +1175,8 @@ def _make(kind):
                                 name=f"attention_{kind}",
                                 split_heads=bool(attrs.get("split_heads", False)),
                                 splits=int(attrs.get("splits", 1)),
-                                dq_block=int(attrs.get("dq_block", 0)))
+                                dq_block=int(attrs.get("dq_block", 0)),
+                                delta_out=bool(attrs.get("delta_out", False)))
 
     return make
 

@@ -8,7 +8,11 @@ summed in chunk order (deterministic).  Chunks with no visible key have lse_c = 
 0; a row with none at all outputs 0 and lse = -inf (the forward kernel's convention).  One
 invocation per output element; the one at column 0 also writes the row's lse.  Split-K pays off
 when (batch, head, row block) work items are few and keys many: decoding over a KV cache (one
-query row per head) and batch-1 encoders (Whisper, 1,500 positions)."""
+query row per head) and batch-1 encoders (Whisper, 1,500 positions).
+
+``attention_grad_sum`` (below) is the backward's counterpart for short problems: one kernel
+sums the fused dK/dV kernel's dQ partials and its dK/dV partials over query chunks and group
+heads (instead of a reduce and a multi-reduce)."""
 
 from __future__ import annotations
 
@@ -106,3 +110,100 @@ def _make(attrs, ins, outs):
 
 
 register("attention_combine", AttentionCombineKernel, emit, make=_make, contiguous_inputs=True)
+
+
+# ------------------------------------------------------------------ attention_grad_sum
+
+
+@dataclass(frozen=True)
+class AttentionGradSumKernel:
+    """The sums after a dK/dV kernel with ``dq_block`` in one dispatch: its one flat output
+    ``part`` holds dK's partials (splits·B, H, Skv, D), dV's (the same with Dv) — H = Hq per
+    query head (``split_heads``) or Hkv — then dQ's partials per key block (nkb·B, Hq, Sq, D);
+    outputs dq (B, Hq, Sq, D), dk (B, Hkv, Skv, D), dv (B, Hkv, Skv, Dv), contiguous.
+
+    ``dims`` = (B, Hq, Hkv, Sq, Skv, D, Dv).  Each invocation sums one output element's
+    partials in a fixed order (chunks outermost, then the heads of the group; key blocks in
+    order), so the result is deterministic.  Used where a problem is small enough to be bound
+    by its dispatches (SmolLM2: it replaces the dQ partial sum's reduce and the dK/dV head
+    sums' multi-reduce)."""
+
+    part: Strided
+    dims: tuple
+    splits: int
+    split_heads: bool
+    dq_block: int
+    name: str = "attention_grad_sum"
+
+
+def grad_sum_sizes(dims, splits: int, split_heads: bool, dq_block: int) -> tuple[int, int, int]:
+    """Elements of dK's, dV's and dQ's partials in the flat input (in that order)."""
+    B, Hq, Hkv, Sq, Skv, D, Dv = dims
+    lead = max(1, splits) * B * (Hq if split_heads else Hkv) * Skv
+    return lead * D, lead * Dv, -(-Skv // dq_block) * B * Hq * Sq * D
+
+
+def _sum_terms(src: str, base: int, idx: str, count: int, stride: int, ld) -> list[str]:
+    """``acc`` += ``src``[base + idx + c·stride] for c < count, in order (a loop)."""
+    return [f"for (var c: u32 = 0u; c < {u(count)}; c = c + 1u) {{",
+            f"    acc = acc + {ld(f'{src}[{u(base)} + {idx} + c * {u(stride)}]')};", "}"]
+
+
+def emit_grad_sum(k: AttentionGradSumKernel, limits=None, features=None,
+                  alias=None) -> KernelSpec:
+    t = make_target(limits, features)
+    B, Hq, Hkv, Sq, Skv, D, Dv = (int(x) for x in k.dims)
+    n, blk = int(k.splits), int(k.dq_block)
+    if n < 1 or blk < 1 or Hkv < 1 or Hq % Hkv:
+        raise CodegenError(f"kernel {k.name!r}: bad partial layout (dims {k.dims}, splits "
+                           f"{k.splits}, dq_block {k.dq_block})")
+    n_dk, n_dv, n_dq = grad_sum_sizes(k.dims, n, k.split_heads, blk)
+    if k.part.shape != (n_dk + n_dv + n_dq,) or k.part.offset or k.part.strides != (1,):
+        raise CodegenError(f"kernel {k.name!r}: partials {k.part.shape} are not one contiguous "
+                           f"vector of {n_dk + n_dv + n_dq}")
+    dt = k.part.dtype
+    if dt not in (f32, f16):
+        raise CodegenError(f"kernel {k.name!r}: attention of {dt.name} tensors")
+    dts = [dt] * 4
+    check_bindings(k.name, 4, t)
+    uses_f16 = check_dtypes(k.name, dts, t)
+    bd = Bindings(dts, alias)
+    src, dq, dk, dv = (bd.name(i) for i in range(4))
+    oq, okv, okv_v = B * Hq * Sq * D, B * Hkv * Skv * D, B * Hkv * Skv * Dv
+    total = oq + okv + okv_v
+    grid = make_grid(k.name, -(-total // WG), t)
+    ld = (lambda x: x) if dt is f32 else (lambda x: f"f32({x})")
+    st = (lambda x: x) if dt is f32 else (lambda x: f"{dt.wgsl}({x})")
+    G = Hq // Hkv if k.split_heads else 1
+    nkb = -(-Skv // blk)
+    ind = "    "
+    L = flat_index(grid, total, ind) + [f"{ind}var acc: f32 = 0.0;"]
+    L.append(f"{ind}if (i < {u(oq)}) {{")
+    L += [ind * 2 + x for x in _sum_terms(src, n_dk + n_dv, "i", nkb, oq, ld)]
+    L.append(f"{ind * 2}{dq}[i] = {st('acc')};")
+    for j, (lo, base, width, out) in enumerate(((oq, 0, D, dk), (oq + okv, n_dk, Dv, dv))):
+        L.append(f"{ind}}} else if (i < {u(lo + (okv if j == 0 else okv_v))}) {{"
+                 if j == 0 else f"{ind}}} else {{")
+        # e = ((b·Hkv + h)·Skv + s)·width + d -> partial ((c·B + b)·Hkv + h)·G + g, same (s, d)
+        L += [f"{ind * 2}let e = i - {u(lo)};",
+              f"{ind * 2}let bh = e / {u(Skv * width)};",
+              f"{ind * 2}let sd = e % {u(Skv * width)};"]
+        L.append(f"{ind * 2}for (var c: u32 = 0u; c < {u(n)}; c = c + 1u) {{")
+        L.append(f"{ind * 3}let p0 = ((c * {u(B * Hkv)} + bh) * {u(G)}) * {u(Skv * width)} + sd;")
+        L += [ind * 3 + x for x in _sum_terms(src, base, "p0", G, Skv * width, ld)]
+        L.append(f"{ind * 2}}}")
+        L.append(f"{ind * 2}{out}[e] = {st('acc')};")
+    L.append(f"{ind}}}")
+    src_text = module_source(module_header(uses_f16) + bd.decls(), set(), WG, L)
+    meta = {"archetype": "attention_grad_sum", "workgroup_size": WG,
+            "binding_dtypes": tuple(dts), "flops": 0}
+    return KernelSpec(k.name, src_text, bd.n, grid.workgroups, meta=meta)
+
+
+def _make_grad_sum(attrs, ins, outs):
+    return AttentionGradSumKernel(ins[0], tuple(attrs["dims"]), int(attrs["splits"]),
+                                  bool(attrs["split_heads"]), int(attrs["dq_block"]))
+
+
+register("attention_grad_sum", AttentionGradSumKernel, emit_grad_sum, make=_make_grad_sum,
+         contiguous_inputs=True)

@@ -18,14 +18,17 @@ Semantics (identical in the numpy reference and the GPU kernels):
 * NaN scores propagate (NaN outputs), as in PyTorch.
 
 The op ``attention`` has two outputs: ``out`` and ``lse`` (per-row log-sum-exp of the visible
-scores, (B, Hq, Sq), -inf for empty rows).  Its VJP computes ``delta = rowsum(dout · out)`` with
-ordinary graph ops (a fused reduce kernel) and calls ``attention_grad(q, k, v, [mask], dout, lse,
-delta) -> dq, dk, dv``, which recomputes the probabilities from q, k and lse (no Sq×Skv tensor is
-kept between forward and backward).  On the GPU ``attention_grad`` expands (``grad_plan``)
-into ``attention_grad_dkdv`` (loops over query blocks and the query heads of a kv group),
-which for short loops, and long ones without causal/window rules, also writes dQ's partial
-sums per key block (summed by a reduce), or else into that kernel and ``attention_grad_dq``
-(loops over key blocks) — deterministic, no atomics.
+scores, (B, Hq, Sq), -inf for empty rows).  Its VJP calls ``attention_grad(q, k, v, [mask], dout,
+lse, out, delta_out=True) -> dq, dk, dv`` (``delta = rowsum(dout · out)`` is computed where the
+expansion decides: a fused reduce kernel, or inside the dK/dV kernel of short problems; when the
+lse has a gradient too the VJP passes ``delta - glse`` itself), which recomputes the
+probabilities from q, k and lse (no Sq×Skv tensor is kept between forward and backward).
+On the GPU ``attention_grad`` expands (``grad_plan``) into ``attention_grad_dkdv`` (loops over
+query blocks and the query heads of a kv group), which for short loops, and long ones without
+causal/window rules, also writes dQ's partial sums per key block (summed by a reduce), or else
+into that kernel and ``attention_grad_dq`` (loops over key blocks) — deterministic, no atomics.
+Short problems (``_short_plan``) end with one ``attention_grad_sum`` kernel for all the partial
+sums: two backward dispatches.
 
 The gradient with respect to a mask that depends on parameters is computed from ordinary graph
 ops (it materializes the (B, Hq, Sq, Skv) score gradient); it is only built into the compiled
@@ -77,6 +80,18 @@ FUSED_DQ_MAX_BYTES = 128 << 20  # WebGPU's default storage-binding limit
 FUSED_DQ_MAX_D = 64
 # the separate dQ kernel splits its keys like the forward (split_count; partials summed)
 DQ_SPLIT = True
+
+# short problems (``_short_plan``): one ``attention_grad_sum`` kernel for every sum of the
+# fused backward when its flat partials are at most GRAD_SUM_MAX_BYTES (Whisper's 127 MB keep
+# the reduces), the query positions then split into chunks of at least SHORT_SPLIT_ROWS
+# aiming at SHORT_SPLIT_TARGET dK/dV workgroups (0: no such split); δ from the dK/dV kernel
+# for loops shorter than FUSED_DQ_LONG.  False / 0 restore the previous plan (before/after
+# timings in one process: bench/attention_bench.py --short)
+GRAD_SUM = True
+GRAD_SUM_MAX_BYTES = 16 << 20
+SHORT_SPLIT_TARGET = 256
+SHORT_SPLIT_ROWS = 32
+DELTA_IN_KERNEL = True
 
 
 def split_count(items: int, length: int, min_len: int = SPLIT_MIN_LEN,
@@ -234,6 +249,8 @@ def _grad_parts(xs, a):
     i = 3 + int(a["has_mask"])
     mask = xs[3] if a["has_mask"] else None
     dout, lse, delta = xs[i:i + 3]
+    if a.get("delta_out"):  # the operand is the forward's output O: δ = rowsum(dO·O)
+        delta = np.sum(dout * delta, axis=-1)
     B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
     p = _probs(q, k, mask, lse, a).astype(q.dtype)
     pg = p.reshape(B, Hkv, G, Sq, Skv)
@@ -338,9 +355,11 @@ def _grad_operands(types, a):
     dt = types[0].dtype
     if dout.shape != (B, Hq, Sq, Dv) or dout.dtype != dt:
         raise ShapeError(f"dout must be {dt.name}{(B, Hq, Sq, Dv)}, got {dout}")
+    want = {"lse": (B, Hq, Sq), "delta": (B, Hq, Sq) + ((Dv,) if a.get("delta_out") else ())}
     for name, t in (("lse", lse), ("delta", delta)):
-        if t.shape != (B, Hq, Sq) or t.dtype != dt:
-            raise ShapeError(f"{name} must be {dt.name}{(B, Hq, Sq)}, got {t}")
+        if t.shape != want[name] or t.dtype != dt:
+            what = "out (delta_out)" if name == "delta" and a.get("delta_out") else name
+            raise ShapeError(f"{what} must be {dt.name}{want[name]}, got {t}")
     return types[0], types[1], types[2]
 
 
@@ -367,6 +386,34 @@ def _dkdv_infer(types, a):
     return res
 
 
+def _grad_sum_sizes(a) -> tuple[int, int, int]:
+    B, Hq, Hkv, Sq, Skv, D, Dv = a["dims"]
+    lead = max(1, a["splits"]) * B * (Hq if a["split_heads"] else Hkv) * Skv
+    return lead * D, lead * Dv, -(-Skv // a["dq_block"]) * B * Hq * Sq * D
+
+
+def _grad_sum_infer(types, a):
+    (flat,) = types
+    B, Hq, Hkv, Sq, Skv, D, Dv = a["dims"]
+    if flat.shape != (sum(_grad_sum_sizes(a)),):
+        raise ShapeError(f"attention_grad_sum: partials {flat.shape} are not the flat dK/dV "
+                         f"output of dims {a['dims']} ({sum(_grad_sum_sizes(a))} elements)")
+    return [TensorType((B, Hq, Sq, D), flat.dtype), TensorType((B, Hkv, Skv, D), flat.dtype),
+            TensorType((B, Hkv, Skv, Dv), flat.dtype)]
+
+
+def _grad_sum_ref(xs, a):
+    """dQ, dK, dV from the flat output of a dK/dV kernel with ``dq_block``: the key blocks'
+    dQ partials summed, dK/dV summed over the query chunks (and the group's heads)."""
+    B, Hq, Hkv, Sq, Skv, D, Dv = a["dims"]
+    parts = np.split(xs[0], np.cumsum(_grad_sum_sizes(a))[:2])
+    lead = (max(1, a["splits"]), B, Hkv, Hq // Hkv if a["split_heads"] else 1)
+    dk = parts[0].reshape(lead + (Skv, D)).sum((0, 3))
+    dv = parts[1].reshape(lead + (Skv, Dv)).sum((0, 3))
+    dq = parts[2].reshape((-1, B, Hq, Sq, D)).sum(0)
+    return [x.astype(xs[0].dtype) for x in (dq, dk, dv)]
+
+
 # ------------------------------------------------------------------ VJPs
 
 
@@ -377,14 +424,18 @@ def _attention_vjp(n, c):
     gout, glse = c
     if gout is None:
         gout = E.zeros_like(out)
-    delta = R.sum(gout * out, -1)
-    if glse is not None:
-        delta = delta - glse
     extra = (mask,) if mask is not None else ()
-    dq, dk, dv = n.out.graph.apply("attention_grad", q, k, v, *extra, gout, lse, delta,
-                                   **n.attrs)
+    delta = None
+    if glse is None:  # δ = rowsum(dO·O): where the expansion computes it (maybe in dK/dV)
+        dq, dk, dv = n.out.graph.apply("attention_grad", q, k, v, *extra, gout, lse, out,
+                                       **n.attrs, delta_out=True)
+    else:
+        delta = R.sum(gout * out, -1) - glse
+        dq, dk, dv = n.out.graph.apply("attention_grad", q, k, v, *extra, gout, lse, delta,
+                                       **n.attrs)
     res = [dq, dk, dv]
     if mask is not None:
+        delta = R.sum(gout * out, -1) if delta is None else delta
         res.append(_mask_grad(q, k, v, mask, gout, lse, delta, n.attrs))
     return res
 
@@ -445,28 +496,63 @@ def grad_plan(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, D: int, causal: bool
     block of that many keys; 0: a separate dQ kernel over ``dq_splits`` key chunks),
     ``split_heads`` (dK/dV per query head, summed over the group) and ``splits`` (dK/dV over
     that many chunks of query positions, summed) — too few (batch, kv head, key block) work
-    items fill no GPU, hence the splits and their deterministic sums."""
+    items fill no GPU, hence the splits and their deterministic sums; ``grad_sum`` (one
+    ``attention_grad_sum`` kernel does every sum) and ``delta_in_kernel`` (the dK/dV kernel
+    computes δ = rowsum(dO·O) itself) for short problems (``_short_plan``)."""
     G = Hq // Hkv
+    dv = D if Dv is None else Dv
     heads = G > 1 and B * Hkv * -(-Skv // 16) < SPLIT_HEADS_BELOW
     n = split_count(B * (Hq if heads else Hkv) * -(-Skv // 32), Sq, SPLIT_MIN_LEN_FULL)
     plan = {"dq_block": dq_fused_block(B, Hq, Sq, Skv, D, causal, window), "dq_splits": 1,
-            "split_heads": heads, "splits": n}
-    if plan["dq_block"] and _packed_bytes(B, Hq, Hkv, Sq, Skv, D, D if Dv is None else Dv,
-                                          plan) > FUSED_DQ_MAX_BYTES:
+            "split_heads": heads, "splits": n, "grad_sum": False, "delta_in_kernel": False}
+    if plan["dq_block"] and _packed_bytes(B, Hq, Hkv, Sq, Skv, D, dv, plan) > FUSED_DQ_MAX_BYTES:
         plan["dq_block"] = 0
+    if plan["dq_block"]:
+        _short_plan(plan, B, Hq, Hkv, Sq, Skv, D, dv)
     if DQ_SPLIT and not plan["dq_block"]:
         plan["dq_splits"] = split_count(B * Hkv * -(-G * Sq // 32), Skv, SPLIT_MIN_LEN_FULL)
     return plan
 
 
+def _short_plan(plan: dict, B, Hq, Hkv, Sq, Skv, D, Dv) -> None:
+    """A fused-dQ backward whose partials are small (≤ GRAD_SUM_MAX_BYTES) is bound by its
+    dispatches, not its arithmetic (SmolLM2, 128 positions: ~8 µs per dispatch in a profiled
+    H200 step, the kernels themselves a few µs): one ``attention_grad_sum`` kernel replaces the
+    dQ partial sum and the head/chunk sums, so splitting the query positions into chunks of
+    ≥ SHORT_SPLIT_ROWS (more workgroups, a shorter serial loop each, aiming at
+    SHORT_SPLIT_TARGET of them) costs no extra dispatch; a short loop (< FUSED_DQ_LONG keys)
+    also takes δ from the dK/dV kernel (no reduce kernel)."""
+    plan["delta_in_kernel"] = DELTA_IN_KERNEL and Skv < FUSED_DQ_LONG
+    if not GRAD_SUM:
+        return
+    n = plan["splits"]
+    if n == 1 and SHORT_SPLIT_TARGET:
+        blocks = B * (Hq if plan["split_heads"] else Hkv) * -(-Skv // plan["dq_block"])
+        n = max(1, min(-(-SHORT_SPLIT_TARGET // blocks), Sq // SHORT_SPLIT_ROWS))
+        n = -(-Sq // -(-Sq // n))  # no empty chunk
+    for m in dict.fromkeys((n, plan["splits"])):
+        if _packed_bytes(B, Hq, Hkv, Sq, Skv, D, Dv, {**plan, "splits": m}) <= GRAD_SUM_MAX_BYTES:
+            plan.update(splits=m, grad_sum=True)
+            return
+
+
 def _expand_grad(graph, node):
-    a = node.attrs
-    ins = node.inputs
+    a = dict(node.attrs)
+    ins = list(node.inputs)
     q, k, v = ins[:3]
     B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
     plan = grad_plan(B, Hq, Hkv, Sq, Skv, D, a["causal"], a["window"], Dv)
     blk, nq, heads, n = (plan[x] for x in ("dq_block", "dq_splits", "split_heads", "splits"))
     extra = ({"split_heads": True} if heads else {}) | ({"splits": n} if n > 1 else {})
+    if a.pop("delta_out", False):  # the last operand is O
+        if blk and plan["delta_in_kernel"]:
+            extra["delta_out"] = True
+        else:
+            ins[-1] = R.sum(ins[-3] * ins[-1], -1)
+    if blk and plan["grad_sum"]:  # one flat output, one kernel for every sum
+        flat = graph.apply("attention_grad_dkdv", *ins, **a, **extra, dq_block=blk)
+        return list(graph.apply("attention_grad_sum", flat, dims=(B, Hq, Hkv, Sq, Skv, D, Dv),
+                                splits=n, split_heads=heads, dq_block=blk))
     if blk:  # one flat output: dK, dV, dQ's partials (views of it, no copies)
         flat = graph.apply("attention_grad_dkdv", *ins, **a, **extra, dq_block=blk)
         lead = max(n, 1) * B * (Hq if heads else Hkv) * Skv
@@ -517,6 +603,7 @@ defop("attention_combine", _combine_infer, _combine_ref, None, Kernel("attention
 defop("attention_grad", _grad_infer, _grad_ref, None, Composite(_expand_grad))
 defop("attention_grad_dq", _dq_infer, _dq_ref, None, Kernel("attention_grad_dq"))
 defop("attention_grad_dkdv", _dkdv_infer, _dkdv_ref, None, Kernel("attention_grad_dkdv"))
+defop("attention_grad_sum", _grad_sum_infer, _grad_sum_ref, None, Kernel("attention_grad_sum"))
 
 
 # ------------------------------------------------------------------ builders
