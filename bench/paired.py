@@ -150,6 +150,39 @@ def print_table(recs: list[dict]) -> None:
                   f"{r['median']:8.2f} [{r['min']:.2f}, {r['max']:.2f}]  {verdict(r)}")
 
 
+def plot(recs: list[dict], path: str) -> None:
+    """Bars: ours ÷ each PyTorch cell (median over rounds, whiskers: the best and worst round),
+    inference and training side by side per workload; below 1 = ours faster."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in recs if r.get("ratios")]
+    others = [o for o in ("eager", "compile", "graph")
+              if any(f"ours/{o}/infer" in r["ratios"] for r in recs)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    width = 0.8 / max(len(others), 1)
+    for ax, mode in zip(axes, ("infer", "train")):
+        for j, other in enumerate(others):
+            xs, med, lo, hi = [], [], [], []
+            for i, r in enumerate(recs):
+                q = r["ratios"].get(f"ours/{other}/{mode}")
+                if q:
+                    xs.append(i + (j - (len(others) - 1) / 2) * width)
+                    med.append(q["median"])
+                    lo.append(q["median"] - q["min"])
+                    hi.append(q["max"] - q["median"])
+            ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=f"÷ {other}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(recs)), [r["workload"] for r in recs])
+        ax.set_title({"infer": "inference", "train": "SGD training step"}[mode])
+    axes[0].set_ylabel("ours ÷ PyTorch (< 1: ours faster)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="whisper,resnet50,unet,smolvla,smollm2")
@@ -162,7 +195,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny configs (lavapipe/CPU)")
     p.add_argument("--out", required=True)
+    p.add_argument("--plot", help="only draw the PNG of the --out JSON (no timing)")
     args = p.parse_args(argv)
+    if args.plot:
+        with open(args.out) as f:
+            plot(json.load(f), args.plot)
+        return 0
     if args.torch_device is None:
         import torch
 
