@@ -162,3 +162,25 @@ def test_paired_rounds_quick(gpu, bench_path, tmp_path):
     assert paired.verdict({"median": 0.8, "min": 0.7, "max": 0.99}) == "faster"
     assert paired.verdict({"median": 0.8, "min": 0.7, "max": 1.01}) == "parity"
     assert paired.verdict({"median": 1.2, "min": 1.01, "max": 1.3}) == "slower"
+    png = tmp_path / "p.png"
+    assert paired.main(["--out", str(out), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 5000  # a drawn figure (the bars of the run above)
+
+
+def test_harness_times_resident_inputs_and_reports_the_upload(gpu, bench_path):
+    """Our timed steps read feeds already on the GPU (as PyTorch's do); the upload is timed
+    on its own and reported as ``feed_upload_ms``."""
+    import harness
+    from workloads import WORKLOADS
+
+    import meganeura as mn
+
+    w = WORKLOADS["mlp"](True, "main")
+    sess = mn.compile(w.graph, outputs=w.outputs)
+    sess.set_params(w.params)
+    calls = []
+    orig = sess._upload_feeds
+    sess._upload_feeds = lambda arrays: (calls.append(1), orig(arrays))
+    res = harness.time_ours(sess, True, w.feeds, 2, 3)
+    assert res["median_ms"] > 0 and res["feed_upload_ms"] > 0
+    assert len(calls) == 1 + 5  # once before the 5 timed/warm-up steps, 5 × for the upload timing
