@@ -140,6 +140,9 @@ def measure(a) -> dict:
                        "gpu_ms": prof.gpu_ms_per_step, "wall_ms": prof.step_wall_ms,
                        "gemm_us": gemm_groups(prof)}
                 res["runs"].append(row)
+                if a.json:  # partial results survive a time limit
+                    with open(a.json, "w") as f:
+                        json.dump(res, f, indent=1)
                 print(f"r{r} {mode:5} {name:6} GPU {row['gpu_ms']:7.3f} ms  " + "  ".join(
                     f"{s} {u:.0f}" for s, u in sorted(row["gemm_us"].items())), flush=True)
     return res
