@@ -196,6 +196,8 @@ def list_plans(workloads: str, variant: str = "base") -> dict:
             rows = sorted({f"{d.label}  [{d.variant}]" for d in stream.dispatches
                            if d.label.startswith("matmul")})
             out[f"{name}-{mode}"] = rows
+            if not rows:
+                print(f"{name}-{mode}: no matmul dispatches", flush=True)
             for r in rows:
                 print(f"{name}-{mode}: {r}", flush=True)
     return out
