@@ -241,3 +241,27 @@ def test_head_concats_are_written_in_place_even_nested(gpu):
     assert not [lbl for lbl in s.kernel_labels() if lbl.startswith("concat")], s.kernel_labels()
     want = reference.evaluate(g, [out], params, np.float64)[0]
     np.testing.assert_allclose(s.run()["out"], want, rtol=1e-5)
+
+
+def test_split_k_counts_64x64_tiles_to_three_per_sm():
+    """GEMMs of 64+ 64x64 tiles but few 128x128 ones split K until SPLIT_K_FILL 64x64 tiles,
+    and the split batch then runs on 64x64 tiles (choose_config): Whisper's long-K GEMMs get 3
+    (432 workgroups), 1152x384x1500 gets 4; the small-M rule (SmolLM2, Whisper's 384x384) and
+    the no-split cases are unchanged."""
+    from meganeura.compile.schedule import SPLIT_K_FILL, split_k
+    from meganeura.dtypes import f32
+    from meganeura.kernels import MatmulKernel, Strided
+    from meganeura.kernels.matmul import STRICT_LADDER, choose_config
+
+    def sk(m, n, k):
+        return split_k(MatmulKernel(1, m, n, k, Strided.contiguous(f32, (1, m, k)),
+                                    Strided.contiguous(f32, (1, k, n))))
+
+    for m, n, k, want in ((1500, 384, 1536, 3), (1536, 384, 1500, 3), (384, 1536, 1500, 3),
+                          (1500, 384, 1152, 3), (1152, 384, 1500, 4)):
+        s = sk(m, n, k)
+        assert s == want, (m, n, k, s)
+        assert s * -(-m // 64) * -(-n // 64) >= SPLIT_K_FILL
+        assert choose_config(s, m, n, k // s) == STRICT_LADDER[1]  # 64x64, 8x4 per thread
+    assert (sk(384, 384, 1500), sk(128, 576, 960), sk(128, 576, 1536)) == (6, 12, 12)
+    assert sk(1500, 1536, 384) == 1 and sk(1500, 384, 384) == 1 and sk(2048, 2048, 4096) == 1

@@ -120,3 +120,25 @@ def test_config_errors_and_tensor_core_configs_fit():
                                          precision="fast", config=g), lim, feats)
         assert spec.meta["workgroup_storage"] <= 48 * 1024
         assert spec.meta["workgroup_size"] == 32 * g.rm * g.rn
+
+
+@pytest.mark.parametrize("b,m,n,k,want", [
+    (1, 1500, 1536, 384, 1),  # Whisper fc1: 288 128x64 workgroups < 396 at K >= LONG_K
+    (1, 1500, 1536, 383, 0),  # shorter K: 288 fill the GPU
+    (3, 1500, 384, 512, 1),  # Whisper fc2 split 3 (216 128x64 workgroups)
+    (1, 1500, 1152, 384, 1), (1, 1500, 384, 384, 2),  # qkv, out projection: unchanged
+    (4, 1024, 196, 512, 1),  # 64x64 tiles keep FILL_WORKGROUPS (exactly 256 here)
+    (4, 256, 3136, 64, 0), (1, 4096, 4096, 4096, 0),
+])
+def test_choose_config_long_k_fill(b, m, n, k, want):
+    """Strict tiles over 64x64 need FILL_WORKGROUPS_LONG_K workgroups once K >= LONG_K (the
+    tail wave of long-running big tiles idles the GPU); smaller tiles and tensor cores keep
+    FILL_WORKGROUPS."""
+    from meganeura.kernels.matmul import FILL_WORKGROUPS_LONG_K, LONG_K
+
+    g = choose_config(b, m, n, k)
+    assert g == STRICT_LADDER[want]
+    big = STRICT_LADDER[0]
+    wg_big = b * -(-m // big.tm) * -(-n // big.tn)
+    assert (want == 0) == (wg_big >= (FILL_WORKGROUPS_LONG_K if k >= LONG_K else 256))
+    assert choose_config(1, 1500, 1536, 384, tensor_cores=True) == TC_LADDER[2]  # 288 of 128x64

@@ -733,11 +733,20 @@ SPLIT_K_SMALL_TILES = 64
 SPLIT_K_SMALL_CHUNK = 64
 SPLIT_K_TARGET = 264  # two workgroups per SM of a 132-SM GPU
 SPLIT_K_SMALL_MAX = 12  # the most measured (best of 2..12 at 1x128x576x{960,1536,3072})
+# Larger GEMMs (at least SPLIT_K_SMALL_TILES 64x64 tiles, fewer than SPLIT_K_MIN_TILES 128x128
+# tiles) split until there are SPLIT_K_FILL 64x64 tiles: three workgroups per SM.  H200, Dawn,
+# inside Whisper's steps (bench/whisper_gemm_variants.py, docs/benchmarks.md 2026-12-01), µs per
+# step incl. the sums: 1500x384x1536 split 3 (432 workgroups of 64x64) 365 vs split 4 (288 of
+# 128x64) 467, splits 2/6/8/12 375-424; 1536x384x1500 331 vs 357; 384x1536x1500 335 vs 359;
+# 1500x384x1152 296 vs 306.  1152x384x1500 gets 4 (unmeasured; 3: 282, 5: 297, 6: 274).
+SPLIT_K_FILL = 396
 
 
 def split_k(desc: ir.MatmulKernel) -> int:
     """How many K chunks a single-batch matmul with few output tiles should be split into
-    (1 = no split).  A divisor of K, so every chunk has the same length."""
+    (1 = no split).  A divisor of K, so every chunk has the same length.  The target counts
+    64x64 tiles, the tile ``choose_config`` falls back to when a split leaves too few 128x64
+    workgroups, so the split and the tile choice together fill the GPU."""
     if desc.batch != 1 or desc.m <= 4 or desc.n <= 4:
         return 1
     small = -(-desc.m // 64) * -(-desc.n // 64)
@@ -747,7 +756,7 @@ def split_k(desc: ir.MatmulKernel) -> int:
         tiles = -(-desc.m // 128) * -(-desc.n // 128)
         if tiles >= SPLIT_K_MIN_TILES or desc.k < 4 * SPLIT_K_MIN_CHUNK:
             return 1
-        want = min(desc.k // SPLIT_K_MIN_CHUNK, -(-2 * SPLIT_K_MIN_TILES // tiles), 64)
+        want = min(desc.k // SPLIT_K_MIN_CHUNK, -(-SPLIT_K_FILL // small), 64)
     for s in range(want, 1, -1):
         if desc.k % s == 0:
             return s

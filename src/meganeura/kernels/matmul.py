@@ -130,6 +130,15 @@ STRICT_EXTRAS = (
 TC_EXTRAS = (NAMED["sgmat128"], Cfg("sgmat", 128, 256, 2, 4, 32, 8),
              Cfg("sgmat", 128, 256, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32, 2))
 FILL_WORKGROUPS = 256
+# With K of at least LONG_K (per chunk, after split-K) a strict tile bigger than 64x64 needs
+# FILL_WORKGROUPS_LONG_K workgroups (three per SM of a 132-SM GPU): each workgroup's run time
+# grows with K and its tile, so a barely started second wave of big tiles idles most SMs for
+# long; 64x64 tiles keep FILL_WORKGROUPS (so ResNet-50's 4x1024x196x512 keeps its 256).  H200,
+# Dawn, inside Whisper's steps (bench/whisper_gemm_variants.py, 2026-12-01), µs per step:
+# 1500x1536x384 on 64x64 tiles (576 workgroups) 401 inference / 645 training vs 437 / 729 on
+# 128x64 (288).  Short-K GEMMs keep the big tiles (ResNet-50's 4x256x3136x64: 392 of 128x64).
+FILL_WORKGROUPS_LONG_K = 396
+LONG_K = 384
 # tensor cores (precision "fast") only for GEMMs of at least this many 64×64 output tiles:
 # smaller ones run faster on the strict kernels, which split K (H200: 1x128x576x960 62 µs on
 # tensor cores against 13.5–17 µs strict)
@@ -310,14 +319,17 @@ def _config(k: MatmulKernel, c: _Ctx, t) -> Cfg:
 def choose_config(B: int, M: int, N: int, K: int, tensor_cores: bool = False) -> Cfg:
     """The heuristic default (what runs without a tuning cache): gemv when M or N ≤ 4, else
     the biggest tile of the ladder that still gives ``FILL_WORKGROUPS`` workgroups (enough to
-    fill a big GPU), the smallest otherwise."""
+    fill a big GPU; ``FILL_WORKGROUPS_LONG_K`` for strict tiles over 64x64 with K ≥ ``LONG_K``),
+    the smallest otherwise."""
     if min(M, N) <= GEMV_MAX:
         return GEMV
     if B * -(-M // 64) * -(-N // 64) < TC_MIN_TILES:
         tensor_cores = False
     ladder = TC_LADDER if tensor_cores else STRICT_LADDER
+    long_k = K >= LONG_K and not tensor_cores
     for g in ladder:
-        if B * -(-M // g.tm) * -(-N // g.tn) >= FILL_WORKGROUPS:
+        fill = FILL_WORKGROUPS_LONG_K if long_k and g.tm * g.tn > 64 * 64 else FILL_WORKGROUPS
+        if B * -(-M // g.tm) * -(-N // g.tn) >= fill:
             return g
     return ladder[-1]
 
