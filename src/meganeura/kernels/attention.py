@@ -220,6 +220,22 @@ FMA = True
 # (K/V tile 0 before Q) was not kept: docs/rejected-optimizations.md
 EARLY_LOADS = True
 
+# Short loops: a kernel whose loop dimension (keys for fwd/dQ, query positions for dK/dV) is
+# shorter than SHORT_LOOP walks a few tiles (SmolLM2's 128 positions: at most 4), so it is
+# bound by the latency of its first loads rather than by its loop (Whisper's 1,500 positions
+# are not short: its kernels stay as they are, WGSL byte-identical).  For those:
+# SHORT_EARLY_KV: fwd/dQ issue K/V tile 0's loads before staging Q (and dO) — measured a loss
+# for Whisper's forward (docs/rejected-optimizations.md), hence short loops only;
+# SHORT_REG_STAGE: the own block (fwd/dQ: Q, dO; dK/dV: K, V) is staged through registers,
+# every load issued before the first store (one global latency instead of one per pass of
+# the staging loop; matters where the data is cold, as in the backward of a whole step);
+# SHORT_FWD_FIRST: configurations a short forward tries first.  False / () restore the old
+# kernels (kept for before/after timings in one process: bench/attention_bench.py --roof)
+SHORT_LOOP = 512
+SHORT_EARLY_KV = True
+SHORT_REG_STAGE = True
+SHORT_FWD_FIRST: tuple = ()
+
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
     """``acc`` plus the dot product of units ``a`` and ``b`` (width ``w``)."""
@@ -333,6 +349,12 @@ def _problem(k: AttentionKernel) -> tuple[int, int]:
     return Sq * (Hq // Hkv), ns * B * Hkv
 
 
+def is_short(k: AttentionKernel) -> bool:
+    """Whether the kernel's loop dimension (keys for fwd/dQ, query positions for dK/dV) is
+    shorter than ``SHORT_LOOP`` (latency-bound: see ``SHORT_EARLY_KV``)."""
+    return (k.q.shape[2] if k.kind == "dkdv" else k.k.shape[2]) < SHORT_LOOP
+
+
 def resolve_config(k: AttentionKernel, t) -> tuple:
     D, Dv = k.q.shape[3], k.v.shape[3]
     if k.config:
@@ -346,6 +368,8 @@ def resolve_config(k: AttentionKernel, t) -> tuple:
         return cfg
     own_n, n_bh = _problem(k)
     first = SPLIT_FWD_FIRST if k.kind == "fwd" and k.splits > 1 else ()
+    if k.kind == "fwd" and k.splits == 1 and is_short(k):
+        first = SHORT_FWD_FIRST
     return choose_config(k.kind, own_n, n_bh, D, Dv, t, k.dq_block, first, k.delta_out)
 
 
@@ -419,6 +443,9 @@ class _Gen:
         self.widths: dict[str, int] = {}
         self.words = 0
         self.ns = int(k.splits)
+        short = is_short(k)
+        self.reg_stage = SHORT_REG_STAGE and short  # see SHORT_LOOP
+        self.kv_early = SHORT_EARLY_KV and short and k.kind in ("fwd", "dq")
         if self.ns < 1 or (self.ns > 1 and k.out_bshd):
             raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (>= 1, not with "
                                "out_bshd)")
@@ -478,7 +505,15 @@ class _Gen:
     def stage(self, L, ind, arr, nrows, which, w, pad, pre, valid, coords, scale=None):
         """Copy ``nrows`` rows of ``which`` (one vec unit per step) into workgroup array
         ``arr`` (row stride ``pad`` units).  ``pre(rr)``: lines deriving coordinates from local
-        row ``rr``; ``valid``: condition; ``coords(col)``: the element's 4 coordinates."""
+        row ``rr``; ``valid``: condition; ``coords(col)``: the element's 4 coordinates.
+        With ``reg_stage`` (short loops) through registers ``g{arr}{m}``: every load issued
+        before the first store, not one load-store pass after another."""
+        if self.reg_stage:
+            tag = f"g{arr}"
+            self.prefetch_decl(L, ind, tag, nrows, which)
+            self.prefetch_load(L, ind, tag, nrows, which, pre, valid, coords, scale)
+            self.prefetch_store(L, ind, tag, arr, nrows, which, pad)
+            return
         dim = self.Dv if which in ("v", "dout") else self.D
         units = dim // w
         i2, i3 = ind + "    ", ind + "        "
@@ -672,14 +707,21 @@ def _rows_stage_q(g: _Gen, L, ind) -> None:
                 lambda c: ["b", "sh", "si", c])
 
 
-def _kv_tiles(g: _Gen, L, ind) -> None:
-    """The key-tile loop's head: K/V of the first tile prefetched into registers, then per
-    tile: registers to ``Ks``/``Vs`` (keys past ``kv_hi`` as zeros), barrier, and the next
-    tile's loads issued (they land while this tile is computed)."""
-    i2 = ind + "    "
+def _kv_first(g: _Gen, L, ind) -> None:
+    """Registers for the K/V prefetch and the first tile's loads issued."""
     for tag, which in (("pk", "k"), ("pv", "v")):
         g.prefetch_decl(L, ind, tag, g.loop, which)
     _kv_load(g, L, ind, "kv_lo")
+
+
+def _kv_tiles(g: _Gen, L, ind) -> None:
+    """The key-tile loop's head: K/V of the first tile prefetched into registers (here, or
+    with ``kv_early`` before the rows were staged), then per tile: registers to ``Ks``/``Vs``
+    (keys past ``kv_hi`` as zeros), barrier, and the next tile's loads issued (they land while
+    this tile is computed)."""
+    i2 = ind + "    "
+    if not g.kv_early:
+        _kv_first(g, L, ind)
     L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
     g.prefetch_store(L, i2, "pk", "Ks", g.loop, "k", g.dp)
     g.prefetch_store(L, i2, "pv", "Vs", g.loop, "v", g.vp)
@@ -753,6 +795,8 @@ def _fwd_kernel(g: _Gen, t):
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
+    if g.kv_early:
+        _kv_first(g, L, ind)
     _rows_stage_q(g, L, ind)
     L.append(f"{ind}var m: {_vt(RM)} = {_vt(RM)}(-{FLT_MAX});")
     L.append(f"{ind}var l: {_vt(RM)} = {_vt(RM)}(0.0);")
@@ -835,6 +879,8 @@ def _dq_kernel(g: _Gen, t):
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
+    if g.kv_early:
+        _kv_first(g, L, ind)
     _rows_stage_q(g, L, ind)
     _dq_row_stats(g, L, ind)
     nc = g.acc_decl(L, ind, "o", g.wd, g.du)
