@@ -593,6 +593,7 @@ KERNEL_VARIANTS = {
     "after": {},
     "fwd_16x16": {"A.SHORT_FWD_FIRST": ((16, 16, 1, 2),)},  # 16 rows × 32 keys, 256 inv.
     "fwd_16x64": {"A.SHORT_FWD_FIRST": ((16, 16, 1, 4),)},  # 16 rows × 64 keys, 256 inv.
+    "fwd_own8": {"A.MIN_OWN_BLOCK": 8},  # the forward in 8-row blocks (144 workgroups)
 }
 
 
