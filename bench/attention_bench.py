@@ -586,14 +586,15 @@ def short_rows(dev, shapes=("smollm2", "whisper"), steps=20):
 
 # --kvariants NAMES (with --roof and/or the op paths): the short-loop kernel switches of
 # kernels/attention.py, set in one process (before / after and each change alone)
+# (H200 2026-12-01: "after" then was today's "cfg_default", "fwd_16x64" today's "after")
 KERNEL_VARIANTS = {
-    "before": {"A.SHORT_EARLY_KV": False, "A.SHORT_REG_STAGE": False},
-    "early_kv": {"A.SHORT_REG_STAGE": False},
-    "reg_stage": {"A.SHORT_EARLY_KV": False},
-    "after": {},
+    "before": {"A.SHORT_EARLY_KV": False, "A.SHORT_REG_STAGE": False, "A.SHORT_FWD_FIRST": ()},
+    "early_kv": {"A.SHORT_REG_STAGE": False, "A.SHORT_FWD_FIRST": ()},
+    "reg_stage": {"A.SHORT_EARLY_KV": False, "A.SHORT_FWD_FIRST": ()},
+    "cfg_default": {"A.SHORT_FWD_FIRST": ()},  # both switches, the forward's old tiles
     "fwd_16x16": {"A.SHORT_FWD_FIRST": ((16, 16, 1, 2),)},  # 16 rows × 32 keys, 256 inv.
-    "fwd_16x64": {"A.SHORT_FWD_FIRST": ((16, 16, 1, 4),)},  # 16 rows × 64 keys, 256 inv.
-    "fwd_own8": {"A.MIN_OWN_BLOCK": 8},  # the forward in 8-row blocks (144 workgroups)
+    "after": {},  # as the code is: 16 rows × 64 keys, 256 invocations
+    "fwd_own8": {"A.SHORT_FWD_FIRST": (), "A.MIN_OWN_BLOCK": 8},  # 8-row blocks (144 wgs)
 }
 
 

@@ -1,8 +1,8 @@
 """Short loops (``kernels/attention.py`` ``SHORT_LOOP``): K/V tile 0 loaded before Q is staged
 (``SHORT_EARLY_KV``) and the own block staged through registers (``SHORT_REG_STAGE``), each
-switch on and off, against the float64 reference with NaN-poisoned outputs (causal, GQA, odd
-lengths cut by the tiles); long loops (Whisper's 1,500 positions) emit exactly the WGSL they
-emit with both switches off."""
+switch on and off, and the forward's tiles (``SHORT_FWD_FIRST``), against the float64
+reference with NaN-poisoned outputs (causal, GQA, odd lengths cut by the tiles); long loops
+(Whisper's 1,500 positions) emit exactly the WGSL they emit with the switches off."""
 
 import dataclasses
 
@@ -12,6 +12,7 @@ import pytest
 from meganeura import kernels
 from meganeura.dtypes import f32
 from meganeura.kernels import attention as A
+from meganeura.kernels.common import make_target
 from meganeura.kernels.ir import Strided
 from meganeura.ops.attention import _dkdv_ref
 from tests.kernels.test_attention import _check, _desc, _problem, _run_poisoned
@@ -22,7 +23,7 @@ NAMES = ("q", "k", "v", "dout", "lse", "delta")
 
 @pytest.mark.parametrize("early,reg", SWITCHES)
 def test_fwd_and_dq_short(dev, rng, monkeypatch, early, reg):
-    """fwd (lse too) and dQ, causal GQA over 37 positions (3 key tiles of 16, the last cut),
+    """fwd (lse too) and dQ, causal GQA over 37 positions (heuristic tiles and 16-key ones),
     q_offset: equal to the reference with either switch; the WGSL shows which staging ran."""
     monkeypatch.setattr(A, "SHORT_EARLY_KV", early)
     monkeypatch.setattr(A, "SHORT_REG_STAGE", reg)
@@ -83,6 +84,25 @@ def test_short_fwd_first_config(dev, rng, monkeypatch):
     assert kernels.emit(long, dev.limits, dev.features).meta["config"] != cfg
 
 
+@pytest.mark.parametrize("dims", [(1, 6, 2, 70, 70, 64, 64), (1, 3, 1, 45, 45, 3, 5)])
+def test_short_fwd_default_tiles(dev, rng, dims):
+    """The default short forward: the first ``SHORT_FWD_FIRST`` tile that fits the device
+    (16 × 64 where 44 KiB of workgroup storage are allowed, else 16 × 32; scalar head dims fit
+    16 × 64 everywhere), exact on causal GQA with odd lengths (NaN-poisoned outputs)."""
+    x, a, ref = _problem(rng, dims, {"causal": True})
+    B, Hq, _, Sq, _, D, Dv = dims
+    t = make_target(dev.limits, dev.features)
+    want = next(c for c in A.SHORT_FWD_FIRST if A.config_fits("fwd", c, D, Dv, t))
+    desc = _desc("fwd", x, a)
+    assert kernels.emit(desc, dev.limits, dev.features).meta["config"] == want
+    if D == 3:
+        assert want == (16, 16, 1, 4)
+    out, lse = _run_poisoned(dev, desc, [x[n] for n in ("q", "k", "v")],
+                             [(B, Hq, Sq, Dv), (B, Hq, Sq)])
+    _check(out, ref["out"], f"fwd {want} out")
+    _check(lse, ref["lse"], f"fwd {want} lse")
+
+
 def _whisper_specs(limits):
     """Whisper-tiny's attention kernels at 1,500 positions as its program builds them (the
     forward in 6 key chunks, dK/dV with dQ partials in 4 query chunks), plus a dQ kernel."""
@@ -104,5 +124,5 @@ def test_long_loops_unchanged(monkeypatch):
     new = _whisper_specs(limits)
     monkeypatch.setattr(A, "SHORT_EARLY_KV", False)
     monkeypatch.setattr(A, "SHORT_REG_STAGE", False)
-    monkeypatch.setattr(A, "SHORT_FWD_FIRST", ((16, 16, 1, 4),))
+    monkeypatch.setattr(A, "SHORT_FWD_FIRST", ())
     assert _whisper_specs(limits) == new

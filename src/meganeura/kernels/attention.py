@@ -59,6 +59,11 @@ are in a fixed order (deterministic).  Inputs are read in place through their st
 (B, S, H, D) projections need no copy); the mask is read through broadcast strides.  The tile
 configuration is chosen from the device's workgroup-storage and invocation limits and the
 problem size (``choose_config``); ``candidates`` lists the ones worth timing for the tuner.
+
+Short loops (fewer than ``SHORT_LOOP`` keys, or query positions for dK/dV) are latency-bound:
+their own block is staged through registers (every load before the first store), fwd/dQ load
+K/V tile 0 before staging Q, and a forward with too few workgroups takes 64-key tiles
+(``SHORT_FWD_FIRST``).  Long loops (Whisper) are untouched.
 """
 
 from __future__ import annotations
@@ -217,24 +222,28 @@ FMA = True
 # latencies overlap; a workgroup whose key block no row sees stages nothing); False restores
 # the old order (kept for before/after timings in one process: bench/attention_bench.py
 # --short).  H200 (2026-12-01): Whisper's dK/dV 508.5 -> 505.5 µs.  The same for the forward
-# (K/V tile 0 before Q) was not kept: docs/rejected-optimizations.md
+# (K/V tile 0 before Q) is done for short loops only (``SHORT_EARLY_KV`` below)
 EARLY_LOADS = True
 
 # Short loops: a kernel whose loop dimension (keys for fwd/dQ, query positions for dK/dV) is
 # shorter than SHORT_LOOP walks a few tiles (SmolLM2's 128 positions: at most 4), so it is
 # bound by the latency of its first loads rather than by its loop (Whisper's 1,500 positions
 # are not short: its kernels stay as they are, WGSL byte-identical).  For those:
-# SHORT_EARLY_KV: fwd/dQ issue K/V tile 0's loads before staging Q (and dO) — measured a loss
-# for Whisper's forward (docs/rejected-optimizations.md), hence short loops only;
 # SHORT_REG_STAGE: the own block (fwd/dQ: Q, dO; dK/dV: K, V) is staged through registers,
 # every load issued before the first store (one global latency instead of one per pass of
 # the staging loop; matters where the data is cold, as in the backward of a whole step);
-# SHORT_FWD_FIRST: configurations a short forward tries first.  False / () restore the old
-# kernels (kept for before/after timings in one process: bench/attention_bench.py --roof)
+# SHORT_EARLY_KV: fwd/dQ issue K/V tile 0's loads before staging Q (nil alone, kept as part
+# of the measured combination);
+# SHORT_FWD_FIRST: configurations a short forward tries first when the usual tiles give it
+# fewer than MIN_WORKGROUPS workgroups: 64-key tiles (half the serial tiles of a causal row
+# block; 44 KiB at D = 64, so 32-KiB devices take the 16 × 32 one), 256 invocations.
+# H200, SmolLM2's whole step (2026-12-01): dK/dV 27.1 -> 25.1 µs, forward 17.8 -> 15.8 µs
+# (16 × 32: 16.5), attention share 10.36 -> 9.65 %.  False / () restore the old kernels (kept
+# for before/after timings in one process: bench/attention_bench.py --roof)
 SHORT_LOOP = 512
 SHORT_EARLY_KV = True
 SHORT_REG_STAGE = True
-SHORT_FWD_FIRST: tuple = ()
+SHORT_FWD_FIRST: tuple = ((16, 16, 1, 4), (16, 16, 1, 2))
 
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
@@ -368,9 +377,12 @@ def resolve_config(k: AttentionKernel, t) -> tuple:
         return cfg
     own_n, n_bh = _problem(k)
     first = SPLIT_FWD_FIRST if k.kind == "fwd" and k.splits > 1 else ()
-    if k.kind == "fwd" and k.splits == 1 and is_short(k):
-        first = SHORT_FWD_FIRST
-    return choose_config(k.kind, own_n, n_bh, D, Dv, t, k.dq_block, first, k.delta_out)
+    cfg = choose_config(k.kind, own_n, n_bh, D, Dv, t, k.dq_block, first, k.delta_out)
+    if (k.kind == "fwd" and k.splits == 1 and SHORT_FWD_FIRST and is_short(k)
+            and n_bh * -(-own_n // (cfg[0] * cfg[2])) < MIN_WORKGROUPS):
+        # too small to fill the GPU with the usual tiles: latency-bound, see SHORT_FWD_FIRST
+        cfg = choose_config(k.kind, own_n, n_bh, D, Dv, t, 0, SHORT_FWD_FIRST)
+    return cfg
 
 
 def candidates(k: AttentionKernel, target) -> list:
