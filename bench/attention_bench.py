@@ -7,12 +7,16 @@ scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
 
   python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
       [--short] [--shapes whisper,smollm2] [--share ROOFLINE_JSON]
+      [--roof OUTDIR] [--kvariants before,after,...]
 
 ``--share ROOFLINE_JSON``: no device; SmolLM2's attention share of a profiled step (every
 attention kernel and attention-shaped reduce).  ``--short``: first, one layer's attention
 trained and profiled like the real step (each dispatch in its own timestamped pass) for
 each variant of the short-problem plan (``SHORT_VARIANTS``: before / after in one process);
-``--shapes``: op paths of these only.
+``--shapes``: op paths of these only.  ``--roof OUTDIR``: first, SmolLM2's whole training step
+profiled (``bench/roofline.py``) per kernel variant of ``--kvariants`` (``KERNEL_VARIANTS``:
+the short-loop switches of kernels/attention.py; default before,after), one roof-<name>.json
+each and its attention share; ``--kvariants`` also picks the op paths' variants.
 
 ``--quick``: the heuristic configuration only; ``--all``: every configuration that fits (the
 unsplit (8, 16, 4, 2) one is the configuration before split-K: the "before" row);
@@ -580,7 +584,50 @@ def short_rows(dev, shapes=("smollm2", "whisper"), steps=20):
     return rows
 
 
-def attention_share(path, key="smollm2-train", marks=("9, 128, 64)", "3, 3, 128, 64)")):
+# --kvariants NAMES (with --roof and/or the op paths): the short-loop kernel switches of
+# kernels/attention.py, set in one process (before / after and each change alone)
+# (H200 2026-12-01: "after" then was today's "cfg_default", "fwd_16x64" today's "after")
+KERNEL_VARIANTS = {
+    "before": {"A.SHORT_EARLY_KV": False, "A.SHORT_REG_STAGE": False, "A.SHORT_FWD_FIRST": ()},
+    "early_kv": {"A.SHORT_REG_STAGE": False, "A.SHORT_FWD_FIRST": ()},
+    "reg_stage": {"A.SHORT_EARLY_KV": False, "A.SHORT_FWD_FIRST": ()},
+    "cfg_default": {"A.SHORT_FWD_FIRST": ()},  # both switches, the forward's old tiles
+    "fwd_16x16": {"A.SHORT_FWD_FIRST": ((16, 16, 1, 2),)},  # 16 rows × 32 keys, 256 inv.
+    "after": {},  # as the code is: 16 rows × 64 keys, 256 invocations
+    "fwd_own8": {"A.SHORT_FWD_FIRST": (), "A.MIN_OWN_BLOCK": 8},  # 8-row blocks (144 wgs)
+}
+
+
+def roof_rows(dev, names, outdir, quick=False, steps=3):
+    """--roof OUTDIR: SmolLM2's whole training step profiled as ``bench/roofline.py`` does,
+    once per kernel variant (``KERNEL_VARIANTS``) in this process (one workload build); writes
+    OUTDIR/roof-<variant>.json (roofline.json's layout) and prints each attention share."""
+    import os
+
+    import roofline
+    from workloads import WORKLOADS
+
+    os.makedirs(outdir, exist_ok=True)
+    w = WORKLOADS["smollm2"](quick=quick, variant="main")
+    rows = []
+    for name in names:
+        with variant(KERNEL_VARIANTS[name]):
+            prof = roofline.profile_workload(w, dev, "strict", False, steps)
+        res = {"device": dev.adapter_name, "variant": name, "sets": {
+            k: str(v) for k, v in KERNEL_VARIANTS[name].items()}, "workloads": {
+            "smollm2-train": {"gpu_ms": prof.gpu_ms_per_step, "rows": prof.roofline(),
+                              "dispatches": prof.dispatches_per_step}}}
+        path = os.path.join(outdir, f"roof-{name}.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"roof {name:10} GPU {prof.gpu_ms_per_step:8.3f} ms/step", flush=True)
+        us, total = attention_share(path, layers=2 if quick else 30)
+        rows.append({"kind": "roof", "variant": name, "attention_us": us, "step_us": total})
+    return rows
+
+
+def attention_share(path, key="smollm2-train", marks=("9, 128, 64)", "3, 3, 128, 64)"),
+                    layers=30):
     """The attention share of a profiled step (``bench/roofline.py``'s roofline.json): every
     ``attention*`` kernel plus the reduces over attention-shaped tensors (``marks``: SmolLM2's
     (·, 9, 128, 64) and (·, 3, 3, 128, 64) — δ = rowsum(dO·O), the dQ partial sum, the dK/dV
@@ -588,7 +635,7 @@ def attention_share(path, key="smollm2-train", marks=("9, 128, 64)", "3, 3, 128,
     with open(path) as f:
         res = json.load(f)["workloads"][key]
     rows = res["rows"]
-    steps = max(r["calls"] for r in rows if r["label"].startswith("attention")) // 30
+    steps = max(r["calls"] for r in rows if r["label"].startswith("attention")) // layers
     total = sum(r["mean_us"] * r["calls"] for r in rows) / steps
     att = [r for r in rows if r["label"].startswith("attention") or (
         r["label"].startswith(("reduce", "multi_reduce")) and any(m in r["label"] for m in marks))]
@@ -648,6 +695,11 @@ def main(argv) -> None:
             with open(path, "w") as f:
                 json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
 
+    kv = argv[argv.index("--kvariants") + 1].split(",") if "--kvariants" in argv else None
+    if "--roof" in argv:  # SmolLM2's whole step per kernel variant (first)
+        rows += roof_rows(dev, kv or ["before", "after"], argv[argv.index("--roof") + 1],
+                          quick="--smoke" in argv, steps=1 if "--smoke" in argv else 3)
+        save()
     if "--short" in argv:  # the profiled one-layer step per short-plan variant (first)
         rows += short_rows(dev, ("smollm2",) if "--smoke" in argv else ("smollm2", "whisper"),
                            3 if "--smoke" in argv else 20)
@@ -655,9 +707,10 @@ def main(argv) -> None:
     for sname, shape in SHAPES.items():  # first: the headline numbers
         if "--shapes" in argv and sname not in argv[argv.index("--shapes") + 1].split(","):
             continue
-        for name in ("before", "after") if "--short" in argv else ("after",):
+        table = KERNEL_VARIANTS if kv else SHORT_VARIANTS
+        for name in kv or (("before", "after") if "--short" in argv else ("after",)):
             print(f"op path {sname:8} variant {name}", flush=True)
-            with variant(SHORT_VARIANTS[name]):  # "after": as the code is
+            with variant(table[name]):  # "after": as the code is
                 rows += [dict(r, variant=name) for r in op_path(dev, sname, shape)]
             save()
     if "--torch" in argv:

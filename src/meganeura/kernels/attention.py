@@ -59,6 +59,11 @@ are in a fixed order (deterministic).  Inputs are read in place through their st
 (B, S, H, D) projections need no copy); the mask is read through broadcast strides.  The tile
 configuration is chosen from the device's workgroup-storage and invocation limits and the
 problem size (``choose_config``); ``candidates`` lists the ones worth timing for the tuner.
+
+Short loops (fewer than ``SHORT_LOOP`` keys, or query positions for dK/dV) are latency-bound:
+their own block is staged through registers (every load before the first store), fwd/dQ load
+K/V tile 0 before staging Q, and a forward with too few workgroups takes 64-key tiles
+(``SHORT_FWD_FIRST``).  Long loops (Whisper) are untouched.
 """
 
 from __future__ import annotations
@@ -217,8 +222,28 @@ FMA = True
 # latencies overlap; a workgroup whose key block no row sees stages nothing); False restores
 # the old order (kept for before/after timings in one process: bench/attention_bench.py
 # --short).  H200 (2026-12-01): Whisper's dK/dV 508.5 -> 505.5 µs.  The same for the forward
-# (K/V tile 0 before Q) was not kept: docs/rejected-optimizations.md
+# (K/V tile 0 before Q) is done for short loops only (``SHORT_EARLY_KV`` below)
 EARLY_LOADS = True
+
+# Short loops: a kernel whose loop dimension (keys for fwd/dQ, query positions for dK/dV) is
+# shorter than SHORT_LOOP walks a few tiles (SmolLM2's 128 positions: at most 4), so it is
+# bound by the latency of its first loads rather than by its loop (Whisper's 1,500 positions
+# are not short: its kernels stay as they are, WGSL byte-identical).  For those:
+# SHORT_REG_STAGE: the own block (fwd/dQ: Q, dO; dK/dV: K, V) is staged through registers,
+# every load issued before the first store (one global latency instead of one per pass of
+# the staging loop; matters where the data is cold, as in the backward of a whole step);
+# SHORT_EARLY_KV: fwd/dQ issue K/V tile 0's loads before staging Q (nil alone, kept as part
+# of the measured combination);
+# SHORT_FWD_FIRST: configurations a short forward tries first when the usual tiles give it
+# fewer than MIN_WORKGROUPS workgroups: 64-key tiles (half the serial tiles of a causal row
+# block; 44 KiB at D = 64, so 32-KiB devices take the 16 × 32 one), 256 invocations.
+# H200, SmolLM2's whole step (2026-12-01): dK/dV 27.1 -> 25.1 µs, forward 17.8 -> 15.8 µs
+# (16 × 32: 16.5), attention share 10.36 -> 9.65 %.  False / () restore the old kernels (kept
+# for before/after timings in one process: bench/attention_bench.py --roof)
+SHORT_LOOP = 512
+SHORT_EARLY_KV = True
+SHORT_REG_STAGE = True
+SHORT_FWD_FIRST: tuple = ((16, 16, 1, 4), (16, 16, 1, 2))
 
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
@@ -333,6 +358,12 @@ def _problem(k: AttentionKernel) -> tuple[int, int]:
     return Sq * (Hq // Hkv), ns * B * Hkv
 
 
+def is_short(k: AttentionKernel) -> bool:
+    """Whether the kernel's loop dimension (keys for fwd/dQ, query positions for dK/dV) is
+    shorter than ``SHORT_LOOP`` (latency-bound: see ``SHORT_EARLY_KV``)."""
+    return (k.q.shape[2] if k.kind == "dkdv" else k.k.shape[2]) < SHORT_LOOP
+
+
 def resolve_config(k: AttentionKernel, t) -> tuple:
     D, Dv = k.q.shape[3], k.v.shape[3]
     if k.config:
@@ -346,7 +377,12 @@ def resolve_config(k: AttentionKernel, t) -> tuple:
         return cfg
     own_n, n_bh = _problem(k)
     first = SPLIT_FWD_FIRST if k.kind == "fwd" and k.splits > 1 else ()
-    return choose_config(k.kind, own_n, n_bh, D, Dv, t, k.dq_block, first, k.delta_out)
+    cfg = choose_config(k.kind, own_n, n_bh, D, Dv, t, k.dq_block, first, k.delta_out)
+    if (k.kind == "fwd" and k.splits == 1 and SHORT_FWD_FIRST and is_short(k)
+            and n_bh * -(-own_n // (cfg[0] * cfg[2])) < MIN_WORKGROUPS):
+        # too small to fill the GPU with the usual tiles: latency-bound, see SHORT_FWD_FIRST
+        cfg = choose_config(k.kind, own_n, n_bh, D, Dv, t, 0, SHORT_FWD_FIRST)
+    return cfg
 
 
 def candidates(k: AttentionKernel, target) -> list:
@@ -419,6 +455,9 @@ class _Gen:
         self.widths: dict[str, int] = {}
         self.words = 0
         self.ns = int(k.splits)
+        short = is_short(k)
+        self.reg_stage = SHORT_REG_STAGE and short  # see SHORT_LOOP
+        self.kv_early = SHORT_EARLY_KV and short and k.kind in ("fwd", "dq")
         if self.ns < 1 or (self.ns > 1 and k.out_bshd):
             raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (>= 1, not with "
                                "out_bshd)")
@@ -478,7 +517,15 @@ class _Gen:
     def stage(self, L, ind, arr, nrows, which, w, pad, pre, valid, coords, scale=None):
         """Copy ``nrows`` rows of ``which`` (one vec unit per step) into workgroup array
         ``arr`` (row stride ``pad`` units).  ``pre(rr)``: lines deriving coordinates from local
-        row ``rr``; ``valid``: condition; ``coords(col)``: the element's 4 coordinates."""
+        row ``rr``; ``valid``: condition; ``coords(col)``: the element's 4 coordinates.
+        With ``reg_stage`` (short loops) through registers ``g{arr}{m}``: every load issued
+        before the first store, not one load-store pass after another."""
+        if self.reg_stage:
+            tag = f"g{arr}"
+            self.prefetch_decl(L, ind, tag, nrows, which)
+            self.prefetch_load(L, ind, tag, nrows, which, pre, valid, coords, scale)
+            self.prefetch_store(L, ind, tag, arr, nrows, which, pad)
+            return
         dim = self.Dv if which in ("v", "dout") else self.D
         units = dim // w
         i2, i3 = ind + "    ", ind + "        "
@@ -672,14 +719,21 @@ def _rows_stage_q(g: _Gen, L, ind) -> None:
                 lambda c: ["b", "sh", "si", c])
 
 
-def _kv_tiles(g: _Gen, L, ind) -> None:
-    """The key-tile loop's head: K/V of the first tile prefetched into registers, then per
-    tile: registers to ``Ks``/``Vs`` (keys past ``kv_hi`` as zeros), barrier, and the next
-    tile's loads issued (they land while this tile is computed)."""
-    i2 = ind + "    "
+def _kv_first(g: _Gen, L, ind) -> None:
+    """Registers for the K/V prefetch and the first tile's loads issued."""
     for tag, which in (("pk", "k"), ("pv", "v")):
         g.prefetch_decl(L, ind, tag, g.loop, which)
     _kv_load(g, L, ind, "kv_lo")
+
+
+def _kv_tiles(g: _Gen, L, ind) -> None:
+    """The key-tile loop's head: K/V of the first tile prefetched into registers (here, or
+    with ``kv_early`` before the rows were staged), then per tile: registers to ``Ks``/``Vs``
+    (keys past ``kv_hi`` as zeros), barrier, and the next tile's loads issued (they land while
+    this tile is computed)."""
+    i2 = ind + "    "
+    if not g.kv_early:
+        _kv_first(g, L, ind)
     L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
     g.prefetch_store(L, i2, "pk", "Ks", g.loop, "k", g.dp)
     g.prefetch_store(L, i2, "pv", "Vs", g.loop, "v", g.vp)
@@ -753,6 +807,8 @@ def _fwd_kernel(g: _Gen, t):
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
+    if g.kv_early:
+        _kv_first(g, L, ind)
     _rows_stage_q(g, L, ind)
     L.append(f"{ind}var m: {_vt(RM)} = {_vt(RM)}(-{FLT_MAX});")
     L.append(f"{ind}var l: {_vt(RM)} = {_vt(RM)}(0.0);")
@@ -835,6 +891,8 @@ def _dq_kernel(g: _Gen, t):
     grid = g.grid = make_grid(k.name, total, t)
     L: list[str] = []
     _rows_head(g, L, ind, grid, total)
+    if g.kv_early:
+        _kv_first(g, L, ind)
     _rows_stage_q(g, L, ind)
     _dq_row_stats(g, L, ind)
     nc = g.acc_decl(L, ind, "o", g.wd, g.du)
