@@ -126,3 +126,24 @@ def test_long_loops_unchanged(monkeypatch):
     monkeypatch.setattr(A, "SHORT_REG_STAGE", False)
     monkeypatch.setattr(A, "SHORT_FWD_FIRST", ())
     assert _whisper_specs(limits) == new
+
+
+def test_short_fwd_h200_tile_at_head_dim_64(dev, rng, monkeypatch):
+    """The tile the H200 takes for SmolLM2's forward (16 rows × 64 keys, 256 invocations,
+    44 KiB of workgroup storage at D = 64) is emitted for the H200's 48 KiB and run here with
+    the runtime's storage check relaxed (lavapipe reports 32 KiB but runs it): exact on causal
+    GQA with odd lengths, NaN-poisoned outputs — the vec4 head-dim path of that tile, which
+    the 32-KiB default never reaches on this device."""
+    dims = (1, 6, 2, 70, 70, 64, 64)
+    x, a, ref = _problem(rng, dims, {"causal": True})
+    desc = _desc("fwd", x, a)
+    h200 = {**dev.limits, "max_compute_workgroup_storage_size": 49152}
+    spec = kernels.emit(desc, h200, dev.features)
+    assert spec.meta["config"] == A.SHORT_FWD_FIRST[0] == (16, 16, 1, 4)
+    monkeypatch.setattr(type(dev), "check_spec", lambda self, s: None)
+    shapes = [(1, 6, 70, 64), (1, 6, 70)]
+    outs = [dev.upload(np.full(s, np.nan, np.float32)) for s in shapes]
+    dev.dispatch(spec, [dev.upload(x[n]) for n in ("q", "k", "v")] + outs)
+    out, lse = [dev.read_array(b, s, f32) for b, s in zip(outs, shapes, strict=True)]
+    _check(out, ref["out"], "fwd 16x64 D=64 out")
+    _check(lse, ref["lse"], "fwd 16x64 D=64 lse")
