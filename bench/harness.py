@@ -52,8 +52,17 @@ def stats(ts) -> dict:
 # ------------------------------------------------------------------------------ ours
 
 
-def _sync(sess):
-    sess.dev.sync()
+def step_seconds(step, sync, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls ``step(); sync()`` after ``warmup`` untimed ones:
+    the one timing loop of ours and PyTorch's cells (here and in ``paired.py``)."""
+    ts = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        if i >= warmup:
+            ts.append(time.perf_counter() - t0)
+    return ts
 
 
 def time_ours(sess, inference: bool, feeds: dict, warmup: int, steps: int) -> dict:
@@ -80,7 +89,7 @@ def feed_upload_ms(sess, inference: bool, feeds: dict, reps: int = 5) -> float:
     for _ in range(reps):
         t0 = time.perf_counter()
         sess._upload_feeds(arrays)
-        _sync(sess)
+        sess.dev.sync()
         ts.append((time.perf_counter() - t0) * 1e3)
     return float(np.median(ts))
 
@@ -89,14 +98,7 @@ def ours_step_times(sess, inference: bool, feeds: dict, warmup: int, steps: int)
     """Seconds per timed step (see ``time_ours``)."""
     ex = sess.infer if inference else sess.train
     sess._upload_feeds(_feed_arrays(sess, inference, feeds))  # resident, like PyTorch's
-    ts = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        ex.launch()
-        _sync(sess)
-        if i >= warmup:
-            ts.append(time.perf_counter() - t0)
-    return ts
+    return step_seconds(ex.launch, sess.dev.sync, warmup, steps)
 
 
 def ours_peak_bytes(sess, inference: bool) -> int:
@@ -243,14 +245,7 @@ def run_torch(w, args) -> dict:
             torch.cuda.synchronize()
 
     def timed(fn, warmup, steps):
-        ts = []
-        for i in range(warmup + steps):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if i >= warmup:
-                ts.append(time.perf_counter() - t0)
-        return stats(ts)
+        return stats(step_seconds(fn, sync, warmup, steps))
 
     def peak(fn):
         if not cuda:

@@ -28,7 +28,12 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from harness import cuda_graph_steps, ours_step_times, torch_reference  # noqa: E402
+from harness import (  # noqa: E402
+    cuda_graph_steps,
+    ours_step_times,
+    step_seconds,
+    torch_reference,
+)
 
 import meganeura as mn  # noqa: E402
 from meganeura import optim  # noqa: E402
@@ -70,14 +75,7 @@ def _torch_cells(w, args) -> dict:
 
 def _torch_timer(fn, sync):
     def timer(warmup: int, steps: int) -> list[float]:
-        ts = []
-        for i in range(warmup + steps):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if i >= warmup:
-                ts.append((time.perf_counter() - t0) * 1e3)
-        return ts
+        return [t * 1e3 for t in step_seconds(fn, sync, warmup, steps)]
     return timer
 
 

@@ -36,6 +36,9 @@ def _run(monkeypatch, cuts: str):
              "y": r.integers(0, 5, 8).astype(np.int32)}
     n = len(sess.train.commands)
     losses = [float(sess.step(**feeds).loss) for _ in range(3)]
+    # the steps went through exactly the segments the setting names (none: one encode)
+    want = list(zip(segment_bounds(n, cuts), segment_bounds(n, cuts)[1:]))
+    assert sorted(sess.train._segments) == (want if len(want) > 1 else [])
     return n, losses, sess.get_params(), sess.run(x=feeds["x"])["logits"]
 
 

@@ -142,6 +142,7 @@ class GPUStream:
         self.checked = False  # set once an encode of this fixed stream passed validation
         self._raw_runs = None  # the stream with native handles, built at the first raw encode
         self._segments: dict[tuple[int, int], list | None] = {}  # checked ranges (encode_range)
+        self._bounds: tuple[str | None, list[int]] | None = None  # ($SEGMENTS_ENV, cuts)
         self.readback_pool: list = []  # readback buffers whose results were read
 
     def buffer(self, loc: Loc):
@@ -203,7 +204,10 @@ class GPUStream:
         the first few dispatches while the host still encodes the rest, instead of idling for
         the whole encode (≈ 1.4 µs per dispatch on Dawn: 0.1 ms for a 71-dispatch inference,
         1.4 ms for a 1,000-dispatch training step).  ``extra_copies`` go at the very end."""
-        bounds = segment_bounds(len(self.commands))
+        raw = os.environ.get(SEGMENTS_ENV)
+        if self._bounds is None or self._bounds[0] != raw:  # parsed once per setting
+            self._bounds = (raw, segment_bounds(len(self.commands), raw))
+        bounds = self._bounds[1]
         if len(bounds) == 2:
             self.dev.queue.submit([self.encode(extra_copies)])
             return
