@@ -24,7 +24,8 @@ _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
 
 
 def emit_kernel(desc, binds, target: Target, precision: str = "strict",
-                label: str = "", memo: dict | None = None) -> Dispatch:
+                label: str = "", memo: dict | None = None,
+                n_in: int | None = None) -> Dispatch:
     """One kernel description with its bindings → a ``Dispatch``.  ``memo``: specs already
     emitted for this target, by (description, aliasing); the layers of a model repeat the same
     few kernels (SmolLM2's 1,015 training dispatches are 51 distinct programs), and emitting
@@ -41,10 +42,22 @@ def emit_kernel(desc, binds, target: Target, precision: str = "strict",
         spec = kernels.emit(desc, target.limits, target.features, alias=alias)
         if memo is not None:
             memo[key] = spec
-    binds = [b for i, b in enumerate(binds) if alias[i] == i]
+    kept = [i for i in range(len(binds)) if alias[i] == i]
     if "wgsl" in _DEBUG:
         print(f"// ---- {label}\n{spec.wgsl}")
-    return Dispatch(label, spec, tuple(binds))
+    return Dispatch(label, spec, tuple(binds[i] for i in kept),
+                    inplace_slots(alias, kept, n_in))
+
+
+def inplace_slots(alias, kept: list[int], n_in: int | None) -> tuple[int, ...]:
+    """Slots (positions in ``kept``) bound by an input and an output at once: the range is
+    read and then written, so the roofline counts its bytes twice.  Two inputs sharing a range
+    (q/k/v views of one projection) are one read, not an in-place update."""
+    if n_in is None:
+        return ()
+    read = {alias[i] for i in range(n_in)}
+    written = {alias[i] for i in range(n_in, len(alias))}
+    return tuple(j for j, i in enumerate(kept) if i in read and i in written)
 
 
 def emit_stream(plan: Plan, target: Target, precision: str, tag: str) -> Stream:
@@ -56,7 +69,8 @@ def emit_stream(plan: Plan, target: Target, precision: str, tag: str) -> Stream:
         if isinstance(k, CopyOp):
             ops.append(Copy(k.src, k.dst, round4(k.src.nbytes)))
         else:
-            ops.append(emit_kernel(k.desc, k.binds, target, precision, k.label, memo))
+            ops.append(emit_kernel(k.desc, k.binds, target, precision, k.label, memo,
+                                   k.n_in))
     if "plan" in _DEBUG:
         for k in plan.kernels:
             print(getattr(k, "label", k))

@@ -39,6 +39,9 @@ class Dispatch:
     label: str
     spec: KernelSpec
     binds: tuple[Loc, ...]
+    # slots (indices into ``binds``) that are read and written: an input and an output of the
+    # kernel bound to one range (an in-place update); their bytes move twice
+    inplace: tuple[int, ...] = ()
 
     @property
     def variant(self) -> str:
@@ -53,9 +56,11 @@ class Dispatch:
 
     @property
     def bytes(self) -> int:
-        """Compulsory memory traffic of one dispatch: every bound range read or written once
-        (a lower bound on DRAM bytes; tiles re-read through caches are not counted)."""
-        return sum(loc.nbytes for loc in set(self.binds))
+        """Compulsory memory traffic of one dispatch: every bound range read or written once,
+        an in-place range read and written (a lower bound on DRAM bytes; tiles re-read through
+        caches are not counted)."""
+        return (sum(loc.nbytes for loc in set(self.binds))
+                + sum(self.binds[i].nbytes for i in set(self.inplace)))
 
     @property
     def tensor_cores(self) -> bool:
@@ -167,6 +172,7 @@ def _stream_dict(s: Stream, module_index: dict[str, int]) -> dict:
         idx = module_index.setdefault(op.spec.wgsl, len(module_index))
         ops.append({"label": op.label, "module": idx, "entry": op.spec.entry,
                     "bindings": [_loc(b) for b in op.binds],
+                    "inplace": list(op.inplace),
                     "workgroups": list(op.spec.workgroups),
                     "meta": {k: v for k, v in op.spec.meta.items()
                              if k in ("variant", "archetype", "flops")}})
@@ -212,7 +218,8 @@ def _stream_from(d: dict, modules: list[str]) -> Stream:
         spec = KernelSpec(op["label"], modules[op["module"]], len(binds),
                           tuple(op["workgroups"]), op.get("entry", "main"),
                           dict(op.get("meta", {})))
-        ops.append(Dispatch(op["label"], spec, binds))
+        ops.append(Dispatch(op["label"], spec, binds,
+                            tuple(int(i) for i in op.get("inplace", ()))))
     fetch = tuple(Fetch(f["name"], Loc(*f["loc"]), tensor_type(f), f["offset"], f["nbytes"])
                   for f in d["fetch"])
     return Stream(d["tag"], tuple(ops), d["arena_bytes"], dict(d["out_buffers"]), fetch,

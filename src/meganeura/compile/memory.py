@@ -45,6 +45,7 @@ class KernelOp:
     desc: object  # a kernels.ir kernel description
     binds: list[Loc]  # inputs then outputs, in the kernel's binding order
     label: str = ""
+    n_in: int | None = None  # how many of ``binds`` are inputs (None: not known)
 
 
 @dataclass
@@ -618,7 +619,8 @@ def _assemble(c: _Candidate, placed: dict[int, Loc]) -> Plan:
         if lf.kind in ("param", "state", "input", "constant"):
             plan.pinned[name] = Pinned(lf.kind, lf.value.type)
     for k in c.kernels:
-        plan.kernels.append(KernelOp(k.desc, [loc_of(v) for v in k.ins + k.outs], k.label))
+        plan.kernels.append(KernelOp(k.desc, [loc_of(v) for v in k.ins + k.outs], k.label,
+                                     len(k.ins)))
     for name, v in req.fetch_values.items():
         plan.fetch[name] = Fetched(view_loc(name, v), v.type)
     for name, v in req.updates.items():

@@ -1,0 +1,55 @@
+"""Emission records which binding slots a kernel updates in place, so the roofline counts
+their bytes twice (read, then written) and an exported program keeps that record."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import meganeura as mn
+from meganeura.compile.emit import inplace_slots
+from meganeura.compile.executable import Dispatch, Loc, from_manifest, to_manifest
+from meganeura.kernels.ir import KernelSpec
+
+
+def test_an_input_and_an_output_on_one_range_is_in_place():
+    # slots: in0, in1, out (out bound to in0's range)
+    assert inplace_slots((0, 1, 0), [0, 1], n_in=2) == (0,)
+
+
+def test_two_inputs_on_one_range_are_one_read_not_an_update():
+    # q and k views of one projection, written to a separate output
+    assert inplace_slots((0, 0, 2), [0, 2], n_in=2) == ()
+
+
+def test_unknown_input_count_records_nothing():
+    assert inplace_slots((0, 1, 0), [0, 1], n_in=None) == ()
+
+
+def test_in_place_bytes_count_twice():
+    spec = KernelSpec("k", "", 2, (1, 1, 1))
+    a, b = Loc("param", "w", 0, 400), Loc("temp", "", 0, 100)
+    assert Dispatch("k", spec, (a, b)).bytes == 500
+    assert Dispatch("k", spec, (a, b), inplace=(0,)).bytes == 900
+
+
+def _sgd_session():
+    g = mn.Graph("inplace")
+    x = g.input("x", (8, 6))
+    t = g.input("t", (8, 4))
+    w = g.param("w", (6, 4))
+    d = (x @ w) - t
+    return mn.compile(g, loss=(d * d).mean(), optimizer=mn.optim.SGD(lr=0.1))
+
+
+def test_training_step_counter_update_is_recorded_in_place_and_survives_export():
+    s = _sgd_session()
+    s.step(x=np.ones((8, 6), np.float32), t=np.zeros((8, 4), np.float32))
+    updates = [d for d in s.executable.train.dispatches if d.inplace]
+    assert updates, "the optimizer's in-place updates must be recorded"
+    for d in updates:
+        assert d.bytes == sum(b.nbytes for b in d.binds) + sum(d.binds[i].nbytes
+                                                              for i in d.inplace)
+    manifest, modules = to_manifest(s.executable)
+    again = from_manifest(manifest, modules, {})  # the graph has no constant leaves
+    assert [d.inplace for d in again.train.dispatches] == \
+        [d.inplace for d in s.executable.train.dispatches]
