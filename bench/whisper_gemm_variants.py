@@ -31,19 +31,31 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meganeura.compile import schedule  # noqa: E402
-from meganeura.kernels import matmul  # noqa: E402
+from meganeura.kernels import conv, matmul  # noqa: E402
 from meganeura.kernels.matmul import NAMED, Cfg  # noqa: E402
 
 ENV = "MEGANEURA_BENCH_GEMM_VARIANTS"
 CFGS = {"128x64": Cfg("tiled", 128, 64, 8, 4, 16, 1), "64x64w": Cfg("tiled", 64, 64, 8, 4, 16, 1),
-        "tiled64v": NAMED["tiled64v"], "tiled128v": NAMED["tiled128v"]}
+        "tiled64v": NAMED["tiled64v"], "tiled128v": NAMED["tiled128v"],
+        # wave-count candidates: 96-row tiles (12x4 blocks, 128 invocations) and 64x32 (4x4, 128)
+        "96x64": Cfg("tiled", 96, 64, 12, 4, 16, 1), "64x32v": Cfg("tiled", 64, 32, 4, 4, 16, 1)}
 # Whisper-tiny's GEMM shapes (M, N, K) at 1,500 frames
 FC2, FC1, QKV, OUT = (1500, 384, 1536), (1500, 1536, 384), (1500, 1152, 384), (1500, 384, 384)
 W_FC2, W_FC1 = (1536, 384, 1500), (384, 1536, 1500)
 W_QKV, DX_QKV, W_OUT = (1152, 384, 1500), (1500, 384, 1152), (384, 384, 1500)
 LONG_K = (FC2, W_FC2, W_FC1, W_QKV, DX_QKV, W_OUT)
-# name -> ({shape: split}, {shape: config name}); shapes absent keep the heuristic's choice
-VARIANTS: dict[str, tuple[dict, dict]] = {
+CONV2 = (384, 1500, 1152)  # the stem's second conv (stride 2) as a GEMM (out channels, pixels, K)
+# name -> ({shape: split}, {shape: config name}[, {rule: value}]); shapes absent keep the
+# heuristic's choice.  Rules: "stage" = kernels.matmul.STAGE_EPILOGUE, "conv_split" =
+# {conv GEMM (M, N, K): global split-K}.
+VARIANTS: dict[str, tuple] = {
+    "main": ({}, {}, {"stage": "never"}),  # the epilogue inline (before wmm5)
+    "stall": ({}, {}, {"stage": "all"}),
+    "t96": ({}, {FC1: "96x64", QKV: "96x64", OUT: "96x64", FC2: "96x64"},
+            {"conv_split": {CONV2: 3}}),
+    "t64x32": ({}, {FC1: "64x32v", QKV: "64x32v", OUT: "64x32v", FC2: "64x32v"},
+               {"conv_split": {CONV2: 6}}),
+    "cs2": ({}, {}, {"conv_split": {CONV2: 2}}),
     "base": ({}, {}),
     "s2": ({FC2: 2, FC1: 2, QKV: 2, OUT: 2}, {}),
     "s3": ({FC2: 3, W_FC2: 3, W_FC1: 3, W_QKV: 3, DX_QKV: 3, W_OUT: 3}, {}),
@@ -60,8 +72,14 @@ def patched(name: str):
     """Compile under variant ``name``: its splits / configs for its shapes, the heuristics'
     elsewhere.  A config is keyed by the unsplit shape (a split GEMM is a batch of ``s``
     matmuls of K / s, so batch x K gives the shape's K back)."""
-    splits, cfgs = VARIANTS[name]
+    splits, cfgs, rules = (*VARIANTS[name], {})[:3]
     old_split, old_cfg = schedule.split_k, matmul.choose_config
+    old_stage, old_conv_split = matmul.STAGE_EPILOGUE, conv.choose_split_k
+    conv_splits = rules.get("conv_split", {})
+
+    def choose_split_k(M, N, K, GB, *args):
+        s = conv_splits.get((M, N, K)) if GB == 1 else None
+        return old_conv_split(M, N, K, GB, *args) if s is None else s
 
     def split_k(desc):
         s = splits.get((desc.m, desc.n, desc.k)) if desc.batch == 1 else None
@@ -76,19 +94,24 @@ def patched(name: str):
         return old_cfg(B, M, N, K, tensor_cores) if c is None else CFGS[c]
 
     schedule.split_k, matmul.choose_config = split_k, choose_config
+    matmul.STAGE_EPILOGUE = rules.get("stage", old_stage)
+    conv.choose_split_k = choose_split_k
     try:
         yield
     finally:
         schedule.split_k, matmul.choose_config = old_split, old_cfg
+        matmul.STAGE_EPILOGUE, conv.choose_split_k = old_stage, old_conv_split
 
 
 def gemm_groups(prof) -> dict[str, float]:
-    """GPU µs per step of each matmul shape ``MxNxK`` (all its calls, split-K sums included)."""
+    """GPU µs per step of each matmul shape ``MxNxK`` (all its calls, split-K sums included),
+    and of each convolution (``conv2d (N, C, H, W)``, its split-K sum included)."""
     out: dict[str, float] = {}
     for k in prof.kernels:
-        m = re.match(r"matmul 1x(\d+x\d+x\d+)", k.label)
+        m = re.match(r"matmul 1x(\d+x\d+x\d+)|(conv2d\w* \([\d, ]+\))", k.label)
         if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + k.total_ns / 1e3 / prof.steps
+            key = m.group(1) or m.group(2).replace(" ", "")
+            out[key] = out.get(key, 0.0) + k.total_ns / 1e3 / prof.steps
     return out
 
 
@@ -108,9 +131,14 @@ def compile_all(names, quick: bool, dev):
                 sess = mn.compile(w.graph, precision="strict", device=dev, tune=False, **kw)
                 sess.set_params(w.params)
                 ex = sess.infer if mode == "infer" else sess.train
-                sessions[name, mode] = (sess, [(d.label, d.variant) for d in ex.stream.dispatches
-                                               if d.label.startswith("matmul")])
+                sessions[name, mode] = (sess, [(d.label, _variant(d)) for d in ex.stream.dispatches
+                                               if d.label.startswith(("matmul", "conv"))])
     return w, sessions
+
+
+def _variant(d) -> str:
+    """A dispatch's variant, ``+staged`` when its epilogue goes through workgroup memory."""
+    return d.variant + ("+staged" if "var<workgroup> Ce" in d.spec.wgsl else "")
 
 
 def measure(a) -> dict:
@@ -193,7 +221,7 @@ def list_plans(workloads: str, variant: str = "base") -> dict:
                 groups = find_leaf_groups(low.graph, any_rank=opt is None)
                 plan = make_plan(low, opt is None, groups=groups, max_bindings=16)
                 stream = emit_stream(plan, target, "strict", mode)
-            rows = sorted({f"{d.label}  [{d.variant}]" for d in stream.dispatches
+            rows = sorted({f"{d.label}  [{_variant(d)}]" for d in stream.dispatches
                            if d.label.startswith("matmul")})
             out[f"{name}-{mode}"] = rows
             if not rows:
