@@ -8,7 +8,7 @@ import pytest
 
 from meganeura import kernels as codegen
 from meganeura.dtypes import f16, f32
-from meganeura.kernels import CodegenError, Instr, MatmulKernel, Strided
+from meganeura.kernels import CodegenError, MatmulKernel, Strided
 from meganeura.kernels.matmul import (
     GEMV,
     MAX_CANDIDATES,
@@ -142,65 +142,3 @@ def test_choose_config_long_k_fill(b, m, n, k, want):
     wg_big = b * -(-m // big.tm) * -(-n // big.tn)
     assert (want == 0) == (wg_big >= (FILL_WORKGROUPS_LONG_K if k >= LONG_K else 256))
     assert choose_config(1, 1500, 1536, 384, tensor_cores=True) == TC_LADDER[2]  # 288 of 128x64
-
-
-BIAS_GELU = (
-    Instr("({0} + {1})", (("acc", 0), ("x", 0)), f32),
-    Instr("mn_gelu_erf({0})", (("t", 0),), f32, ("mn_gelu_erf",)),
-)
-
-
-def _gelu(x):
-    from math import erf
-
-    return 0.5 * x * (1.0 + np.vectorize(erf)(x / np.sqrt(2.0)))
-
-
-@pytest.mark.parametrize("g,B,m,n,k,stage_bytes,wrap", [
-    (STRICT_LADDER[1], 1, 70, 68, 40, 16384, False),  # 8x4 vec4 reads, edge tiles, one round
-    (STRICT_LADDER[0], 2, 130, 64, 24, 4096, False),  # 128x64: rows in rounds, full columns
-    (Cfg("tiled", 64, 32, 4, 2, 16, 0), 3, 64, 40, 17, 16384, True),  # scalar reads, wrapped
-])
-def test_staged_epilogue(run, dev, rng, monkeypatch, g, B, m, n, k, stage_bytes, wrap):
-    """An epilogue calling a helper (bias + erf gelu) stores through workgroup memory: one
-    copy of the epilogue in the WGSL, results equal numpy's at edges, over several rounds and
-    on a wrapped grid (``live``); ``STAGE_EPILOGUE = "never"`` keeps the inline copies."""
-    from meganeura.kernels import matmul
-
-    monkeypatch.setattr(matmul, "EPILOGUE_STAGE_BYTES", stage_bytes)
-    am, a, sa = _operand(rng, B, m, k, False)
-    wm, w, sw = _operand(rng, B, k, n, True, bcast=True)
-    bias = rng.standard_normal(n).astype(np.float32)
-    desc = MatmulKernel(B, m, n, k, sa, sw, (Strided(f32, (1, 1, n), (0, 0, 1), 0, n),),
-                        BIAS_GELU, config=g)
-    limits = dict(dev.limits, max_compute_workgroups_per_dimension=2) if wrap else None
-    (y,) = run(desc, [am, wm, bias], [((B, m, n), f32)], limits=limits)
-    assert_close(y, _gelu(a.astype(np.float64) @ w + bias), 1e-4, 1e-5 * np.sqrt(k), what="ep")
-    wgsl = run.last_spec.wgsl
-    rounds = g.rm // matmul._stage_rows(g)
-    assert wgsl.count("mn_gelu_erf(q") == rounds and "var<workgroup> Ce" in wgsl
-    assert (rounds > 1) == (stage_bytes < 4 * g.tm * g.tn)
-    assert ("live" in wgsl) == wrap
-    monkeypatch.setattr(matmul, "STAGE_EPILOGUE", "never")
-    inline = codegen.emit(desc, dev.limits, dev.features).wgsl
-    edges = bool(m % g.tm or n % g.tn or wrap)  # edge tiles get a second, checked copy
-    assert "var<workgroup> Ce" not in inline
-    assert inline.count("mn_gelu_erf(q") == (1 + edges) * g.rm * g.rn
-
-
-def test_staged_epilogue_rule(dev, monkeypatch):
-    """Which epilogues are staged: helper calls under "helpers", every epilogue under "all",
-    never K-sliced tiles or epilogue-free GEMMs; an unknown mode is an error."""
-    from meganeura.kernels import matmul
-
-    s = Strided.contiguous(f32, (1, 64, 64))
-    x = (Strided(f32, (1, 1, 64), (0, 0, 1), 0, 64),)
-    relu, gelu = (MatmulKernel(1, 64, 64, 64, s, s, x, ep) for ep in (BIAS_RELU, BIAS_GELU))
-    plain, g = MatmulKernel(1, 64, 64, 64, s, s), STRICT_LADDER[1]
-    assert [matmul._stage_epilogue(d, g) for d in (plain, relu, gelu)] == [False, False, True]
-    assert not matmul._stage_epilogue(gelu, Cfg("tiled", 64, 64, 8, 4, 16, 1, 1, 2))
-    monkeypatch.setattr(matmul, "STAGE_EPILOGUE", "all")
-    assert [matmul._stage_epilogue(d, g) for d in (plain, relu, gelu)] == [False, True, True]
-    monkeypatch.setattr(matmul, "STAGE_EPILOGUE", "sometimes")
-    with pytest.raises(CodegenError, match="STAGE_EPILOGUE"):
-        matmul._stage_epilogue(gelu, g)

@@ -150,13 +150,6 @@ GEMV_THREADS = 256
 GEMV_UNROLL = 4
 MAX_CANDIDATES = 10
 SLICE_SUM_BYTES = 8192  # the K slices' exchange buffer (``_slice_sum``)
-# Which tiled GEMMs store through workgroup memory (``_staged_stores``): "never", "helpers"
-# (epilogues that call a WGSL helper function, e.g. gelu's erf) or "all" (every epilogue).
-# Inline, the epilogue is emitted once per register result and twice more for edge tiles:
-# 8x4 blocks inline gelu's erf 64 times.  Staged, the results go to workgroup memory and one
-# copy of the epilogue runs in a loop whose consecutive invocations take consecutive columns.
-STAGE_EPILOGUE = "helpers"
-EPILOGUE_STAGE_BYTES = 16384  # the staged results per round (rows of the tile in rounds)
 
 
 def _norm(s, shape, what, name):
@@ -659,7 +652,7 @@ def _tiled(c: _Ctx, t, g: Cfg):
     memory (row stride +4/+1 where the staging writes walk K, so they spread over banks)."""
     TX, TY = g.tn // g.rn, g.tm // g.rm
     nthreads, acc, bk = TX * TY * g.ks, c.acc_t.wgsl, g.bk * g.ks  # bk: the staged K step
-    ind = "    "
+    ind, i2 = "    ", "        "
     L: list[str] = []
     li = "li" if g.ks > 1 else "lid"
     if g.ks > 1:
@@ -690,24 +683,8 @@ def _tiled(c: _Ctx, t, g: Cfg):
     for j in range(g.rn):
         L.append(f"{ind}let n{j} = col0 + "
                  f"{f'tx * {u(g.rn)} + {u(j)}' if g.vr else f'tx + {u(TX * j)}'};")
-    if _stage_epilogue(c.k, g):
-        red = ([*red[0], *_staged_stores(c, L, ind, g, (full_m, full_n, live_check), helpers)],
-               red[1] + 4 * _stage_rows(g) * (g.tm // g.rm) * g.tn)
-    else:
-        _inline_stores(c, L, ind, g, (edges, live_check, full_m, full_n), helpers)
-    et, div = (f"vec4<{acc}>", 4) if g.vr else (acc, 1)
-    shared = ([f"var<workgroup> As: array<{et}, {bk * sa // div}>;",
-               f"var<workgroup> Bs: array<{et}, {bk * sb // div}>;"] + red[0],
-              4 * bk * (sa + sb) + red[1])
-    return L, shared, nthreads, grid, helpers, ops
-
-
-def _inline_stores(c: _Ctx, L: list[str], ind: str, g: Cfg, flags, helpers) -> None:
-    """Epilogue and store straight from the registers: interior tiles unchecked, edge tiles
-    per result; with K slices slice 0 alone (it holds the sums)."""
-    edges, live_check, full_m, full_n = flags
-    j0, i2 = ind, ind + "    "
-    if g.ks > 1:
+    j0 = ind
+    if g.ks > 1:  # slice 0 holds the sums: it alone stores
         L.append(f"{ind}if (sl == 0u) {{")
         ind, i2 = i2, i2 + "    "
     if edges:
@@ -720,62 +697,11 @@ def _inline_stores(c: _Ctx, L: list[str], ind: str, g: Cfg, flags, helpers) -> N
         _tiled_stores(c, L, ind, g, (False, False), helpers)
     if g.ks > 1:
         L.append(f"{j0}}}")
-
-
-def _stage_epilogue(k: MatmulKernel, g: Cfg) -> bool:
-    """Whether the tiled kernel stores through workgroup memory (``STAGE_EPILOGUE``); K-sliced
-    tiles keep their inline stores (their exchange buffer already holds the partial sums)."""
-    if STAGE_EPILOGUE not in ("never", "helpers", "all"):
-        raise CodegenError(f"STAGE_EPILOGUE must be 'never', 'helpers' or 'all', got "
-                           f"{STAGE_EPILOGUE!r}")
-    if g.ks != 1 or not k.epilogue or STAGE_EPILOGUE == "never":
-        return False
-    return STAGE_EPILOGUE == "all" or any(
-        ins.helpers or "mn_" in ins.expr for ins in k.epilogue)
-
-
-def _stage_rows(g: Cfg) -> int:
-    """Register rows (of RM) staged per round: the most that fit ``EPILOGUE_STAGE_BYTES``
-    (a divisor of RM; at least one)."""
-    TY = g.tm // g.rm
-    return max(d for d in range(1, g.rm + 1)
-               if g.rm % d == 0 and (4 * TY * d * g.tn <= EPILOGUE_STAGE_BYTES or d == 1))
-
-
-def _staged_stores(c: _Ctx, L: list[str], ind: str, g: Cfg, flags, helpers) -> list[str]:
-    """Epilogue and store through workgroup memory ``Ce``: per round every invocation writes
-    ``q`` of its RM register rows (``q`` = ``_stage_rows``), then the workgroup walks the
-    staged rows with consecutive invocations on consecutive columns, one copy of the epilogue
-    in the loop body (coalesced loads of the epilogue's inputs and coalesced stores).  Barriers
-    stay in uniform control flow; rows, columns and a wrapped grid's ``live`` are checked per
-    element.  Returns the declaration of ``Ce``."""
-    full_m, full_n, live_check = flags
-    TY, TX, RM, RN = g.tm // g.rm, g.tn // g.rn, g.rm, g.rn
-    q, nthreads, i2 = _stage_rows(g), TX * TY, ind + "    "
-    n = TY * q * g.tn
-    for i0 in range(0, RM, q):
-        if i0:
-            L.append(f"{ind}workgroupBarrier();")
-        for i in range(i0, i0 + q):
-            for j in range(RN):
-                col = f"tx * {u(RN)} + {u(j)}" if g.vr else f"tx + {u(TX * j)}"
-                L.append(f"{ind}Ce[(ty * {u(q)} + {u(i - i0)}) * {u(g.tn)} + {col}] = c{i}_{j};")
-        L.append(f"{ind}workgroupBarrier();")
-        L.append(f"{ind}for (var e: u32 = lid; e < {u(n)}; e = e + {u(nthreads)}) {{")
-        L += [f"{i2}let lr = e / {u(g.tn)};", f"{i2}let sy = lr / {u(q)};",
-              f"{i2}let si = lr % {u(q)} + {u(i0)};",
-              f"{i2}let rr = row0 + {f'sy * {u(RM)} + si' if g.vr else f'sy + {u(TY)} * si'};",
-              f"{i2}let nn = col0 + e % {u(g.tn)};"]
-        conds = ([] if full_m else [f"rr < {u(c.M)}"]) + ([] if full_n else [f"nn < {u(c.N)}"])
-        conds += ["live"] if live_check else []
-        if conds:
-            L.append(f"{i2}if ({' && '.join(conds)}) {{")
-            c.store(L, i2 + "    ", "bi", "rr", "nn", "Ce[e]", helpers)
-            L.append(f"{i2}}}")
-        else:
-            c.store(L, i2, "bi", "rr", "nn", "Ce[e]", helpers)
-        L.append(f"{ind}}}")
-    return [f"var<workgroup> Ce: array<{c.acc_t.wgsl}, {n}>;"]
+    et, div = (f"vec4<{acc}>", 4) if g.vr else (acc, 1)
+    shared = ([f"var<workgroup> As: array<{et}, {bk * sa // div}>;",
+               f"var<workgroup> Bs: array<{et}, {bk * sb // div}>;"] + red[0],
+              4 * bk * (sa + sb) + red[1])
+    return L, shared, nthreads, grid, helpers, ops
 
 
 def _slice_sum(L: list[str], ind: str, g: Cfg, acc: str) -> tuple[list[str], int]:
