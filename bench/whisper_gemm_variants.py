@@ -31,10 +31,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meganeura.compile import schedule  # noqa: E402
-from meganeura.kernels import conv, matmul  # noqa: E402
+from meganeura.kernels import conv, matmul, wgsl_helpers  # noqa: E402
 from meganeura.kernels.matmul import NAMED, Cfg  # noqa: E402
 
 ENV = "MEGANEURA_BENCH_GEMM_VARIANTS"
+# mn_gelu_erf before wmm5 (erf and erfc nested, each with its own branches)
+NESTED_GELU = """fn mn_gelu_erf(x: f32) -> f32 {
+    let u = x * 0.70710678118654752;
+    if (x < 0.0) {
+        return 0.5 * x * mn_erfc(-u);
+    }
+    return 0.5 * x * (1.0 + mn_erf(u));
+}
+"""
 CFGS = {"128x64": Cfg("tiled", 128, 64, 8, 4, 16, 1), "64x64w": Cfg("tiled", 64, 64, 8, 4, 16, 1),
         "tiled64v": NAMED["tiled64v"], "tiled128v": NAMED["tiled128v"],
         # wave-count candidates: 96-row tiles (12x4 blocks, 128 invocations) and 64x32 (4x4, 128)
@@ -46,17 +55,19 @@ W_QKV, DX_QKV, W_OUT = (1152, 384, 1500), (1500, 384, 1152), (384, 384, 1500)
 LONG_K = (FC2, W_FC2, W_FC1, W_QKV, DX_QKV, W_OUT)
 CONV2 = (384, 1500, 1152)  # the stem's second conv (stride 2) as a GEMM (out channels, pixels, K)
 # name -> ({shape: split}, {shape: config name}[, {rule: value}]); shapes absent keep the
-# heuristic's choice.  Rules: "stage" = kernels.matmul.STAGE_EPILOGUE, "conv_split" =
-# {conv GEMM (M, N, K): global split-K}.
+# heuristic's choice.  Rules: "gelu" "nested" = mn_gelu_erf as before wmm5 (``NESTED_GELU``),
+# "one_path" = kernels.matmul.ONE_STORE_PATH_FOR_HELPERS, "conv_split" = {conv GEMM (M, N, K):
+# global split-K}.
 VARIANTS: dict[str, tuple] = {
-    "main": ({}, {}, {"stage": "never"}),  # the epilogue inline (before wmm5)
-    "stall": ({}, {}, {"stage": "all"}),
+    "base": ({}, {}),
+    "main": ({}, {}, {"gelu": "nested", "one_path": False}),  # main before wmm5
+    "gelu1": ({}, {}, {"one_path": False}),  # the new gelu, epilogue copies as before
+    "cs6": ({}, {}, {"conv_split": {CONV2: 6}}),
     "t96": ({}, {FC1: "96x64", QKV: "96x64", OUT: "96x64", FC2: "96x64"},
             {"conv_split": {CONV2: 3}}),
     "t64x32": ({}, {FC1: "64x32v", QKV: "64x32v", OUT: "64x32v", FC2: "64x32v"},
                {"conv_split": {CONV2: 6}}),
     "cs2": ({}, {}, {"conv_split": {CONV2: 2}}),
-    "base": ({}, {}),
     "s2": ({FC2: 2, FC1: 2, QKV: 2, OUT: 2}, {}),
     "s3": ({FC2: 3, W_FC2: 3, W_FC1: 3, W_QKV: 3, DX_QKV: 3, W_OUT: 3}, {}),
     "s6": ({s: 6 for s in LONG_K}, {FC1: "tiled64v", QKV: "tiled64v", OUT: "64x64w"}),
@@ -74,7 +85,8 @@ def patched(name: str):
     matmuls of K / s, so batch x K gives the shape's K back)."""
     splits, cfgs, rules = (*VARIANTS[name], {})[:3]
     old_split, old_cfg = schedule.split_k, matmul.choose_config
-    old_stage, old_conv_split = matmul.STAGE_EPILOGUE, conv.choose_split_k
+    old_path, old_conv_split = matmul.ONE_STORE_PATH_FOR_HELPERS, conv.choose_split_k
+    old_gelu = wgsl_helpers.HELPERS["mn_gelu_erf"]
     conv_splits = rules.get("conv_split", {})
 
     def choose_split_k(M, N, K, GB, *args):
@@ -94,13 +106,16 @@ def patched(name: str):
         return old_cfg(B, M, N, K, tensor_cores) if c is None else CFGS[c]
 
     schedule.split_k, matmul.choose_config = split_k, choose_config
-    matmul.STAGE_EPILOGUE = rules.get("stage", old_stage)
+    matmul.ONE_STORE_PATH_FOR_HELPERS = rules.get("one_path", old_path)
+    if rules.get("gelu") == "nested":
+        wgsl_helpers.HELPERS["mn_gelu_erf"] = (NESTED_GELU, ("mn_erf", "mn_erfc"))
     conv.choose_split_k = choose_split_k
     try:
         yield
     finally:
         schedule.split_k, matmul.choose_config = old_split, old_cfg
-        matmul.STAGE_EPILOGUE, conv.choose_split_k = old_stage, old_conv_split
+        matmul.ONE_STORE_PATH_FOR_HELPERS, conv.choose_split_k = old_path, old_conv_split
+        wgsl_helpers.HELPERS["mn_gelu_erf"] = old_gelu
 
 
 def gemm_groups(prof) -> dict[str, float]:
@@ -137,8 +152,10 @@ def compile_all(names, quick: bool, dev):
 
 
 def _variant(d) -> str:
-    """A dispatch's variant, ``+staged`` when its epilogue goes through workgroup memory."""
-    return d.variant + ("+staged" if "var<workgroup> Ce" in d.spec.wgsl else "")
+    """A dispatch's variant, ``+<n>h`` when its epilogue calls WGSL helpers: the number of
+    inlined helper calls in its WGSL (one copy per result, or two with an edge copy)."""
+    n = len(re.findall(r"= mn_\w+\(q", d.spec.wgsl))
+    return d.variant + (f"+{n}h" if n else "")
 
 
 def measure(a) -> dict:
