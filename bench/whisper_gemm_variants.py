@@ -4,12 +4,14 @@
   python bench/whisper_gemm_variants.py --list [workloads] [--json F]
 
 The variants replace ``compile.schedule.split_k`` and ``kernels.matmul.choose_config`` for
-named GEMM shapes only (monkeypatched here: the library has no hooks for this), compile
+named GEMM shapes only, and ``kernels.conv.choose_split_k`` for named conv GEMMs, or set a
+rule (``ONE_STORE_PATH_FOR_HELPERS``, the pre-wmm5 ``mn_gelu_erf``) — monkeypatched here: the
+library has no hooks for this — compile
 Whisper's inference and SGD training step once per variant, and profile them interleaved
 (A B … A B …) ``--rounds`` times so a GPU clock drifting during the run shows up as rounds
 disagreeing rather than as a variant winning.  Which variants run: ``--variants`` or else
 ``$MEGANEURA_BENCH_GEMM_VARIANTS`` (comma separated; default all).  Prints, per variant and
-round, the GPU µs per step of every matmul shape (the matmul plus its split-K sum) and the step's
+round, the GPU µs per step of every matmul shape and conv (plus its split-K sum) and the step's
 GPU ms, then a summary table (medians over rounds).
 
 ``--list``: device-free, the GEMM labels and tile configs each workload's main inference and
