@@ -4,12 +4,14 @@
   python bench/whisper_gemm_variants.py --list [workloads] [--json F]
 
 The variants replace ``compile.schedule.split_k`` and ``kernels.matmul.choose_config`` for
-named GEMM shapes only (monkeypatched here: the library has no hooks for this), compile
+named GEMM shapes only, and ``kernels.conv.choose_split_k`` for named conv GEMMs, or set a
+rule (``ONE_STORE_PATH_FOR_HELPERS``, the pre-wmm5 ``mn_gelu_erf``) — monkeypatched here: the
+library has no hooks for this — compile
 Whisper's inference and SGD training step once per variant, and profile them interleaved
 (A B … A B …) ``--rounds`` times so a GPU clock drifting during the run shows up as rounds
 disagreeing rather than as a variant winning.  Which variants run: ``--variants`` or else
 ``$MEGANEURA_BENCH_GEMM_VARIANTS`` (comma separated; default all).  Prints, per variant and
-round, the GPU µs per step of every matmul shape (the matmul plus its split-K sum) and the step's
+round, the GPU µs per step of every matmul shape and conv (plus its split-K sum) and the step's
 GPU ms, then a summary table (medians over rounds).
 
 ``--list``: device-free, the GEMM labels and tile configs each workload's main inference and
@@ -31,20 +33,43 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meganeura.compile import schedule  # noqa: E402
-from meganeura.kernels import matmul  # noqa: E402
+from meganeura.kernels import conv, matmul, wgsl_helpers  # noqa: E402
 from meganeura.kernels.matmul import NAMED, Cfg  # noqa: E402
 
 ENV = "MEGANEURA_BENCH_GEMM_VARIANTS"
+# mn_gelu_erf before wmm5 (erf and erfc nested, each with its own branches)
+NESTED_GELU = """fn mn_gelu_erf(x: f32) -> f32 {
+    let u = x * 0.70710678118654752;
+    if (x < 0.0) {
+        return 0.5 * x * mn_erfc(-u);
+    }
+    return 0.5 * x * (1.0 + mn_erf(u));
+}
+"""
 CFGS = {"128x64": Cfg("tiled", 128, 64, 8, 4, 16, 1), "64x64w": Cfg("tiled", 64, 64, 8, 4, 16, 1),
-        "tiled64v": NAMED["tiled64v"], "tiled128v": NAMED["tiled128v"]}
+        "tiled64v": NAMED["tiled64v"], "tiled128v": NAMED["tiled128v"],
+        # wave-count candidates: 96-row tiles (12x4 blocks, 128 invocations) and 64x32 (4x4, 128)
+        "96x64": Cfg("tiled", 96, 64, 12, 4, 16, 1), "64x32v": Cfg("tiled", 64, 32, 4, 4, 16, 1)}
 # Whisper-tiny's GEMM shapes (M, N, K) at 1,500 frames
 FC2, FC1, QKV, OUT = (1500, 384, 1536), (1500, 1536, 384), (1500, 1152, 384), (1500, 384, 384)
 W_FC2, W_FC1 = (1536, 384, 1500), (384, 1536, 1500)
 W_QKV, DX_QKV, W_OUT = (1152, 384, 1500), (1500, 384, 1152), (384, 384, 1500)
 LONG_K = (FC2, W_FC2, W_FC1, W_QKV, DX_QKV, W_OUT)
-# name -> ({shape: split}, {shape: config name}); shapes absent keep the heuristic's choice
-VARIANTS: dict[str, tuple[dict, dict]] = {
+CONV2 = (384, 1500, 1152)  # the stem's second conv (stride 2) as a GEMM (out channels, pixels, K)
+# name -> ({shape: split}, {shape: config name}[, {rule: value}]); shapes absent keep the
+# heuristic's choice.  Rules: "gelu" "nested" = mn_gelu_erf as before wmm5 (``NESTED_GELU``),
+# "one_path" = kernels.matmul.ONE_STORE_PATH_FOR_HELPERS, "conv_split" = {conv GEMM (M, N, K):
+# global split-K}.
+VARIANTS: dict[str, tuple] = {
     "base": ({}, {}),
+    "main": ({}, {}, {"gelu": "nested", "one_path": False}),  # main before wmm5
+    "gelu1": ({}, {}, {"one_path": False}),  # the new gelu, epilogue copies as before
+    "cs6": ({}, {}, {"conv_split": {CONV2: 6}}),
+    "t96": ({}, {FC1: "96x64", QKV: "96x64", OUT: "96x64", FC2: "96x64"},
+            {"conv_split": {CONV2: 3}}),
+    "t64x32": ({}, {FC1: "64x32v", QKV: "64x32v", OUT: "64x32v", FC2: "64x32v"},
+               {"conv_split": {CONV2: 6}}),
+    "cs2": ({}, {}, {"conv_split": {CONV2: 2}}),
     "s2": ({FC2: 2, FC1: 2, QKV: 2, OUT: 2}, {}),
     "s3": ({FC2: 3, W_FC2: 3, W_FC1: 3, W_QKV: 3, DX_QKV: 3, W_OUT: 3}, {}),
     "s6": ({s: 6 for s in LONG_K}, {FC1: "tiled64v", QKV: "tiled64v", OUT: "64x64w"}),
@@ -60,8 +85,15 @@ def patched(name: str):
     """Compile under variant ``name``: its splits / configs for its shapes, the heuristics'
     elsewhere.  A config is keyed by the unsplit shape (a split GEMM is a batch of ``s``
     matmuls of K / s, so batch x K gives the shape's K back)."""
-    splits, cfgs = VARIANTS[name]
+    splits, cfgs, rules = (*VARIANTS[name], {})[:3]
     old_split, old_cfg = schedule.split_k, matmul.choose_config
+    old_path, old_conv_split = matmul.ONE_STORE_PATH_FOR_HELPERS, conv.choose_split_k
+    old_gelu = wgsl_helpers.HELPERS["mn_gelu_erf"]
+    conv_splits = rules.get("conv_split", {})
+
+    def choose_split_k(M, N, K, GB, *args):
+        s = conv_splits.get((M, N, K)) if GB == 1 else None
+        return old_conv_split(M, N, K, GB, *args) if s is None else s
 
     def split_k(desc):
         s = splits.get((desc.m, desc.n, desc.k)) if desc.batch == 1 else None
@@ -76,19 +108,27 @@ def patched(name: str):
         return old_cfg(B, M, N, K, tensor_cores) if c is None else CFGS[c]
 
     schedule.split_k, matmul.choose_config = split_k, choose_config
+    matmul.ONE_STORE_PATH_FOR_HELPERS = rules.get("one_path", old_path)
+    if rules.get("gelu") == "nested":
+        wgsl_helpers.HELPERS["mn_gelu_erf"] = (NESTED_GELU, ("mn_erf", "mn_erfc"))
+    conv.choose_split_k = choose_split_k
     try:
         yield
     finally:
         schedule.split_k, matmul.choose_config = old_split, old_cfg
+        matmul.ONE_STORE_PATH_FOR_HELPERS, conv.choose_split_k = old_path, old_conv_split
+        wgsl_helpers.HELPERS["mn_gelu_erf"] = old_gelu
 
 
 def gemm_groups(prof) -> dict[str, float]:
-    """GPU µs per step of each matmul shape ``MxNxK`` (all its calls, split-K sums included)."""
+    """GPU µs per step of each matmul shape ``MxNxK`` (all its calls, split-K sums included),
+    and of each convolution (``conv2d (N, C, H, W)``, its split-K sum included)."""
     out: dict[str, float] = {}
     for k in prof.kernels:
-        m = re.match(r"matmul 1x(\d+x\d+x\d+)", k.label)
+        m = re.match(r"matmul 1x(\d+x\d+x\d+)|(conv2d\w* \([\d, ]+\))", k.label)
         if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + k.total_ns / 1e3 / prof.steps
+            key = m.group(1) or m.group(2).replace(" ", "")
+            out[key] = out.get(key, 0.0) + k.total_ns / 1e3 / prof.steps
     return out
 
 
@@ -108,9 +148,16 @@ def compile_all(names, quick: bool, dev):
                 sess = mn.compile(w.graph, precision="strict", device=dev, tune=False, **kw)
                 sess.set_params(w.params)
                 ex = sess.infer if mode == "infer" else sess.train
-                sessions[name, mode] = (sess, [(d.label, d.variant) for d in ex.stream.dispatches
-                                               if d.label.startswith("matmul")])
+                sessions[name, mode] = (sess, [(d.label, _variant(d)) for d in ex.stream.dispatches
+                                               if d.label.startswith(("matmul", "conv"))])
     return w, sessions
+
+
+def _variant(d) -> str:
+    """A dispatch's variant, ``+<n>h`` when its epilogue calls WGSL helpers: the number of
+    inlined helper calls in its WGSL (one copy per result, or two with an edge copy)."""
+    n = len(re.findall(r"= mn_\w+\(q", d.spec.wgsl))
+    return d.variant + (f"+{n}h" if n else "")
 
 
 def measure(a) -> dict:
@@ -193,7 +240,7 @@ def list_plans(workloads: str, variant: str = "base") -> dict:
                 groups = find_leaf_groups(low.graph, any_rank=opt is None)
                 plan = make_plan(low, opt is None, groups=groups, max_bindings=16)
                 stream = emit_stream(plan, target, "strict", mode)
-            rows = sorted({f"{d.label}  [{d.variant}]" for d in stream.dispatches
+            rows = sorted({f"{d.label}  [{_variant(d)}]" for d in stream.dispatches
                            if d.label.startswith("matmul")})
             out[f"{name}-{mode}"] = rows
             if not rows:

@@ -8,7 +8,7 @@ import pytest
 
 from meganeura import kernels as codegen
 from meganeura.dtypes import f16, f32
-from meganeura.kernels import CodegenError, MatmulKernel, Strided
+from meganeura.kernels import CodegenError, Instr, MatmulKernel, Strided
 from meganeura.kernels.matmul import (
     GEMV,
     MAX_CANDIDATES,
@@ -142,3 +142,43 @@ def test_choose_config_long_k_fill(b, m, n, k, want):
     wg_big = b * -(-m // big.tm) * -(-n // big.tn)
     assert (want == 0) == (wg_big >= (FILL_WORKGROUPS_LONG_K if k >= LONG_K else 256))
     assert choose_config(1, 1500, 1536, 384, tensor_cores=True) == TC_LADDER[2]  # 288 of 128x64
+
+
+BIAS_GELU = (
+    Instr("({0} + {1})", (("acc", 0), ("x", 0)), f32),
+    Instr("mn_gelu_erf({0})", (("t", 0),), f32, ("mn_gelu_erf",)),
+)
+
+
+@pytest.mark.parametrize("g,B,m,n,k,wrap", [
+    (STRICT_LADDER[1], 1, 70, 68, 40, False),  # 8x4 vec4 reads, edge tiles
+    (STRICT_LADDER[0], 2, 128, 64, 24, False),  # whole tiles: no edge path at all
+    (Cfg("tiled", 64, 32, 4, 2, 16, 0), 3, 64, 40, 17, True),  # scalar reads, wrapped grid
+])
+def test_helper_epilogue_one_store_path(run, dev, rng, monkeypatch, g, B, m, n, k, wrap):
+    """An epilogue calling a helper (bias + erf gelu) is emitted once per result, bounds
+    checked, also for interior tiles; results equal numpy's at edges and on a wrapped grid
+    (``live``); with the rule off, edge tiles get the second (unchecked interior) copy."""
+    from scipy import special
+
+    from meganeura.kernels import matmul
+
+    am, a, sa = _operand(rng, B, m, k, False)
+    wm, w, sw = _operand(rng, B, k, n, True, bcast=True)
+    bias = rng.standard_normal(n).astype(np.float32)
+    desc = MatmulKernel(B, m, n, k, sa, sw, (Strided(f32, (1, 1, n), (0, 0, 1), 0, n),),
+                        BIAS_GELU, config=g)
+    limits = dict(dev.limits, max_compute_workgroups_per_dimension=2) if wrap else None
+    (y,) = run(desc, [am, wm, bias], [((B, m, n), f32)], limits=limits)
+    h = a.astype(np.float64) @ w + bias
+    assert_close(y, 0.5 * h * special.erfc(-h / np.sqrt(2)), 1e-4, 1e-5 * np.sqrt(k), what="ep")
+    edges = bool(m % g.tm or n % g.tn or wrap)
+    assert run.last_spec.wgsl.count("mn_gelu_erf(q") == g.rm * g.rn
+    monkeypatch.setattr(matmul, "ONE_STORE_PATH_FOR_HELPERS", False)
+    two = codegen.emit(desc, limits or dev.limits, dev.features).wgsl
+    assert two.count("mn_gelu_erf(q") == (1 + edges) * g.rm * g.rn
+    plain = MatmulKernel(B, m, n, k, sa, sw, (Strided(f32, (1, 1, n), (0, 0, 1), 0, n),),
+                         BIAS_RELU, config=g)
+    monkeypatch.setattr(matmul, "ONE_STORE_PATH_FOR_HELPERS", True)
+    relu = codegen.emit(plain, limits or dev.limits, dev.features).wgsl
+    assert relu.count("max(q0, 0.0)") == (1 + edges) * g.rm * g.rn  # no helper: both copies

@@ -150,6 +150,14 @@ GEMV_THREADS = 256
 GEMV_UNROLL = 4
 MAX_CANDIDATES = 10
 SLICE_SUM_BYTES = 8192  # the K slices' exchange buffer (``_slice_sum``)
+# Epilogues calling a WGSL helper function (erf's gelu) are emitted once, bounds-checked, for
+# interior and edge tiles alike: an unchecked interior copy beside the checked one doubles
+# the inlined helper code (8x4 register blocks: 64 copies of gelu instead of 32).  H200, Dawn,
+# in Whisper's steps (bench/whisper_gemm_variants.py, 2026-12-01): fc1 1500x1536x384 + gelu
+# 82.0 -> 78.9 µs per call (inference), + the training forward's erf form 84.2 -> 78.5.
+# Staging the results through workgroup memory so one epilogue copy runs in a coalesced loop
+# lost (149 vs 99 µs: docs/rejected-optimizations.md).
+ONE_STORE_PATH_FOR_HELPERS = True
 
 
 def _norm(s, shape, what, name):
@@ -687,7 +695,11 @@ def _tiled(c: _Ctx, t, g: Cfg):
     if g.ks > 1:  # slice 0 holds the sums: it alone stores
         L.append(f"{ind}if (sl == 0u) {{")
         ind, i2 = i2, i2 + "    "
-    if edges:
+    if edges and _calls_helpers(c.k):
+        L.append(f"{ind}if ({'live' if live_check else 'true'}) {{")
+        _tiled_stores(c, L, i2, g, (not full_m, not full_n), helpers)
+        L.append(f"{ind}}}")
+    elif edges:
         L.append(f"{ind}if (interior) {{")
         _tiled_stores(c, L, i2, g, (False, False), helpers)
         L.append(f"{ind}}} else if ({'live' if live_check else 'true'}) {{")
@@ -702,6 +714,13 @@ def _tiled(c: _Ctx, t, g: Cfg):
                f"var<workgroup> Bs: array<{et}, {bk * sb // div}>;"] + red[0],
               4 * bk * (sa + sb) + red[1])
     return L, shared, nthreads, grid, helpers, ops
+
+
+def _calls_helpers(k: MatmulKernel) -> bool:
+    """Whether the epilogue calls a WGSL helper function and ``ONE_STORE_PATH_FOR_HELPERS``
+    asks for one (checked) copy of it."""
+    return ONE_STORE_PATH_FOR_HELPERS and any(ins.helpers or "mn_" in ins.expr
+                                              for ins in k.epilogue)
 
 
 def _slice_sum(L: list[str], ind: str, g: Cfg, acc: str) -> tuple[list[str], int]:
