@@ -3,6 +3,8 @@ on Dawn's f16 subgroup matrices).  The emitted-code checks run everywhere; the d
 need an adapter with f16 subgroup matrices (Dawn on NVIDIA: ``bash bench/gpu_check.sh`` runs
 them on the H200) and compare with numpy float64 on the f16-rounded operands."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -83,7 +85,9 @@ def test_workgroup_storage_fits_every_variant(variant):
 # 4 two K steps per iteration)
 OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 32, 7),
                Cfg("sgmat", 128, 128, 2, 2, 16, 3), Cfg("sgmat", 128, 256, 2, 4, 16, 5),
-               Cfg("sgmat", 64, 64, 2, 2, 32, 24), Cfg("sgmat", 128, 256, 2, 4, 48, 8)]
+               Cfg("sgmat", 64, 64, 2, 2, 32, 24), Cfg("sgmat", 128, 256, 2, 4, 48, 8),
+               Cfg("sgmat", 64, 64, 2, 2, 32, 32), Cfg("sgmat", 64, 64, 2, 2, 16, 37),
+               Cfg("sgmat", 64, 128, 2, 2, 32, 96), Cfg("sgmat", 128, 64, 2, 2, 16, 99)]
 
 
 def _loop_body(wgsl: str) -> str:
@@ -111,7 +115,8 @@ def test_option_bits_shape_the_code(vr):
         f"sgmat128x128_2x4k32{suffix}" if vr else "sgmat128")
     few_rows = codegen.emit(_desc(1, 1024, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
     assert "let gs = min(" not in few_rows.wgsl  # 8 tile rows: one group, plain order
-    for bad in (4, 6, 32):  # unrolling without double buffering; unknown bits
+    for bad in (4, 6, 64, 128):  # unrolling without double buffering, B transposed without
+        # constant offsets; unknown bits
         with pytest.raises(CodegenError, match="option bits"):
             codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=bad)), TC_LIMITS,
                          TC_FEATURES)
@@ -133,6 +138,28 @@ def test_results_go_straight_to_c_only_where_they_can():
     for n in (10, 49):
         narrow = codegen.emit(_desc(2, 128, n, 64, config=g), TC_LIMITS, TC_FEATURES)
         assert "subgroupMatrixStore(&b2" not in narrow.wgsl, n
+
+
+@pytest.mark.parametrize("vr", [32, 96, 33, 37, 101, 34 | 8])
+def test_constant_fragment_offsets(vr):
+    """Option bit 32: every matrix load is a pointer to one fragment block with a constant
+    offset and stride (so Dawn's robustness needs no bounds branch), the block index carries
+    the subgroup and buffer; 64: B blocks stored transposed, loaded column-major.  The sizes
+    are the layouts' (A: 16-row blocks of BK + 8; B: strips of BK rows of 24 + 16, or like A)."""
+    g = Cfg("sgmat", 128, 128, 2, 4, 16 if vr & 1 else 32, vr)
+    spec = codegen.emit(_desc(1, 512, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
+    loads = [ln.strip() for ln in spec.wgsl.splitlines() if "subgroupMatrixLoad" in ln]
+    assert loads and all(re.search(r"\(&[AB]s\[[^]]*\], \d+u, (true|false), \d+u\);$", ln)
+                         for ln in loads), loads[:2]
+    bk, nb = g.bk, 2 if vr & 1 else 1
+    b_blk = 16 * (bk + 8) if vr & 64 else bk * 24 + 16
+    assert f"var<workgroup> As: array<array<f16, {16 * (bk + 8)}>, {nb * 8}>;" in spec.wgsl
+    assert f"var<workgroup> Bs: array<array<f16, {b_blk}>, {nb * 8}>;" in spec.wgsl
+    assert spec.meta["workgroup_storage"] == 2 * nb * (8 * 16 * (bk + 8) + 8 * b_blk)
+    assert ("true, " in " ".join(loads)) == bool(vr & 64)
+    assert ("let ca = " in spec.wgsl) == (vr & 5 == 1)  # runtime buffer: in the block index
+    assert config_name(g).endswith({32: "k32c", 96: "k32ct", 33: "k16dc", 37: "k16duc",
+                                    101: "k16duct", 42: "k32ghc"}[vr])
 
 
 def test_half_staging_registers():
