@@ -3,7 +3,7 @@ default for the SmolLM2 / Whisper projection shapes, split-K (partial products +
 kernel) where K is long, and 4096³ strict and fast; results checked against numpy float64.
 
   python bench/matmul_bench.py dawn [--before OLD_MATMUL.py] [--quick]
-  python bench/matmul_bench.py dawn --tc-sweep [--out DIR] [--set full|final|const]
+  python bench/matmul_bench.py dawn --tc-sweep [--out DIR] [--set full|final|const|const2]
       [--toggles disable_robustness]   (tensor-core configurations)
   python bench/matmul_bench.py dawn --sweep [--before OLD_MATMUL.py] [--out DIR] [--quick]
       (strict configurations and split-K at the workload GEMMs: WORKLOAD_GEMMS)
@@ -211,6 +211,13 @@ TC_CONST_SMALL = [Cfg("sgmat", *x) for x in (
 TC_CONST_NR = [Cfg("sgmat", *x) for x in (
     (128, 256, 2, 4, 32, 32), (128, 256, 2, 4, 16, 37), (128, 256, 2, 4, 16, 5),
     (128, 256, 2, 4, 16, 1))]
+# --set const2: round 2 (the final device call): the constant-offset 256x128 family, double-
+# buffered 128x128, and the plain 256x128 again (is the gain of "c" there real?)
+TC_CONST2 = [Cfg("sgmat", *x) for x in (
+    (256, 128, 4, 2, 32, 32), (256, 128, 4, 2, 32, 0), (256, 128, 4, 2, 32, 34),
+    (256, 128, 4, 2, 32, 40), (256, 128, 4, 2, 32, 48), (256, 128, 4, 2, 48, 32),
+    (256, 128, 4, 2, 16, 33), (128, 128, 2, 4, 32, 33), (128, 128, 2, 4, 32, 35),
+    (128, 128, 2, 4, 32, 41))]
 # ablations (wrong results, timing only): where a configuration's time goes
 TC_ABLATE = [Cfg("sgmat", *x) for x in (
     (128, 128, 2, 4, 32, 0), (128, 256, 2, 4, 16, 5), (256, 256, 4, 8, 16, 5))]
@@ -501,9 +508,9 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--warm", type=float, default=0.1,
                     help="--sweep: seconds of warm-up work before each try")
-    ap.add_argument("--set", choices=("full", "final", "const"), default="full",
+    ap.add_argument("--set", choices=("full", "final", "const", "const2"), default="full",
                     help="tensor-core sweep: the full exploration, the short final list or the "
-                         "constant-offset configurations (TC_CONST)")
+                         "constant-offset configurations (TC_CONST, round 2: TC_CONST2)")
     ap.add_argument("--toggles", default="",
                     help="extra Dawn toggles, comma-separated (e.g. disable_robustness); the "
                          "tensor-core sweep then times only TC_QUICK at 4096³")
@@ -511,6 +518,8 @@ def main() -> None:
     global TC_SHAPES, TC_SWEEP, TC_F16, TC_ABLATE, TC_SMALL
     if args.set == "final":
         TC_SHAPES, TC_SWEEP, TC_F16, TC_ABLATE = TC_SHAPES[:2], TC_FINAL, [], []
+    if args.set == "const2":
+        TC_SHAPES, TC_SWEEP, TC_ABLATE = TC_SHAPES[:1], TC_CONST2, []
     if args.set == "const":
         TC_SHAPES = [TC_SHAPES[i] for i in (0, 1, 2, 4)]
         TC_SWEEP, TC_F16, TC_SMALL, TC_ABLATE = TC_CONST, TC_CONST_F16, TC_CONST_SMALL, []

@@ -10,6 +10,7 @@ import pytest
 
 from meganeura import kernels as codegen
 from meganeura.dtypes import f16, f32
+from meganeura.errors import LimitError
 from meganeura.kernels import CodegenError, Instr, MatmulKernel, Strided
 from meganeura.kernels.matmul import (
     SG_FEATURE,
@@ -160,6 +161,32 @@ def test_constant_fragment_offsets(vr):
     assert ("let ca = " in spec.wgsl) == (vr & 5 == 1)  # runtime buffer: in the block index
     assert config_name(g).endswith({32: "k32c", 96: "k32ct", 33: "k16dc", 37: "k16duc",
                                     101: "k16duct", 42: "k32ghc"}[vr])
+
+
+@pytest.mark.parametrize("shape", [(1, 4096, 4096, 4096), (2, 300, 260, 200), (1, 70, 65, 33)])
+def test_tuner_configs_fit_the_h200(shape):
+    """Every tensor-core configuration the tuner may time (ladder and extras) emits at big,
+    edge and K-tail shapes within the H200's 48 KiB of workgroup memory, under a distinct
+    name that parses back to it (``config_name`` is the tuning cache's key)."""
+    cfgs = list(dict.fromkeys(TC_LADDER + TC_EXTRAS))
+    names = [config_name(g) for g in cfgs]
+    assert len(set(names)) == len(cfgs)
+    for g, name in zip(cfgs, names):
+        spec = codegen.emit(_desc(*shape, config=g), TC_LIMITS, TC_FEATURES)
+        assert spec.meta["variant"] == name and spec.meta["config"] == tuple(g)
+        assert spec.meta["workgroup_storage"] <= 48 * 1024, name
+    assert Cfg("sgmat", 256, 128, 4, 2, 32, 32) in TC_EXTRAS  # the constant-offset winner
+    # double-buffered 128x128 with constant offsets fits whole tiles only (edges add 8 KiB of
+    # result scratch): a clear error, which the tuner skips
+    g = Cfg("sgmat", 128, 128, 2, 4, 32, 33)
+    if shape[1] % 128 or shape[2] % 128:
+        with pytest.raises(LimitError, match="workgroup storage"):
+            codegen.emit(_desc(*shape, config=g), TC_LIMITS, TC_FEATURES)
+        assert g not in {d.config for d in codegen.candidates(
+            _desc(*shape), codegen.make_target(TC_LIMITS, TC_FEATURES))}
+    else:
+        assert codegen.emit(_desc(*shape, config=g), TC_LIMITS, TC_FEATURES).meta[
+            "workgroup_storage"] == 45568
 
 
 def test_half_staging_registers():

@@ -128,8 +128,12 @@ STRICT_EXTRAS = (
     Cfg("tiled", 128, 128, 8, 8, 8, 1), Cfg("tiled", 64, 32, 4, 2, 16, 0),
     Cfg("tiled", 32, 32, 2, 2, 16, 0), Cfg("tiled", 32, 64, 2, 4, 16, 0),
 )
+# Tensor-core extras: constant fragment offsets (option bit 32) made 256x128 198.7 TFLOP/s at
+# 4096³ (105.3 without; bench/matmul_bench.py --tc-sweep --set const, docs/benchmarks.md), not
+# above the ladder's 128x256.  (Double-buffered 128x128 with them, 154.4, needs 45.5 KiB: no
+# room for the edge tiles' 8 KiB result scratch.)
 TC_EXTRAS = (NAMED["sgmat128"], Cfg("sgmat", 128, 256, 2, 4, 32, 8),
-             Cfg("sgmat", 128, 256, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32, 2))
+             Cfg("sgmat", 128, 256, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32, 32))
 FILL_WORKGROUPS = 256
 # With K of at least LONG_K (per chunk, after split-K) a strict tile bigger than 64x64 needs
 # FILL_WORKGROUPS_LONG_K workgroups (three per SM of a 132-SM GPU): each workgroup's run time
