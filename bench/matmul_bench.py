@@ -215,9 +215,13 @@ TC_CONST_NR = [Cfg("sgmat", *x) for x in (
 # buffered 128x128, and the plain 256x128 again (is the gain of "c" there real?)
 TC_CONST2 = [Cfg("sgmat", *x) for x in (
     (256, 128, 4, 2, 32, 32), (256, 128, 4, 2, 32, 0), (256, 128, 4, 2, 32, 34),
-    (256, 128, 4, 2, 32, 40), (256, 128, 4, 2, 32, 48), (256, 128, 4, 2, 48, 32),
-    (256, 128, 4, 2, 16, 33), (128, 128, 2, 4, 32, 33), (128, 128, 2, 4, 32, 35),
-    (128, 128, 2, 4, 32, 41))]
+    (256, 128, 4, 2, 48, 32), (256, 128, 4, 2, 16, 33), (128, 128, 2, 4, 32, 33),
+    (128, 128, 2, 4, 32, 35))]
+# ... and with f16 operands: fragments straight from global memory (option bit 128 "x")
+TC_GLOBAL = [Cfg("sgmat", *x) for x in (
+    (128, 256, 2, 4, 16, 128), (128, 256, 2, 4, 16, 130), (128, 128, 2, 2, 16, 128),
+    (128, 128, 2, 2, 16, 130), (256, 128, 4, 2, 16, 130), (64, 64, 1, 1, 16, 128),
+    (128, 128, 2, 4, 16, 130))]
 # ablations (wrong results, timing only): where a configuration's time goes
 TC_ABLATE = [Cfg("sgmat", *x) for x in (
     (128, 128, 2, 4, 32, 0), (128, 256, 2, 4, 16, 5), (256, 256, 4, 8, 16, 5))]
@@ -519,7 +523,7 @@ def main() -> None:
     if args.set == "final":
         TC_SHAPES, TC_SWEEP, TC_F16, TC_ABLATE = TC_SHAPES[:2], TC_FINAL, [], []
     if args.set == "const2":
-        TC_SHAPES, TC_SWEEP, TC_ABLATE = TC_SHAPES[:1], TC_CONST2, []
+        TC_SHAPES, TC_SWEEP, TC_F16, TC_ABLATE = TC_SHAPES[:2], TC_CONST2, TC_GLOBAL, []
     if args.set == "const":
         TC_SHAPES = [TC_SHAPES[i] for i in (0, 1, 2, 4)]
         TC_SWEEP, TC_F16, TC_SMALL, TC_ABLATE = TC_CONST, TC_CONST_F16, TC_CONST_SMALL, []

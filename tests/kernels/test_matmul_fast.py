@@ -189,6 +189,39 @@ def test_tuner_configs_fit_the_h200(shape):
             "workgroup_storage"] == 45568
 
 
+def _f16_desc(b, m, n, k, g, ta=False, tb=False):
+    """f16 operands, A (and B) stored transposed when ``ta`` (``tb``)."""
+    sa = (Strided(f16, (b, m, k), (m * k, 1, m), 0, b * m * k) if ta
+          else Strided.contiguous(f16, (b, m, k)))
+    sb = (Strided(f16, (b, k, n), (k * n, 1, k), 0, b * k * n) if tb
+          else Strided.contiguous(f16, (b, k, n)))
+    return MatmulKernel(b, m, n, k, sa, sb, precision="fast", out_dtype=f32, config=g)
+
+
+def test_global_fragments():
+    """Option bit 128: no workgroup memory, every fragment loaded from the operand bindings
+    (column-major where the operand is transposed), one slice ahead; only where it applies."""
+    g = Cfg("sgmat", 128, 128, 2, 2, 16, 128)
+    spec = codegen.emit(_f16_desc(2, 256, 128, 48, g), TC_LIMITS, TC_FEATURES)
+    assert spec.meta["workgroup_storage"] == 0 and "var<workgroup>" not in spec.wgsl
+    assert "workgroupBarrier" not in spec.wgsl and spec.meta["variant"] == "sgmat128x128_2x2k16x"
+    assert "let ya0 = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&b0, abase + " \
+           "(row0 + fr + 0u) * 48u + kn * 1u, false, 48u);" in spec.wgsl
+    assert "let kn = min(k0 + 16u, 32u);" in spec.wgsl
+    t = codegen.emit(_f16_desc(2, 256, 128, 48, g, True, True), TC_LIMITS, TC_FEATURES).wgsl
+    assert "(row0 + fr + 0u) * 1u + kn * 256u, true, 256u)" in t
+    assert "(col0 + fc + 16u) * 48u + kn * 1u, true, 48u)" in t
+    for bad in (_desc(1, 256, 128, 48, config=g),  # f32 operands
+                _f16_desc(1, 200, 128, 48, g),  # an edge tile
+                _f16_desc(1, 256, 128, 40, g)):  # K not a multiple of 16
+        with pytest.raises(CodegenError, match="fragments from global memory"):
+            codegen.emit(bad, TC_LIMITS, TC_FEATURES)
+    for vr, bk in ((129, 16), (160, 16), (128, 32)):  # with double buffering / CONST; BK 32
+        with pytest.raises(CodegenError, match="option bits"):
+            codegen.emit(_f16_desc(1, 256, 128, 48, g._replace(vr=vr, bk=bk)), TC_LIMITS,
+                         TC_FEATURES)
+
+
 def test_half_staging_registers():
     """Option bit 8: f32 operands rounded to f16 as they are loaded (registers vec4<f16>, the
     binding still vec4<f32>); scalar loads keep f32 registers."""
@@ -318,6 +351,22 @@ def test_tensor_core_configs(tc_run, rng, g):
         (y,) = tc_run(desc, [am, bm], [((b, m, n), f32)])
         assert tc_run.last_spec.meta["config"] == tuple(g)
         assert_close(y, _r16(a) @ _r16(bb), 1e-4, 1e-5 * np.sqrt(k), what=str(g))
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, True), (False, True)])
+def test_tensor_core_global_fragments(tc_run, rng, ta, tb):
+    """Fragments straight from global memory (option bit 128), batched, transposed operands,
+    grouped rasterization (16 tile rows: two groups)."""
+    for g in (Cfg("sgmat", 64, 64, 2, 2, 16, 128), Cfg("sgmat", 64, 128, 1, 2, 16, 130)):
+        b, m, n, k = 2, 1024, 256, 48
+        a = rng.standard_normal((b, m, k)).astype(np.float16)
+        bb = rng.standard_normal((b, k, n)).astype(np.float16)
+        am = np.ascontiguousarray(a.transpose(0, 2, 1)) if ta else a
+        bm = np.ascontiguousarray(bb.transpose(0, 2, 1)) if tb else bb
+        (y,) = tc_run(_f16_desc(b, m, n, k, g, ta, tb), [am, bm], [((b, m, n), f32)])
+        assert tc_run.last_spec.meta["workgroup_storage"] == 0
+        assert_close(y, a.astype(np.float64) @ bb.astype(np.float64), 1e-4, 1e-4,
+                     what=config_name(g))
 
 
 @pytest.mark.parametrize("b,m,n,k", [(1, 600, 70, 40), (2, 640, 128, 64)])

@@ -27,6 +27,10 @@ and prefetched into registers one K step ahead (f16 operands: vec4<f16> loads, n
   16-column strips of ``BS_ROW``-element rows (``BS_PAD`` between strips);
 * ``BT`` (with ``CONST``) — B stored transposed (16-column blocks of K-contiguous rows padded
   like A's) and loaded column-major: the same footprint as A's layout, so K 48 fits at 128x256.
+* ``GLOBAL`` (f16 operands, whole tiles, K a multiple of 16, BK 16; with ``SWZ`` / nothing
+  else) — no workgroup memory: every subgroup loads its fragments straight from the operand
+  bindings (L1/L2 serve the reuse between subgroups), one 16-deep slice ahead of its products,
+  so there is no staging, no barrier and no f32 to f16 conversion in the loop.
 
 Results go straight from the fragments to C (``subgroupMatrixStore``) where a tile lies inside
 C and there is no epilogue; otherwise each fragment goes through a per-subgroup f32 scratch so
@@ -36,9 +40,10 @@ shape, stride and epilogue works).
 
 from __future__ import annotations
 
-from .common import make_grid, u
+from ..dtypes import f16
+from .common import CodegenError, make_grid, u
 
-DB, SWZ, UNROLL, HALF, LEAN, CONST, BT = 1, 2, 4, 8, 16, 32, 64  # option bits of Cfg.vr
+DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL = 1, 2, 4, 8, 16, 32, 64, 128  # Cfg.vr bits
 SWZ_ROWS = 8  # tile rows per rasterization group
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 BS_ROW = 16 + SG_PAD  # ``CONST`` B strips: row stride (rows of a fragment on distinct banks)
@@ -53,6 +58,8 @@ def sgmat(c, t, g):
     ``matmul.emit`` expects: (body, (shared decls, bytes), workgroup size, grid, helpers, ops)."""
     from .matmul import _operands
 
+    if g.vr & GLOBAL:
+        return _global_fragments(c, t, g)
     TM, TN, BK, nsg = g.tm, g.tn, g.bk, g.rm * g.rn
     nthreads, db = 32 * nsg, bool(g.vr & DB)
     FM, FN = TM // g.rm // 16, TN // g.rn // 16  # fragments per subgroup
@@ -83,6 +90,64 @@ def sgmat(c, t, g):
         decls.append(f"var<workgroup> Cs: array<f32, {256 * nsg}>;")
         nbytes += 4 * 256 * nsg
     return L, (decls, nbytes), nthreads, grid, helpers, ops
+
+
+def _global_fragments(c, t, g):
+    """``GLOBAL``: the K loop loads each subgroup's fragments from the operand bindings (one
+    16-deep slice ahead of the products); raises ``CodegenError`` where it does not apply."""
+    FM, FN, nsg, ind = g.tm // g.rm // 16, g.tn // g.rn // 16, g.rm * g.rn, "    "
+    L: list[str] = [f"{ind}let sid = lid / 32u;", f"{ind}let lane = lid % 32u;",
+                    f"{ind}let fr = sid / {u(g.rn)} * {u(FM * 16)};",
+                    f"{ind}let fc = sid % {u(g.rn)} * {u(FN * 16)};"]
+    grid, live_check, full_m, full_n = _tile_start(c, t, g, L, ind)
+    views = [_global_view(c, "a"), _global_view(c, "b")]
+    if (c.op_dt is not f16 or not (full_m and full_n) or live_check or c.K % 16
+            or None in views):
+        raise CodegenError(f"kernel {c.name!r}: fragments from global memory (option bit "
+                           f"{GLOBAL}) need f16 operands, whole {g.tm}x{g.tn} tiles, K a "
+                           "multiple of 16 and each operand row- or column-major with "
+                           "16-byte aligned rows")
+
+    def frag(which: str, n: int, k: str) -> str:
+        """Fragment ``n`` of operand ``which`` at depth ``k``: A's rows fr + 16n, B's columns
+        fc + 16n, column-major where A's rows / B's K are the contiguous axis."""
+        s_x, s_k = views[0 if which == "a" else 1]
+        slot, base, origin, kind = ((0, "abase", "row0 + fr", FRAG_L) if which == "a"
+                                    else (1, "bbase", "col0 + fc", FRAG_R))
+        binding = c.bd.name(slot)
+        off = f"{base} + ({origin} + {u(16 * n)}) * {u(s_x)} + {k} * {u(s_k)}"
+        col = (which == "a") == (s_x == 1)  # A: rows contiguous; B: K contiguous
+        return (f"subgroupMatrixLoad<{kind}>(&{binding}, {off}, {str(col).lower()}, "
+                f"{u(s_k if s_x == 1 else s_x)})")
+
+    L += [f"{ind}var c{i}_{j} = {FRAG_C}();" for i in range(FM) for j in range(FN)]
+    # fragment registers xa/xb (this slice) and ya/yb (the next; the bindings are b0, b1, ...)
+    L += [f"{ind}var xa{i} = {frag('a', i, '0u')};" for i in range(FM)]
+    L += [f"{ind}var xb{j} = {frag('b', j, '0u')};" for j in range(FN)]
+    i2 = ind + "    "
+    L += [f"{ind}for (var k0: u32 = 0u; k0 < {u(c.K)}; k0 = k0 + 16u) {{",
+          f"{i2}let kn = min(k0 + 16u, {u(c.K - 16)});"]  # the last slice reloads itself
+    L += [f"{i2}let ya{i} = {frag('a', i, 'kn')};" for i in range(FM)]
+    L += [f"{i2}let yb{j} = {frag('b', j, 'kn')};" for j in range(FN)]
+    L += [f"{i2}c{i}_{j} = subgroupMatrixMultiplyAccumulate(xa{i}, xb{j}, c{i}_{j});"
+          for i in range(FM) for j in range(FN)]
+    L += [f"{i2}xa{i} = ya{i};" for i in range(FM)] + [f"{i2}xb{j} = yb{j};" for j in range(FN)]
+    L.append(f"{ind}}}")
+    helpers: set[str] = set()
+    scratch = _stores(c, L, g, FM, FN, (True, True, False), _direct_ok(c), helpers)
+    decls = [f"var<workgroup> Cs: array<f32, {256 * nsg}>;"] if scratch else []
+    return L, (decls, 1024 * nsg if scratch else 0), 32 * nsg, grid, helpers, []
+
+
+def _global_view(c, which: str):
+    """(stride along the tile's rows-or-columns, stride along K) of an operand a fragment can
+    load from global memory directly: one of them 1, the other and the offsets multiples of 8
+    (16-byte aligned fragment rows); None otherwise."""
+    v = c.a if which == "a" else c.b
+    sb, s_x, s_k = c.sa if which == "a" else (c.sb[0], c.sb[2], c.sb[1])
+    if 1 not in (s_x, s_k) or (s_x * s_k) % 8 or sb % 8 or v.offset % 8:
+        return None
+    return s_x, s_k
 
 
 class _Layout:
