@@ -24,13 +24,16 @@ and prefetched into registers one K step ahead (f16 operands: vec4<f16> loads, n
   constant in a bounds test and a branch (Tint ``PredicateSubgroupMatrixCall``); with a constant
   offset and stride into a fixed-size block it proves the load in bounds and emits nothing,
   and the block index is an ordinary array index (a ``min`` at worst).  B is stored as
-  16-column strips of ``BS_ROW``-element rows (``BS_PAD`` between strips);
+  16-column strips of ``BS_ROW``-element rows (``BS_PAD`` between strips).  H200, 4096³:
+  256x128 198.5 TFLOP/s against 82-105 without it, but 128x256 82 against 219 (188 with
+  robustness off): docs/benchmarks.md;
 * ``BT`` (with ``CONST``) — B stored transposed (16-column blocks of K-contiguous rows padded
   like A's) and loaded column-major: the same footprint as A's layout, so K 48 fits at 128x256.
 * ``GLOBAL`` (f16 operands, whole tiles, K a multiple of 16, BK 16; with ``SWZ`` / nothing
   else) — no workgroup memory: every subgroup loads its fragments straight from the operand
   bindings (L1/L2 serve the reuse between subgroups), one 16-deep slice ahead of its products,
-  so there is no staging, no barrier and no f32 to f16 conversion in the loop.
+  so there is no staging, no barrier and no f32 to f16 conversion in the loop.  H200, 4096³:
+  45-75 TFLOP/s against 187 staged (kept selectable for re-measurement, not a candidate).
 
 Results go straight from the fragments to C (``subgroupMatrixStore``) where a tile lies inside
 C and there is no epilogue; otherwise each fragment goes through a per-subgroup f32 scratch so
@@ -141,11 +144,12 @@ def _global_fragments(c, t, g):
 
 def _global_view(c, which: str):
     """(stride along the tile's rows-or-columns, stride along K) of an operand a fragment can
-    load from global memory directly: one of them 1, the other and the offsets multiples of 8
-    (16-byte aligned fragment rows); None otherwise."""
+    load from global memory directly: one of them 1, the other (the fragment stride: at least
+    16, what a 16-wide row needs) and the offsets multiples of 8 (16-byte aligned fragment
+    rows); None otherwise."""
     v = c.a if which == "a" else c.b
     sb, s_x, s_k = c.sa if which == "a" else (c.sb[0], c.sb[2], c.sb[1])
-    if 1 not in (s_x, s_k) or (s_x * s_k) % 8 or sb % 8 or v.offset % 8:
+    if 1 not in (s_x, s_k) or (s_x * s_k) % 8 or s_x * s_k < 16 or sb % 8 or v.offset % 8:
         return None
     return s_x, s_k
 
