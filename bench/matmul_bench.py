@@ -3,7 +3,8 @@ default for the SmolLM2 / Whisper projection shapes, split-K (partial products +
 kernel) where K is long, and 4096³ strict and fast; results checked against numpy float64.
 
   python bench/matmul_bench.py dawn [--before OLD_MATMUL.py] [--quick]
-  python bench/matmul_bench.py dawn --tc-sweep [--out DIR]   (tensor-core configurations)
+  python bench/matmul_bench.py dawn --tc-sweep [--out DIR] [--set full|final|const|const2]
+      [--toggles disable_robustness]   (tensor-core configurations)
   python bench/matmul_bench.py dawn --sweep [--before OLD_MATMUL.py] [--out DIR] [--quick]
       (strict configurations and split-K at the workload GEMMs: WORKLOAD_GEMMS)
 
@@ -192,6 +193,35 @@ TC_SMALL = [Cfg("sgmat", *x) for x in (
     (64, 64, 2, 2, 32, 1), (64, 64, 2, 2, 32, 5), (128, 64, 2, 2, 32, 1), (64, 128, 2, 2, 32, 3),
     (128, 128, 2, 2, 32, 1), (128, 128, 2, 4, 32, 1), (32, 64, 1, 2, 32, 1),
     (64, 32, 2, 1, 32, 1))]
+# --set const: constant fragment offsets (option bit 32 "c", with 64 "t": B transposed) at
+# 4096³ against the heuristic, f16 operands, two workload shapes; with --toggles: TC_CONST_NR
+TC_CONST = [Cfg("sgmat", *x) for x in (
+    (128, 256, 2, 4, 32, 32), (128, 256, 2, 4, 32, 96), (128, 256, 2, 4, 48, 96),
+    (128, 256, 2, 4, 32, 40), (128, 256, 2, 4, 32, 34), (128, 256, 2, 4, 32, 48),
+    (128, 256, 2, 4, 16, 32), (128, 256, 2, 4, 16, 33), (128, 256, 2, 4, 16, 37),
+    (128, 256, 2, 4, 16, 97), (128, 256, 2, 4, 16, 101), (128, 256, 2, 4, 16, 45),
+    (128, 256, 2, 4, 16, 39), (128, 128, 2, 4, 64, 34), (128, 128, 2, 4, 64, 32),
+    (128, 128, 2, 4, 64, 98), (128, 128, 2, 4, 32, 33), (128, 128, 2, 4, 32, 37),
+    (128, 128, 2, 4, 32, 39), (128, 128, 2, 4, 32, 101), (256, 128, 4, 2, 32, 32),
+    (256, 128, 4, 2, 32, 96), (256, 128, 4, 2, 16, 37), (128, 128, 2, 2, 32, 37))]
+TC_CONST_F16 = [Cfg("sgmat", *x) for x in ((128, 256, 2, 4, 32, 32), (128, 256, 2, 4, 16, 37))]
+TC_CONST_SMALL = [Cfg("sgmat", *x) for x in (
+    (32, 64, 1, 2, 32, 32), (64, 64, 2, 2, 32, 32), (64, 64, 2, 2, 16, 37),
+    (128, 64, 2, 2, 32, 32), (64, 128, 2, 2, 32, 32))]
+TC_CONST_NR = [Cfg("sgmat", *x) for x in (
+    (128, 256, 2, 4, 32, 32), (128, 256, 2, 4, 16, 37), (128, 256, 2, 4, 16, 5),
+    (128, 256, 2, 4, 16, 1))]
+# --set const2: round 2 (the final device call): the constant-offset 256x128 family, double-
+# buffered 128x128, and the plain 256x128 again (is the gain of "c" there real?)
+TC_CONST2 = [Cfg("sgmat", *x) for x in (
+    (256, 128, 4, 2, 32, 32), (256, 128, 4, 2, 32, 0), (256, 128, 4, 2, 32, 34),
+    (256, 128, 4, 2, 48, 32), (256, 128, 4, 2, 16, 33), (128, 128, 2, 4, 32, 33),
+    (128, 128, 2, 4, 32, 35))]
+# ... and with f16 operands: fragments straight from global memory (option bit 128 "x")
+TC_GLOBAL = [Cfg("sgmat", *x) for x in (
+    (128, 256, 2, 4, 16, 128), (128, 256, 2, 4, 16, 130), (128, 128, 2, 2, 16, 128),
+    (128, 128, 2, 2, 16, 130), (256, 128, 4, 2, 16, 130), (64, 64, 1, 1, 16, 128),
+    (128, 128, 2, 4, 16, 130))]
 # ablations (wrong results, timing only): where a configuration's time goes
 TC_ABLATE = [Cfg("sgmat", *x) for x in (
     (128, 128, 2, 4, 32, 0), (128, 256, 2, 4, 16, 5), (256, 256, 4, 8, 16, 5))]
@@ -249,7 +279,7 @@ def tc_sweep(dev, timer, rng, out_dir: str | None) -> None:
     lines, best = [], []
     for shape in TC_SHAPES:
         best.append(_tc_shape(dev, timer, rng, shape, lines))
-    if TC_SWEEP is not TC_QUICK:
+    if TC_SWEEP is not TC_QUICK and TC_ABLATE:
         lines += tc_ablation(dev, timer, rng)
     _tc_table(best, lines, out_dir)
 
@@ -482,20 +512,27 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--warm", type=float, default=0.1,
                     help="--sweep: seconds of warm-up work before each try")
-    ap.add_argument("--set", choices=("full", "final"), default="full",
-                    help="tensor-core sweep: the full exploration or the short final list")
+    ap.add_argument("--set", choices=("full", "final", "const", "const2"), default="full",
+                    help="tensor-core sweep: the full exploration, the short final list or the "
+                         "constant-offset configurations (TC_CONST, round 2: TC_CONST2)")
     ap.add_argument("--toggles", default="",
                     help="extra Dawn toggles, comma-separated (e.g. disable_robustness); the "
                          "tensor-core sweep then times only TC_QUICK at 4096³")
     args = ap.parse_args()
-    global TC_SHAPES, TC_SWEEP, TC_F16, TC_ABLATE
+    global TC_SHAPES, TC_SWEEP, TC_F16, TC_ABLATE, TC_SMALL
     if args.set == "final":
         TC_SHAPES, TC_SWEEP, TC_F16, TC_ABLATE = TC_SHAPES[:2], TC_FINAL, [], []
+    if args.set == "const2":
+        TC_SHAPES, TC_SWEEP, TC_F16, TC_ABLATE = TC_SHAPES[:2], TC_CONST2, TC_GLOBAL, []
+    if args.set == "const":
+        TC_SHAPES = [TC_SHAPES[i] for i in (0, 1, 2, 4)]
+        TC_SWEEP, TC_F16, TC_SMALL, TC_ABLATE = TC_CONST, TC_CONST_F16, TC_CONST_SMALL, []
     if args.toggles:
         from meganeura.runtime import device as devmod
 
         devmod._DAWN_TOGGLES += tuple(args.toggles.split(","))
-        TC_SHAPES, TC_SWEEP = TC_SHAPES[:1], TC_QUICK
+        TC_SHAPES = TC_SHAPES[:1]
+        TC_SWEEP = TC_CONST_NR if args.set == "const" else TC_QUICK
     dev = get_device(args.impl)
     print(args.impl, dev.adapter_name, flush=True)
     timer, rng = Timer(dev), np.random.default_rng(0)

@@ -3,11 +3,14 @@ on Dawn's f16 subgroup matrices).  The emitted-code checks run everywhere; the d
 need an adapter with f16 subgroup matrices (Dawn on NVIDIA: ``bash bench/gpu_check.sh`` runs
 them on the H200) and compare with numpy float64 on the f16-rounded operands."""
 
+import re
+
 import numpy as np
 import pytest
 
 from meganeura import kernels as codegen
 from meganeura.dtypes import f16, f32
+from meganeura.errors import LimitError
 from meganeura.kernels import CodegenError, Instr, MatmulKernel, Strided
 from meganeura.kernels.matmul import (
     SG_FEATURE,
@@ -83,7 +86,9 @@ def test_workgroup_storage_fits_every_variant(variant):
 # 4 two K steps per iteration)
 OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 32, 7),
                Cfg("sgmat", 128, 128, 2, 2, 16, 3), Cfg("sgmat", 128, 256, 2, 4, 16, 5),
-               Cfg("sgmat", 64, 64, 2, 2, 32, 24), Cfg("sgmat", 128, 256, 2, 4, 48, 8)]
+               Cfg("sgmat", 64, 64, 2, 2, 32, 24), Cfg("sgmat", 128, 256, 2, 4, 48, 8),
+               Cfg("sgmat", 64, 64, 2, 2, 32, 32), Cfg("sgmat", 64, 64, 2, 2, 16, 37),
+               Cfg("sgmat", 64, 128, 2, 2, 32, 96), Cfg("sgmat", 128, 64, 2, 2, 16, 99)]
 
 
 def _loop_body(wgsl: str) -> str:
@@ -111,7 +116,8 @@ def test_option_bits_shape_the_code(vr):
         f"sgmat128x128_2x4k32{suffix}" if vr else "sgmat128")
     few_rows = codegen.emit(_desc(1, 1024, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
     assert "let gs = min(" not in few_rows.wgsl  # 8 tile rows: one group, plain order
-    for bad in (4, 6, 32):  # unrolling without double buffering; unknown bits
+    for bad in (4, 6, 64, 128):  # unrolling without double buffering, B transposed without
+        # constant offsets; unknown bits
         with pytest.raises(CodegenError, match="option bits"):
             codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=bad)), TC_LIMITS,
                          TC_FEATURES)
@@ -133,6 +139,87 @@ def test_results_go_straight_to_c_only_where_they_can():
     for n in (10, 49):
         narrow = codegen.emit(_desc(2, 128, n, 64, config=g), TC_LIMITS, TC_FEATURES)
         assert "subgroupMatrixStore(&b2" not in narrow.wgsl, n
+
+
+@pytest.mark.parametrize("vr", [32, 96, 33, 37, 101, 34 | 8])
+def test_constant_fragment_offsets(vr):
+    """Option bit 32: every matrix load is a pointer to one fragment block with a constant
+    offset and stride (so Dawn's robustness needs no bounds branch), the block index carries
+    the subgroup and buffer; 64: B blocks stored transposed, loaded column-major.  The sizes
+    are the layouts' (A: 16-row blocks of BK + 8; B: strips of BK rows of 24 + 16, or like A)."""
+    g = Cfg("sgmat", 128, 128, 2, 4, 16 if vr & 1 else 32, vr)
+    spec = codegen.emit(_desc(1, 512, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
+    loads = [ln.strip() for ln in spec.wgsl.splitlines() if "subgroupMatrixLoad" in ln]
+    assert loads and all(re.search(r"\(&[AB]s\[[^]]*\], \d+u, (true|false), \d+u\);$", ln)
+                         for ln in loads), loads[:2]
+    bk, nb = g.bk, 2 if vr & 1 else 1
+    b_blk = 16 * (bk + 8) if vr & 64 else bk * 24 + 16
+    assert f"var<workgroup> As: array<array<f16, {16 * (bk + 8)}>, {nb * 8}>;" in spec.wgsl
+    assert f"var<workgroup> Bs: array<array<f16, {b_blk}>, {nb * 8}>;" in spec.wgsl
+    assert spec.meta["workgroup_storage"] == 2 * nb * (8 * 16 * (bk + 8) + 8 * b_blk)
+    assert ("true, " in " ".join(loads)) == bool(vr & 64)
+    assert ("let ca = " in spec.wgsl) == (vr & 5 == 1)  # runtime buffer: in the block index
+    assert config_name(g).endswith({32: "k32c", 96: "k32ct", 33: "k16dc", 37: "k16duc",
+                                    101: "k16duct", 42: "k32ghc"}[vr])
+
+
+@pytest.mark.parametrize("shape", [(1, 4096, 4096, 4096), (2, 300, 260, 200), (1, 70, 65, 33)])
+def test_tuner_configs_fit_the_h200(shape):
+    """Every tensor-core configuration the tuner may time (ladder and extras) emits at big,
+    edge and K-tail shapes within the H200's 48 KiB of workgroup memory, under a distinct
+    name that parses back to it (``config_name`` is the tuning cache's key)."""
+    cfgs = list(dict.fromkeys(TC_LADDER + TC_EXTRAS))
+    names = [config_name(g) for g in cfgs]
+    assert len(set(names)) == len(cfgs)
+    for g, name in zip(cfgs, names):
+        spec = codegen.emit(_desc(*shape, config=g), TC_LIMITS, TC_FEATURES)
+        assert spec.meta["variant"] == name and spec.meta["config"] == tuple(g)
+        assert spec.meta["workgroup_storage"] <= 48 * 1024, name
+    assert Cfg("sgmat", 256, 128, 4, 2, 32, 32) in TC_EXTRAS  # the constant-offset winner
+    # double-buffered 128x128 with constant offsets fits whole tiles only (edges add 8 KiB of
+    # result scratch): a clear error, which the tuner skips
+    g = Cfg("sgmat", 128, 128, 2, 4, 32, 33)
+    if shape[1] % 128 or shape[2] % 128:
+        with pytest.raises(LimitError, match="workgroup storage"):
+            codegen.emit(_desc(*shape, config=g), TC_LIMITS, TC_FEATURES)
+        assert g not in {d.config for d in codegen.candidates(
+            _desc(*shape), codegen.make_target(TC_LIMITS, TC_FEATURES))}
+    else:
+        assert codegen.emit(_desc(*shape, config=g), TC_LIMITS, TC_FEATURES).meta[
+            "workgroup_storage"] == 45568
+
+
+def _f16_desc(b, m, n, k, g, ta=False, tb=False):
+    """f16 operands, A (and B) stored transposed when ``ta`` (``tb``)."""
+    sa = (Strided(f16, (b, m, k), (m * k, 1, m), 0, b * m * k) if ta
+          else Strided.contiguous(f16, (b, m, k)))
+    sb = (Strided(f16, (b, k, n), (k * n, 1, k), 0, b * k * n) if tb
+          else Strided.contiguous(f16, (b, k, n)))
+    return MatmulKernel(b, m, n, k, sa, sb, precision="fast", out_dtype=f32, config=g)
+
+
+def test_global_fragments():
+    """Option bit 128: no workgroup memory, every fragment loaded from the operand bindings
+    (column-major where the operand is transposed), one slice ahead; only where it applies."""
+    g = Cfg("sgmat", 128, 128, 2, 2, 16, 128)
+    spec = codegen.emit(_f16_desc(2, 256, 128, 48, g), TC_LIMITS, TC_FEATURES)
+    assert spec.meta["workgroup_storage"] == 0 and "var<workgroup>" not in spec.wgsl
+    assert "workgroupBarrier" not in spec.wgsl and spec.meta["variant"] == "sgmat128x128_2x2k16x"
+    assert "let ya0 = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(&b0, abase + " \
+           "(row0 + fr + 0u) * 48u + kn * 1u, false, 48u);" in spec.wgsl
+    assert "let kn = min(k0 + 16u, 32u);" in spec.wgsl
+    t = codegen.emit(_f16_desc(2, 256, 128, 48, g, True, True), TC_LIMITS, TC_FEATURES).wgsl
+    assert "(row0 + fr + 0u) * 1u + kn * 256u, true, 256u)" in t
+    assert "(col0 + fc + 16u) * 48u + kn * 1u, true, 48u)" in t
+    for bad in (_desc(1, 256, 128, 48, config=g),  # f32 operands
+                _f16_desc(1, 200, 128, 48, g),  # an edge tile
+                _f16_desc(1, 256, 128, 40, g)):  # K not a multiple of 16
+        with pytest.raises(CodegenError, match="fragments from global memory"):
+            codegen.emit(bad, TC_LIMITS, TC_FEATURES)
+    for vr, bk in ((129, 16), (160, 16), (128, 32)):  # with double buffering / CONST; BK 32
+        with pytest.raises(CodegenError, match="option bits"):
+            codegen.emit(_f16_desc(1, 256, 128, 48, g._replace(vr=vr, bk=bk)), TC_LIMITS,
+                         TC_FEATURES)
 
 
 def test_half_staging_registers():
@@ -264,6 +351,22 @@ def test_tensor_core_configs(tc_run, rng, g):
         (y,) = tc_run(desc, [am, bm], [((b, m, n), f32)])
         assert tc_run.last_spec.meta["config"] == tuple(g)
         assert_close(y, _r16(a) @ _r16(bb), 1e-4, 1e-5 * np.sqrt(k), what=str(g))
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, True), (False, True)])
+def test_tensor_core_global_fragments(tc_run, rng, ta, tb):
+    """Fragments straight from global memory (option bit 128), batched, transposed operands,
+    grouped rasterization (16 tile rows: two groups)."""
+    for g in (Cfg("sgmat", 64, 64, 2, 2, 16, 128), Cfg("sgmat", 64, 128, 1, 2, 16, 130)):
+        b, m, n, k = 2, 1024, 256, 48
+        a = rng.standard_normal((b, m, k)).astype(np.float16)
+        bb = rng.standard_normal((b, k, n)).astype(np.float16)
+        am = np.ascontiguousarray(a.transpose(0, 2, 1)) if ta else a
+        bm = np.ascontiguousarray(bb.transpose(0, 2, 1)) if tb else bb
+        (y,) = tc_run(_f16_desc(b, m, n, k, g, ta, tb), [am, bm], [((b, m, n), f32)])
+        assert tc_run.last_spec.meta["workgroup_storage"] == 0
+        assert_close(y, a.astype(np.float64) @ bb.astype(np.float64), 1e-4, 1e-4,
+                     what=config_name(g))
 
 
 @pytest.mark.parametrize("b,m,n,k", [(1, 600, 70, 40), (2, 640, 128, 64)])

@@ -64,7 +64,8 @@ class Cfg(NamedTuple):
     workgroup memory (RM, RN multiples of 4), ``vl`` vec4 global loads where the operand allows.
     "sgmat": rm x rn subgroups (of 32) along rows/columns, ``vr`` option bits (1 double
     buffering, 2 grouped rasterization, 4 two K steps per iteration, 8 f16 staging registers,
-    16 A fragments loaded one at a time: ``matmul_sgmat``), ``vl`` as above.  ``ks`` (tiled
+    16 A fragments loaded one at a time, 32 constant fragment offsets, 64 B stored transposed,
+    128 fragments straight from global memory: ``matmul_sgmat``), ``vl`` as above.  ``ks`` (tiled
     only) K slices inside the workgroup: ``ks`` groups of invocations each compute every
     ``ks``-th BK step of the same tile (a staged step is ``ks``·BK long) and add their partial
     sums in slice order at the end, so a tile too few to fill the GPU gets ``ks`` times the
@@ -127,8 +128,12 @@ STRICT_EXTRAS = (
     Cfg("tiled", 128, 128, 8, 8, 8, 1), Cfg("tiled", 64, 32, 4, 2, 16, 0),
     Cfg("tiled", 32, 32, 2, 2, 16, 0), Cfg("tiled", 32, 64, 2, 4, 16, 0),
 )
+# Tensor-core extras: constant fragment offsets (option bit 32) made 256x128 198.7 TFLOP/s at
+# 4096³ (105.3 without; bench/matmul_bench.py --tc-sweep --set const, docs/benchmarks.md), not
+# above the ladder's 128x256.  (Double-buffered 128x128 with them, 154.4, needs 45.5 KiB: no
+# room for the edge tiles' 8 KiB result scratch.)
 TC_EXTRAS = (NAMED["sgmat128"], Cfg("sgmat", 128, 256, 2, 4, 32, 8),
-             Cfg("sgmat", 128, 256, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32, 2))
+             Cfg("sgmat", 128, 256, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32, 32))
 FILL_WORKGROUPS = 256
 # With K of at least LONG_K (per chunk, after split-K) a strict tile bigger than 64x64 needs
 # FILL_WORKGROUPS_LONG_K workgroups (three per SM of a 132-SM GPU): each workgroup's run time
@@ -267,8 +272,8 @@ def config_name(g: Cfg) -> str:
         if cfg == g:
             return name
     if g.kind == "sgmat":
-        opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g"), (8, "h"), (16, "l"))
-                       if g.vr & bit)
+        opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g"), (8, "h"), (16, "l"),
+                                          (32, "c"), (64, "t"), (128, "x")) if g.vr & bit)
         return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{opts}{'' if g.vl else 's'}"
     ks = f"_ks{g.ks}" if g.ks != 1 else ""
     return (f"tiled{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{'v' if g.vr else ''}"
@@ -290,10 +295,13 @@ def _check_config(g: Cfg, name: str) -> Cfg:
             bad = "K slices (ks) exist for the tiled kernel only"
         elif min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
             bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
-        elif not 0 <= g.vr < 32 or g.vr & 5 == 4:
+        elif (not 0 <= g.vr < 256 or g.vr & 5 == 4 or g.vr & 96 == 64
+              or (g.vr & 128 and (g.vr & ~130 or g.bk != 16))):
             bad = ("vr holds the option bits 1 (double buffering), 2 (grouped rasterization), "
                    "4 (two K steps per iteration, with double buffering only), 8 (f16 "
-                   "staging registers) and 16 (A fragments loaded one at a time)")
+                   "staging registers), 16 (A fragments loaded one at a time), 32 (constant "
+                   "fragment offsets), 64 (B transposed, with 32 only) and 128 (fragments "
+                   "from global memory, BK 16, with 2 only)")
     elif g != GEMV:
         bad = "unknown kind"
     if bad:

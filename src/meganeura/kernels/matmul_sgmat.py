@@ -17,7 +17,23 @@ and prefetched into registers one K step ahead (f16 operands: vec4<f16> loads, n
   prefetch registers hold half the bits (register pressure binds the big tiles);
 * ``LEAN`` — each A fragment is loaded right before its row of products (one live at a time);
 * ``SWZ`` — grouped rasterization: consecutive workgroups walk ``SWZ_ROWS`` tile rows column by
-  column, so the operand tiles a wave of workgroups shares stay in L2.
+  column, so the operand tiles a wave of workgroups shares stay in L2;
+* ``CONST`` — constant fragment offsets: the workgroup tiles are arrays of 16-row (A) / 16-column
+  (B) blocks and every ``subgroupMatrixLoad`` gets a pointer to one block and a compile-time
+  offset and stride.  Dawn's robustness transform wraps a matrix load whose offset is not a
+  constant in a bounds test and a branch (Tint ``PredicateSubgroupMatrixCall``); with a constant
+  offset and stride into a fixed-size block it proves the load in bounds and emits nothing,
+  and the block index is an ordinary array index (a ``min`` at worst).  B is stored as
+  16-column strips of ``BS_ROW``-element rows (``BS_PAD`` between strips).  H200, 4096³:
+  256x128 198.5 TFLOP/s against 82-105 without it, but 128x256 82 against 219 (188 with
+  robustness off): docs/benchmarks.md;
+* ``BT`` (with ``CONST``) — B stored transposed (16-column blocks of K-contiguous rows padded
+  like A's) and loaded column-major: the same footprint as A's layout, so K 48 fits at 128x256.
+* ``GLOBAL`` (f16 operands, whole tiles, K a multiple of 16, BK 16; with ``SWZ`` / nothing
+  else) — no workgroup memory: every subgroup loads its fragments straight from the operand
+  bindings (L1/L2 serve the reuse between subgroups), one 16-deep slice ahead of its products,
+  so there is no staging, no barrier and no f32 to f16 conversion in the loop.  H200, 4096³:
+  45-75 TFLOP/s against 187 staged (kept selectable for re-measurement, not a candidate).
 
 Results go straight from the fragments to C (``subgroupMatrixStore``) where a tile lies inside
 C and there is no epilogue; otherwise each fragment goes through a per-subgroup f32 scratch so
@@ -27,11 +43,14 @@ shape, stride and epilogue works).
 
 from __future__ import annotations
 
-from .common import make_grid, u
+from ..dtypes import f16
+from .common import CodegenError, make_grid, u
 
-DB, SWZ, UNROLL, HALF, LEAN = 1, 2, 4, 8, 16  # option bits of Cfg.vr for "sgmat"
+DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL = 1, 2, 4, 8, 16, 32, 64, 128  # Cfg.vr bits
 SWZ_ROWS = 8  # tile rows per rasterization group
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
+BS_ROW = 16 + SG_PAD  # ``CONST`` B strips: row stride (rows of a fragment on distinct banks)
+BS_PAD = 16  # ``CONST`` B strips: padding after each strip (strips start on different banks)
 FRAG_L = "subgroup_matrix_left<f16, 16, 16>"
 FRAG_R = "subgroup_matrix_right<f16, 16, 16>"
 FRAG_C = "subgroup_matrix_result<f32, 16, 16>"
@@ -42,56 +61,166 @@ def sgmat(c, t, g):
     ``matmul.emit`` expects: (body, (shared decls, bytes), workgroup size, grid, helpers, ops)."""
     from .matmul import _operands
 
+    if g.vr & GLOBAL:
+        return _global_fragments(c, t, g)
     TM, TN, BK, nsg = g.tm, g.tn, g.bk, g.rm * g.rn
     nthreads, db = 32 * nsg, bool(g.vr & DB)
     FM, FN = TM // g.rm // 16, TN // g.rn // 16  # fragments per subgroup
-    astr, bstr = BK + SG_PAD, TN + SG_PAD  # workgroup-memory row strides (f16 elements)
-    asz, bsz = TM * astr, BK * bstr  # one buffer of each operand
+    lay = _Layout(g, FM, FN)
     ind = "    "
     L: list[str] = [f"{ind}let sid = lid / 32u;", f"{ind}let lane = lid % 32u;",
                     f"{ind}let fr = sid / {u(g.rn)} * {u(FM * 16)};",  # first row in the tile
                     f"{ind}let fc = sid % {u(g.rn)} * {u(FN * 16)};"]
+    if lay.blk:  # the first A / B fragment block of this subgroup
+        L += [f"{ind}let fb = sid / {u(g.rn)} * {u(FM)};",
+              f"{ind}let fcb = sid % {u(g.rn)} * {u(FN)};"]
     grid, live_check, full_m, full_n = _tile_start(c, t, g, L, ind)
     L += [f"{ind}var c{i}_{j} = {FRAG_C}();" for i in range(FM) for j in range(FN)]
     ops = _operands(c, L, ind, TM, TN, BK, nthreads, bool(g.vl), f16_vec=True,
                     rt16=bool(g.vr & HALF))
 
-    sh, compute = _fragment_steps(g, FM, FN, astr, bstr)
     edges = not (full_m and full_n) or live_check
     if db:
-        _k_loop_db(c, L, ind, BK, edges, live_check, ops, sh, compute, (asz, bsz),
+        _k_loop_db(c, L, ind, BK, edges, live_check, ops, lay.sh, lay.compute, lay.units,
                    bool(g.vr & UNROLL))
     else:
-        _k_loop_single(c, L, ind, BK, edges, live_check, ops, sh, compute, (asz, bsz))
+        _k_loop_single(c, L, ind, BK, edges, live_check, ops, lay.sh, lay.compute, lay.units)
     helpers: set[str] = set()
     direct = _direct_ok(c)
     scratch = _stores(c, L, g, FM, FN, (full_m, full_n, live_check), direct, helpers)
-    nb = 2 if db else 1
-    decls = [f"var<workgroup> As: array<f16, {nb * asz}>;",
-             f"var<workgroup> Bs: array<f16, {nb * bsz}>;"]
+    decls, nbytes = lay.decls(2 if db else 1)
     if scratch:
         decls.append(f"var<workgroup> Cs: array<f32, {256 * nsg}>;")
-    nbytes = 2 * nb * (asz + bsz) + (4 * 256 * nsg if scratch else 0)
+        nbytes += 4 * 256 * nsg
     return L, (decls, nbytes), nthreads, grid, helpers, ops
 
 
-def _fragment_steps(g, FM: int, FN: int, astr: int, bstr: int):
-    """The two callbacks the K loops take: ``sh`` (where a staged element lives in workgroup
-    memory) and ``compute`` (one BK-deep step of fragment loads and products)."""
-    def sh(off: str):
+def _global_fragments(c, t, g):
+    """``GLOBAL``: the K loop loads each subgroup's fragments from the operand bindings (one
+    16-deep slice ahead of the products); raises ``CodegenError`` where it does not apply."""
+    FM, FN, nsg, ind = g.tm // g.rm // 16, g.tn // g.rn // 16, g.rm * g.rn, "    "
+    L: list[str] = [f"{ind}let sid = lid / 32u;", f"{ind}let lane = lid % 32u;",
+                    f"{ind}let fr = sid / {u(g.rn)} * {u(FM * 16)};",
+                    f"{ind}let fc = sid % {u(g.rn)} * {u(FN * 16)};"]
+    grid, live_check, full_m, full_n = _tile_start(c, t, g, L, ind)
+    views = [_global_view(c, "a"), _global_view(c, "b")]
+    if (c.op_dt is not f16 or not (full_m and full_n) or live_check or c.K % 16
+            or None in views):
+        raise CodegenError(f"kernel {c.name!r}: fragments from global memory (option bit "
+                           f"{GLOBAL}) need f16 operands, whole {g.tm}x{g.tn} tiles, K a "
+                           "multiple of 16 and each operand row- or column-major with "
+                           "16-byte aligned rows")
+
+    def frag(which: str, n: int, k: str) -> str:
+        """Fragment ``n`` of operand ``which`` at depth ``k``: A's rows fr + 16n, B's columns
+        fc + 16n, column-major where A's rows / B's K are the contiguous axis."""
+        s_x, s_k = views[0 if which == "a" else 1]
+        slot, base, origin, kind = ((0, "abase", "row0 + fr", FRAG_L) if which == "a"
+                                    else (1, "bbase", "col0 + fc", FRAG_R))
+        binding = c.bd.name(slot)
+        off = f"{base} + ({origin} + {u(16 * n)}) * {u(s_x)} + {k} * {u(s_k)}"
+        col = (which == "a") == (s_x == 1)  # A: rows contiguous; B: K contiguous
+        return (f"subgroupMatrixLoad<{kind}>(&{binding}, {off}, {str(col).lower()}, "
+                f"{u(s_k if s_x == 1 else s_x)})")
+
+    L += [f"{ind}var c{i}_{j} = {FRAG_C}();" for i in range(FM) for j in range(FN)]
+    # fragment registers xa/xb (this slice) and ya/yb (the next; the bindings are b0, b1, ...)
+    L += [f"{ind}var xa{i} = {frag('a', i, '0u')};" for i in range(FM)]
+    L += [f"{ind}var xb{j} = {frag('b', j, '0u')};" for j in range(FN)]
+    i2 = ind + "    "
+    L += [f"{ind}for (var k0: u32 = 0u; k0 < {u(c.K)}; k0 = k0 + 16u) {{",
+          f"{i2}let kn = min(k0 + 16u, {u(c.K - 16)});"]  # the last slice reloads itself
+    L += [f"{i2}let ya{i} = {frag('a', i, 'kn')};" for i in range(FM)]
+    L += [f"{i2}let yb{j} = {frag('b', j, 'kn')};" for j in range(FN)]
+    L += [f"{i2}c{i}_{j} = subgroupMatrixMultiplyAccumulate(xa{i}, xb{j}, c{i}_{j});"
+          for i in range(FM) for j in range(FN)]
+    L += [f"{i2}xa{i} = ya{i};" for i in range(FM)] + [f"{i2}xb{j} = yb{j};" for j in range(FN)]
+    L.append(f"{ind}}}")
+    helpers: set[str] = set()
+    scratch = _stores(c, L, g, FM, FN, (True, True, False), _direct_ok(c), helpers)
+    decls = [f"var<workgroup> Cs: array<f32, {256 * nsg}>;"] if scratch else []
+    return L, (decls, 1024 * nsg if scratch else 0), 32 * nsg, grid, helpers, []
+
+
+def _global_view(c, which: str):
+    """(stride along the tile's rows-or-columns, stride along K) of an operand a fragment can
+    load from global memory directly: one of them 1, the other (the fragment stride: at least
+    16, what a 16-wide row needs) and the offsets multiples of 8 (16-byte aligned fragment
+    rows); None otherwise."""
+    v = c.a if which == "a" else c.b
+    sb, s_x, s_k = c.sa if which == "a" else (c.sb[0], c.sb[2], c.sb[1])
+    if 1 not in (s_x, s_k) or (s_x * s_k) % 8 or s_x * s_k < 16 or sb % 8 or v.offset % 8:
+        return None
+    return s_x, s_k
+
+
+class _Layout:
+    """Where the staged tiles live in workgroup memory and how fragments load from them: flat
+    padded rows (A: TM rows of BK + pad, B: BK rows of TN + pad) or, with ``CONST``, arrays of
+    fragment blocks so every matrix load has a constant offset (module docstring).  ``units``:
+    one buffer's size in what a buffer offset counts (elements, or blocks with ``CONST``)."""
+
+    def __init__(self, g, FM: int, FN: int):
+        self.g, self.FM, self.FN = g, FM, FN
+        self.blk, self.bt = bool(g.vr & CONST), bool(g.vr & BT)
+        self.astr = g.bk + SG_PAD  # A's row stride (and transposed B's), f16 elements
+        if not self.blk:
+            self.bstr = g.tn + SG_PAD
+            self.units = (g.tm * self.astr, g.bk * self.bstr)
+        else:
+            self.bsz = 16 * self.astr if self.bt else g.bk * BS_ROW + BS_PAD  # one B block
+            self.units = (g.tm // 16, g.tn // 16)
+
+    def decls(self, nb: int) -> tuple[list[str], int]:
+        """The workgroup arrays for ``nb`` buffers and their bytes."""
+        if not self.blk:
+            a, b = nb * self.units[0], nb * self.units[1]
+            return ([f"var<workgroup> As: array<f16, {a}>;",
+                     f"var<workgroup> Bs: array<f16, {b}>;"], 2 * (a + b))
+        na, nbb = nb * self.units[0], nb * self.units[1]
+        return ([f"var<workgroup> As: array<array<f16, {16 * self.astr}>, {na}>;",
+                 f"var<workgroup> Bs: array<array<f16, {self.bsz}>, {nbb}>;"],
+                2 * (na * 16 * self.astr + nbb * self.bsz))
+
+    def sh(self, off: str):
+        """Where a staged element (tile row-or-column ``x``, depth ``kx``) lives, in the buffer
+        ``off`` (a WGSL prefix such as ``"ca + "``) points to."""
+        astr = self.astr
+
         def f(arr, kx, x, vec):
             if vec:
                 return None
-            return (f"As[{off}({x}) * {u(astr)} + {kx}]" if arr == "As"
-                    else f"Bs[{off}({kx}) * {u(bstr)} + {x}]")
+            if not self.blk:
+                return (f"As[{off}({x}) * {u(astr)} + {kx}]" if arr == "As"
+                        else f"Bs[{off}({kx}) * {u(self.bstr)} + {x}]")
+            if arr == "As" or self.bt:
+                return f"{arr}[{off}({x}) / 16u][({x}) % 16u * {u(astr)} + {kx}]"
+            return f"Bs[{off}({x}) / 16u][{kx} * {u(BS_ROW)} + ({x}) % 16u]"
         return f
 
-    def compute(out: list[str], ii: str, aoff: str, boff: str) -> None:
-        """Per 16-deep slice: the B fragments, then the A fragments and the products (``LEAN``:
-        each A fragment right before its row of products, so one is live at a time)."""
+    def _frag(self, which: str, off: str, i: int, kk: int) -> str:
+        """The arguments of one fragment load (pointer, offset, column-major, stride)."""
+        astr = self.astr
+        if which == "a":
+            if not self.blk:
+                return f"&As, {off}(fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, {u(astr)}"
+            return f"&As[{off}fb + {u(i)}], {u(kk)}, false, {u(astr)}"
+        if not self.blk:
+            return (f"&Bs, {off}{u(kk * self.bstr)} + fc + {u(16 * i)}, false, "
+                    f"{u(self.bstr)}")
+        if self.bt:
+            return f"&Bs[{off}fcb + {u(i)}], {u(kk)}, true, {u(astr)}"
+        return f"&Bs[{off}fcb + {u(i)}], {u(kk * BS_ROW)}, false, {u(BS_ROW)}"
+
+    def compute(self, out: list[str], ii: str, aoff: str, boff: str) -> None:
+        """One BK-deep step, per 16-deep slice: the B fragments, then the A fragments and the
+        products (``LEAN``: each A fragment right before its row of products, so one is live
+        at a time)."""
+        g, FM, FN = self.g, self.FM, self.FN
+
         def a_load(i: int, kk: int) -> str:
-            return (f"{ii}let a{i}_{kk} = subgroupMatrixLoad<{FRAG_L}>(&As, {aoff}"
-                    f"(fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, {u(astr)});")
+            return (f"{ii}let a{i}_{kk} = subgroupMatrixLoad<{FRAG_L}>("
+                    f"{self._frag('a', aoff, i, kk)});")
 
         def row(i: int, kk: int) -> list[str]:
             return [f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, b{j}_{kk}, "
@@ -100,12 +229,10 @@ def _fragment_steps(g, FM: int, FN: int, astr: int, bstr: int):
         for kk in range(0, g.bk, 16):
             if not g.vr & LEAN:
                 out += [a_load(i, kk) for i in range(FM)]
-            out += [f"{ii}let b{j}_{kk} = subgroupMatrixLoad<{FRAG_R}>(&Bs, {boff}"
-                    f"{u(kk * bstr)} + fc + {u(16 * j)}, false, {u(bstr)});" for j in range(FN)]
+            out += [f"{ii}let b{j}_{kk} = subgroupMatrixLoad<{FRAG_R}>("
+                    f"{self._frag('b', boff, j, kk)});" for j in range(FN)]
             for i in range(FM):
                 out += ([a_load(i, kk)] if g.vr & LEAN else []) + row(i, kk)
-
-    return sh, compute
 
 
 def _tile_start(c, t, g, L: list[str], ind: str):
