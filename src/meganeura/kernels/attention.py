@@ -245,6 +245,11 @@ SHORT_EARLY_KV = True
 SHORT_REG_STAGE = True
 SHORT_FWD_FIRST: tuple = ((16, 16, 1, 4), (16, 16, 1, 2))
 
+# Long forwards (not short loops): two barriers per key tile instead of four (K of the next
+# tile is staged after the row-max barrier, V of this tile too; see _fwd_loop_two_barriers).
+# False restores the old schedule (kept for before/after timings in one process)
+FWD_TWO_BARRIERS = True
+
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
     """``acc`` plus the dot product of units ``a`` and ``b`` (width ``w``)."""
@@ -744,10 +749,8 @@ def _kv_tiles(g: _Gen, L, ind) -> None:
 
 
 def _kv_load(g: _Gen, L, ind, start: str) -> None:
-    pre = lambda rr: [f"let jj = {start} + i32({rr});"]  # noqa: E731
     for tag, which in (("pk", "k"), ("pv", "v")):
-        g.prefetch_load(L, ind, tag, g.loop, which, pre, "jj < kv_hi",
-                        lambda c: ["b", "hkv", "u32(jj)", c])
+        _kv_load_one(g, L, ind, tag, which, start)
 
 
 def _rows_score(g: _Gen, i: int, j: int, x: str) -> list[str]:
@@ -762,8 +765,10 @@ def _rows_score(g: _Gen, i: int, j: int, x: str) -> list[str]:
     return out
 
 
-def _fwd_softmax(g: _Gen, L, ind) -> None:
-    """Scores -> probabilities of the tile with the running max/sum updated; P to ``Ps``."""
+def _fwd_softmax(g: _Gen, L, ind, after_max=None, before_p=None) -> None:
+    """Scores -> probabilities of the tile with the running max/sum updated; P to ``Ps``.
+    ``after_max`` / ``before_p``: callables adding lines right after the row-max barrier and
+    right before the barrier that publishes ``Ps`` (the two-barrier schedule's K/V stores)."""
     RM, RN, TR, TC, i2 = g.RM, g.RN, g.TR, g.TC, ind + "    "
     for i in range(RM):
         L.append(f"{ind}var mx{i}: f32 = -{FLT_MAX};")
@@ -779,6 +784,8 @@ def _fwd_softmax(g: _Gen, L, ind) -> None:
     L.append(f"{ind}for (var cc: u32 = 0u; cc < {u(TC)}; cc = cc + 1u) {{")
     L.append(f"{i2}mt = max(mt, Red[cc * {u(TR)} + tr]);")
     L.append(f"{ind}}}")
+    if after_max:
+        after_max(L, ind)
     for i in range(RM):
         for j in range(RN):
             mi = _comp("mt", i, RM)
@@ -792,6 +799,8 @@ def _fwd_softmax(g: _Gen, L, ind) -> None:
         for c in range(g.nc):
             L.append(f"{ind}o{i}_{c} = o{i}_{c} * {_comp('alpha', i, RM)};")
     g.put_tile(L, ind, "Ps", lambda i, j: f"p{i}_{j}")
+    if before_p:
+        before_p(L, ind)
     L.append(f"{ind}workgroupBarrier();")
 
 
@@ -813,12 +822,15 @@ def _fwd_kernel(g: _Gen, t):
     L.append(f"{ind}var m: {_vt(RM)} = {_vt(RM)}(-{FLT_MAX});")
     L.append(f"{ind}var l: {_vt(RM)} = {_vt(RM)}(0.0);")
     g.nc = g.acc_decl(L, ind, "o", g.wv, g.vu)
-    _kv_tiles(g, L, ind)
-    g.dots(L, i2, "s", "Qs", "Ks", g.wd, g.du, g.dp)
-    _fwd_softmax(g, L, i2)
-    g.outer(L, i2, g.loop, [("o", "Ps", "Vs", g.vp, g.nc)])
-    L.append(f"{i2}workgroupBarrier();")
-    L.append(f"{ind}}}")
+    if FWD_TWO_BARRIERS and not g.kv_early:
+        _fwd_loop_two_barriers(g, L, ind)
+    else:
+        _kv_tiles(g, L, ind)
+        g.dots(L, i2, "s", "Qs", "Ks", g.wd, g.du, g.dp)
+        _fwd_softmax(g, L, i2)
+        g.outer(L, i2, g.loop, [("o", "Ps", "Vs", g.vp, g.nc)])
+        L.append(f"{i2}workgroupBarrier();")
+        L.append(f"{ind}}}")
     # the row sums: partial per invocation, summed over the TC invocations of a row
     L.append(f"{ind}Red[tc * {u(TR)} + tr] = l;")
     L.append(f"{ind}workgroupBarrier();")
@@ -828,6 +840,49 @@ def _fwd_kernel(g: _Gen, t):
     L.append(f"{ind}}}")
     _fwd_store(g, L, ind)
     return L
+
+
+def _fwd_loop_two_barriers(g: _Gen, L, ind) -> None:
+    """The long forward's key loop with two barriers per tile instead of four.  Each staged
+    array is rewritten only where every read of its previous contents is behind a barrier:
+    K of tile t+1 goes to ``Ks`` after the row-max barrier of tile t (tile t's scores are
+    done), V of tile t to ``Vs`` after that same barrier (tile t-1's P·V is done), and the
+    ``Ps`` barrier publishes both.  The register prefetch therefore runs one tile further
+    ahead for K (K of t+2 is loaded in tile t) and V of t+1 is loaded in tile t."""
+    i2, lp = ind + "    ", _i(g.loop)
+    _kv_first(g, L, ind)  # K and V of the first tile in flight
+    g.prefetch_store(L, ind, "pk", "Ks", g.loop, "k", g.dp)
+    L.append(f"{ind}if (kv_lo + {lp} < kv_hi) {{")
+    _kv_load_one(g, L, i2, "pk", "k", f"kv_lo + {lp}")
+    L.append(f"{ind}}}")
+    L.append(f"{ind}workgroupBarrier();")
+    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {lp}) {{")
+    g.dots(L, i2, "s", "Qs", "Ks", g.wd, g.du, g.dp)
+
+    def after_max(L, ind):  # tile t-1's P·V and tile t's scores are done everywhere
+        g.prefetch_store(L, ind, "pv", "Vs", g.loop, "v", g.vp)
+        L.append(f"{ind}if (kt + {lp} < kv_hi) {{")
+        _kv_load_one(g, L, ind + "    ", "pv", "v", f"kt + {lp}")
+        L.append(f"{ind}}}")
+
+    def before_p(L, ind):
+        L.append(f"{ind}if (kt + {lp} < kv_hi) {{")
+        g.prefetch_store(L, ind + "    ", "pk", "Ks", g.loop, "k", g.dp)
+        L.append(f"{ind}}}")
+        L.append(f"{ind}if (kt + {_i(2 * g.loop)} < kv_hi) {{")
+        _kv_load_one(g, L, ind + "    ", "pk", "k", f"kt + {_i(2 * g.loop)}")
+        L.append(f"{ind}}}")
+
+    _fwd_softmax(g, L, i2, after_max, before_p)
+    g.outer(L, i2, g.loop, [("o", "Ps", "Vs", g.vp, g.nc)])
+    L.append(f"{ind}}}")
+
+
+def _kv_load_one(g: _Gen, L, ind, tag: str, which: str, start: str) -> None:
+    """Issue the loads of K or V (``which``) of the tile starting at key ``start``."""
+    pre = lambda rr: [f"let jj = {start} + i32({rr});"]  # noqa: E731
+    g.prefetch_load(L, ind, tag, g.loop, which, pre, "jj < kv_hi",
+                    lambda c: ["b", "hkv", "u32(jj)", c])
 
 
 def _fwd_store(g: _Gen, L, ind) -> None:

@@ -1,0 +1,97 @@
+"""The long-loop forward (keys >= ``SHORT_LOOP``: Whisper's 1,500 positions) with its
+two-barrier key loop (``FWD_TWO_BARRIERS``) on and off, against the float64 reference with
+NaN-poisoned outputs.  Long loops are forced at small sizes by lowering ``SHORT_LOOP`` (the
+lavapipe suite stays fast): every tile configuration that fits, causal GQA and window rules
+cut by the tiles (tiles with no visible key, chunks with none), an additive mask with -inf,
+split-K chunks, and the H200's Whisper tile (64 rows × 32 keys at D = 64, 45 KiB)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from meganeura import kernels
+from meganeura.dtypes import f32
+from meganeura.kernels import attention as A
+from meganeura.kernels.common import make_target
+from meganeura.ops.attention import _split_fwd_ref
+from tests.kernels.test_attention import _check, _desc, _problem, _run_poisoned
+
+H200 = {"max_compute_workgroup_storage_size": 49152,
+        "max_compute_invocations_per_workgroup": 1024}
+
+
+def _fwd(dev, x, a, desc, n=1):
+    """out, lse of ``desc`` (``n`` key chunks: the partials) with NaN-poisoned outputs."""
+    q, v = x["q"].shape, x["v"].shape
+    names = ["q", "k", "v"] + (["mask"] if "mask" in x else [])
+    return _run_poisoned(dev, desc, [x[k] for k in names],
+                         [(n * q[0],) + q[1:3] + v[3:], (n * q[0],) + q[1:3]])
+
+
+@pytest.fixture
+def long_loops(monkeypatch):
+    monkeypatch.setattr(A, "SHORT_LOOP", 1)
+
+
+@pytest.mark.parametrize("two", [False, True])
+def test_every_config_long(dev, rng, long_loops, monkeypatch, two):
+    """Causal GQA with q_offset (row blocks whose last tiles are hidden) and a window with a
+    cross-length key range, every configuration that fits the device."""
+    monkeypatch.setattr(A, "FWD_TWO_BARRIERS", two)
+    t = make_target(dev.limits, dev.features)
+    for dims, attrs in (((1, 4, 2, 37, 70, 8, 8), {"causal": True, "q_offset": 33}),
+                        ((2, 2, 1, 21, 75, 4, 12), {"window": 9, "q_offset": 40})):
+        x, a, ref = _problem(rng, dims, attrs)
+        for cfg in [c for c in A.CONFIGS if A.config_fits("fwd", c, dims[5], dims[6], t)]:
+            desc = _desc("fwd", x, a, cfg)
+            wgsl = kernels.emit(desc, dev.limits, dev.features).wgsl
+            assert wgsl.count("workgroupBarrier()") == (4 if two else 5)
+            out, lse = _fwd(dev, x, a, desc)
+            _check(out, ref["out"], f"out {cfg} two={two}")
+            _check(lse, ref["lse"], f"lse {cfg} two={two}")
+
+
+def test_mask_and_split_long(dev, rng, long_loops):
+    """Additive mask with -inf entries (some rows see no key at all) and split-K chunks, one
+    of them fully hidden by the causal rule: partials equal the split reference."""
+    n, dims = 3, (2, 6, 2, 5, 90, 8, 8)
+    x, a, ref = _problem(rng, dims, {"causal": True, "q_offset": 40},
+                         mask_shape=(1, 1, 5, 90))
+    x["mask"][:, :, 2, :] = -np.inf  # row 2 sees nothing: out 0, lse -inf
+    ref = _problem_ref(x, a)
+    out, lse = _fwd(dev, x, a, _desc("fwd", x, a))
+    _check(out, ref[0], "masked out")
+    _check(lse, ref[1], "masked lse")
+    a2 = {**a, "splits": n}
+    po, pl = _fwd(dev, x, a, dataclasses.replace(_desc("fwd", x, a), splits=n), n)
+    want = _split_fwd_ref([x[k].astype(np.float64) for k in ("q", "k", "v", "mask")], a2)
+    _check(po, want[0], "split partial out")
+    _check(pl, want[1], "split partial lse")
+
+
+def _problem_ref(x, a):
+    from meganeura.ops.attention import _attention_ref
+
+    return _attention_ref([x[k].astype(np.float64) for k in ("q", "k", "v", "mask")], a)
+
+
+def test_whisper_tile_h200(dev, rng, monkeypatch):
+    """The tile the H200 takes for Whisper's split forward ((16, 8, 4, 4): 64 rows × 32 keys,
+    vec4 head dim 64, 45 KiB), emitted for 48 KiB and run here with the runtime's storage
+    check relaxed (lavapipe reports 32 KiB): 520 keys (a long loop, last tile cut), 2
+    chunks, odd row count."""
+    dims = (1, 2, 2, 70, 520, 64, 64)
+    x, a, _ = _problem(rng, dims, {})
+    desc = dataclasses.replace(_desc("fwd", x, a, A.SPLIT_FWD_FIRST[0]), splits=2)
+    spec = kernels.emit(desc, {**dev.limits, **H200}, dev.features)
+    assert spec.meta["config"] == (16, 8, 4, 4) and not A.is_short(desc)
+    assert spec.wgsl.count("workgroupBarrier()") == 4  # prologue, 2 in the loop, row sums
+    monkeypatch.setattr(type(dev), "check_spec", lambda self, s: None)
+    outs = [dev.upload(np.full(s, np.nan, np.float32)) for s in ((2, 2, 70, 64), (2, 2, 70))]
+    dev.dispatch(spec, [dev.upload(x[n]) for n in ("q", "k", "v")] + outs)
+    po, pl = [dev.read_array(b, s, f32) for b, s in zip(outs, ((2, 2, 70, 64), (2, 2, 70)),
+                                                           strict=True)]
+    want = _split_fwd_ref([x[k].astype(np.float64) for k in ("q", "k", "v")], {**a, "splits": 2})
+    _check(po, want[0], "whisper tile partial out")
+    _check(pl, want[1], "whisper tile partial lse")
