@@ -34,11 +34,13 @@ def long_loops(monkeypatch):
     monkeypatch.setattr(A, "SHORT_LOOP", 1)
 
 
-@pytest.mark.parametrize("two", [False, True])
-def test_every_config_long(dev, rng, long_loops, monkeypatch, two):
+@pytest.mark.parametrize("two,exp2", [(False, False), (True, False), (True, True)])
+def test_every_config_long(dev, rng, long_loops, monkeypatch, two, exp2):
     """Causal GQA with q_offset (row blocks whose last tiles are hidden) and a window with a
-    cross-length key range, every configuration that fits the device."""
+    cross-length key range, every configuration that fits the device, with the two-barrier
+    loop and base-2 scores (``FWD_EXP2``) on and off."""
     monkeypatch.setattr(A, "FWD_TWO_BARRIERS", two)
+    monkeypatch.setattr(A, "FWD_EXP2", exp2)
     t = make_target(dev.limits, dev.features)
     for dims, attrs in (((1, 4, 2, 37, 70, 8, 8), {"causal": True, "q_offset": 33}),
                         ((2, 2, 1, 21, 75, 4, 12), {"window": 9, "q_offset": 40})):
@@ -47,6 +49,7 @@ def test_every_config_long(dev, rng, long_loops, monkeypatch, two):
             desc = _desc("fwd", x, a, cfg)
             wgsl = kernels.emit(desc, dev.limits, dev.features).wgsl
             assert wgsl.count("workgroupBarrier()") == (4 if two else 5)
+            assert ("exp2(" in wgsl) == exp2
             out, lse = _fwd(dev, x, a, desc)
             _check(out, ref["out"], f"out {cfg} two={two}")
             _check(lse, ref["lse"], f"lse {cfg} two={two}")

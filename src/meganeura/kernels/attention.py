@@ -249,6 +249,11 @@ SHORT_FWD_FIRST: tuple = ((16, 16, 1, 4), (16, 16, 1, 2))
 # tile is staged after the row-max barrier, V of this tile too; see _fwd_loop_two_barriers).
 # False restores the old schedule (kept for before/after timings in one process)
 FWD_TWO_BARRIERS = True
+# Long forwards: scores in base 2 (log2(e) folded into Q's scale and the mask, exp2, lse =
+# (m + log2 l)·ln 2): the exp's multiply by log2(e) leaves the softmax loop (16 of ~2,600
+# instructions per invocation and 32-key tile).  False: natural exp (before/after timings)
+FWD_EXP2 = True
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
@@ -463,6 +468,7 @@ class _Gen:
         short = is_short(k)
         self.reg_stage = SHORT_REG_STAGE and short  # see SHORT_LOOP
         self.kv_early = SHORT_EARLY_KV and short and k.kind in ("fwd", "dq")
+        self.exp2 = FWD_EXP2 and not short and k.kind == "fwd"  # see FWD_EXP2
         if self.ns < 1 or (self.ns > 1 and k.out_bshd):
             raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (>= 1, not with "
                                "out_bshd)")
@@ -718,7 +724,7 @@ def _rows_stage_q(g: _Gen, L, ind) -> None:
     pre = lambda rr: [f"let RR = R0 + {rr};"] + g.packed("RR", "s")  # noqa: E731
     valid = f"RR < {u(g.rows)}"
     g.stage(L, ind, "Qs", g.own, "q", g.wd, g.dp, pre, valid,
-            lambda c: ["b", "sh", "si", c], k.scale)
+            lambda c: ["b", "sh", "si", c], k.scale * (LOG2E if g.exp2 else 1.0))
     if k.kind == "dq":
         g.stage(L, ind, "Os", g.own, "dout", g.wv, g.vp, pre, valid,
                 lambda c: ["b", "sh", "si", c])
@@ -760,6 +766,7 @@ def _rows_score(g: _Gen, i: int, j: int, x: str) -> list[str]:
     out = [f"let kj = kt + i32(tc + {u(j * g.TC)});", f"let inb = rok{i} && kj < kv_hi;"]
     if k.mask is not None:
         mv = g.ld("mask", g.midx("b", f"q{i}h", f"q{i}i", "u32(kj)"), k.mask.dtype)
+        mv = f"{mv} * {_f(LOG2E)}" if g.exp2 else mv
         out.append(f"if (inb) {{ {x} = {x} + {mv}; }}")
     out.append(f"let vis = {' && '.join(['inb'] + g.vis_terms('kj', f'pos{i}'))};")
     return out
@@ -770,6 +777,7 @@ def _fwd_softmax(g: _Gen, L, ind, after_max=None, before_p=None) -> None:
     ``after_max`` / ``before_p``: callables adding lines right after the row-max barrier and
     right before the barrier that publishes ``Ps`` (the two-barrier schedule's K/V stores)."""
     RM, RN, TR, TC, i2 = g.RM, g.RN, g.TR, g.TC, ind + "    "
+    ex = "exp2" if g.exp2 else "exp"
     for i in range(RM):
         L.append(f"{ind}var mx{i}: f32 = -{FLT_MAX};")
         for j in range(RN):
@@ -789,9 +797,9 @@ def _fwd_softmax(g: _Gen, L, ind, after_max=None, before_p=None) -> None:
     for i in range(RM):
         for j in range(RN):
             mi = _comp("mt", i, RM)
-            L.append(f"{ind}let p{i}_{j} = select(exp(s{i}_{j} - {mi}), 0.0, "
+            L.append(f"{ind}let p{i}_{j} = select({ex}(s{i}_{j} - {mi}), 0.0, "
                      f"s{i}_{j} < -{FLT_MAX});")
-    L.append(f"{ind}let alpha = exp(m - mt);")
+    L.append(f"{ind}let alpha = {ex}(m - mt);")
     sums = [" + ".join(f"p{i}_{j}" for j in range(RN)) for i in range(RM)]
     L.append(f"{ind}l = l * alpha + {_vec(sums)};")
     L.append(f"{ind}m = mt;")
@@ -892,8 +900,9 @@ def _fwd_store(g: _Gen, L, ind) -> None:
         L.append(f"{ind}let inv{i} = select(1.0 / {li}, 0.0, {li} == 0.0);")
         L.append(f"{ind}if (rok{i} && tc == 0u) {{")
         obase = f"(({g.bsplit()} * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"
+        lse = f"({mi} + log2({li})) * {_f(LN2)}" if g.exp2 else f"{mi} + log({li})"
         L.append(f"{ind}    {g.bind['lse_out']}[{obase}] = "
-                 f"{_store(f'select({mi} + log({li}), -mn_inf(), {li} == 0.0)', g.dt)};")
+                 f"{_store(f'select({lse}, -mn_inf(), {li} == 0.0)', g.dt)};")
         L.append(f"{ind}}}")
     if k.out_bshd:
         rbase = lambda i: f"((b * {u(g.Sq)} + q{i}i) * {u(g.Hq)} + q{i}h)"  # noqa: E731
