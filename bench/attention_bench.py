@@ -653,11 +653,13 @@ def attention_share(path, key="smollm2-train", marks=("9, 128, 64)", "3, 3, 128,
 
 
 # --fwd-sweep: the long forward's switches of kernels/attention.py (two barriers per key tile,
-# base-2 scores), each alone, set in one process
+# base-2 scores, unrolled products over arrays of rows), each alone, set in one process
 FWD_VARIANTS = {
-    "before": {"A.FWD_TWO_BARRIERS": False, "A.FWD_EXP2": False},
-    "two_barriers": {"A.FWD_EXP2": False},
-    "exp2": {"A.FWD_TWO_BARRIERS": False},
+    "before": {"A.FWD_TWO_BARRIERS": False, "A.FWD_EXP2": False, "A.FWD_UNROLL": False},
+    "two_barriers": {"A.FWD_EXP2": False, "A.FWD_UNROLL": False},
+    "exp2": {"A.FWD_TWO_BARRIERS": False, "A.FWD_UNROLL": False},
+    "unroll": {"A.FWD_TWO_BARRIERS": False, "A.FWD_EXP2": False},
+    "no_exp2": {"A.FWD_EXP2": False},
     "after": {},
 }
 # (variant, tile configuration, key chunks) timed at Whisper's shape

@@ -254,6 +254,11 @@ FWD_TWO_BARRIERS = True
 # instructions per invocation and 32-key tile).  False: natural exp (before/after timings)
 FWD_EXP2 = True
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+# Long forwards: the staged tiles as arrays of rows (``Qs[row][unit]``) and the two products'
+# loops unrolled, so every workgroup-memory read has a constant unit index: the robustness
+# clamp Dawn adds to each runtime index (and the address arithmetic) is paid once per row
+# and tile instead of once per read.  False: flat arrays and loops (before/after timings)
+FWD_UNROLL = True
 
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
@@ -469,6 +474,8 @@ class _Gen:
         self.reg_stage = SHORT_REG_STAGE and short  # see SHORT_LOOP
         self.kv_early = SHORT_EARLY_KV and short and k.kind in ("fwd", "dq")
         self.exp2 = FWD_EXP2 and not short and k.kind == "fwd"  # see FWD_EXP2
+        self.unroll = FWD_UNROLL and not short and k.kind == "fwd"  # see FWD_UNROLL
+        self.rows2d: set[str] = set()  # arrays declared as arrays of rows
         if self.ns < 1 or (self.ns > 1 and k.out_bshd):
             raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (>= 1, not with "
                                "out_bshd)")
@@ -519,9 +526,15 @@ class _Gen:
             return [f"let {prefix}i = {R};", f"let {prefix}h = hkv;"]
         return [f"let {prefix}i = {R} / {u(G)};", f"let {prefix}h = hkv * {u(G)} + {R} % {u(G)};"]
 
-    def array(self, name: str, w: int, n_units: int) -> None:
-        """Declare workgroup array ``name`` of ``n_units`` units of width ``w``."""
-        self.shared.append(f"var<workgroup> {name}: array<{_vt(w)}, {max(1, n_units)}>;")
+    def array(self, name: str, w: int, n_units: int, rows: int = 0) -> None:
+        """Declare workgroup array ``name`` of ``n_units`` units of width ``w`` (with
+        ``rows``: as that many rows of ``n_units // rows`` units, indexed ``name[r][c]``)."""
+        if rows:
+            self.shared.append(f"var<workgroup> {name}: array<array<{_vt(w)}, "
+                               f"{n_units // rows}>, {rows}>;")
+            self.rows2d.add(name)
+        else:
+            self.shared.append(f"var<workgroup> {name}: array<{_vt(w)}, {max(1, n_units)}>;")
         self.widths[name] = w
         self.words += max(1, n_units) * w
 
@@ -548,7 +561,8 @@ class _Gen:
         L.append(f"{i2}if ({valid}) {{")
         L.append(f"{i3}x = {self.unit_value(which, w, coords, scale)};")
         L.append(f"{i2}}}")
-        L.append(f"{i2}{arr}[rr * {u(pad)} + uu] = x;")
+        L.append(f"{i2}{arr}[rr][uu] = x;" if arr in self.rows2d else
+                 f"{i2}{arr}[rr * {u(pad)} + uu] = x;")
         L.append(f"{ind}}}")
 
     def unit_value(self, which, w, coords, scale=None) -> str:
@@ -591,7 +605,8 @@ class _Gen:
         _, units, n = self.prefetch_units(which, nrows)
         for m in range(n):
             e = f"(lid + {u(m * self.wg)})"
-            line = f"{arr}[{e} / {u(units)} * {u(pad)} + {e} % {u(units)}] = {tag}{m};"
+            line = (f"{arr}[{e} / {u(units)}][{e} % {u(units)}] = {tag}{m};" if arr in self.rows2d
+                    else f"{arr}[{e} / {u(units)} * {u(pad)} + {e} % {u(units)}] = {tag}{m};")
             if (m + 1) * self.wg <= nrows * units:
                 L.append(f"{ind}{line}")
             else:
@@ -604,6 +619,15 @@ class _Gen:
         for i in range(RM):
             for j in range(RN):
                 L.append(f"{ind}var {acc}{i}_{j}: f32 = 0.0;")
+        if own_arr in self.rows2d:  # unrolled: constant unit indices (FWD_UNROLL)
+            for d in range(units):
+                L.append(f"{ind}{{")
+                L += [f"{i2}let a{i} = {own_arr}[tr + {u(i * TR)}][{u(d)}];" for i in range(RM)]
+                L += [f"{i2}let b{j} = {loop_arr}[tc + {u(j * TC)}][{u(d)}];" for j in range(RN)]
+                L += [f"{i2}{acc}{i}_{j} = {_acc_dot(w, f'{acc}{i}_{j}', f'a{i}', f'b{j}')};"
+                      for i in range(RM) for j in range(RN)]
+                L.append(f"{ind}}}")
+            return
         L.append(f"{ind}for (var d: u32 = 0u; d < {u(units)}; d = d + 1u) {{")
         for i in range(RM):
             L.append(f"{i2}let a{i} = {own_arr}[(tr + {u(i * TR)}) * {u(pad)} + d];")
@@ -624,24 +648,40 @@ class _Gen:
 
     def outer(self, L, ind, n_loop, terms) -> None:
         """For each step kk of the loop tile: acc{i}_{c} += vec[kk][i] · arr[kk][tc + c·TC] for
-        each (acc, vec, arr, pad, nc) of ``terms``."""
-        TR, TC, RM, i2 = self.TR, self.TC, self.RM, ind + "    "
+        each (acc, vec, arr, pad, nc) of ``terms`` (unrolled for arrays of rows:
+        ``FWD_UNROLL``)."""
+        if all(t[1] in self.rows2d for t in terms):
+            for n in range(n_loop):
+                L.append(f"{ind}{{")
+                self.outer_step(L, ind + "    ", u(n), terms)
+                L.append(f"{ind}}}")
+            return
         L.append(f"{ind}for (var kk: u32 = 0u; kk < {u(n_loop)}; kk = kk + 1u) {{")
+        self.outer_step(L, ind + "    ", "kk", terms)
+        L.append(f"{ind}}}")
+
+    def outer_step(self, L, ind, kk, terms) -> None:
+        """The body of ``outer`` for step ``kk`` (the loop variable or a constant)."""
+        TC, RM = self.TC, self.RM
         for acc, vec, arr, pad, nc in terms:
-            L.append(f"{i2}let p_{acc} = {vec}[kk * {u(TR)} + tr];")
+            two = vec in self.rows2d
+            L.append(f"{ind}let p_{acc} = {vec}[{kk}][tr];" if two else
+                     f"{ind}let p_{acc} = {vec}[kk * {u(self.TR)} + tr];")
             for c in range(nc):
-                L.append(f"{i2}let o_{acc}{c} = {arr}[kk * {u(pad)} + tc + {u(c * TC)}];")
+                L.append(f"{ind}let o_{acc}{c} = {arr}[{kk}][tc + {u(c * TC)}];" if two else
+                         f"{ind}let o_{acc}{c} = {arr}[kk * {u(pad)} + tc + {u(c * TC)}];")
                 for i in range(RM):
-                    L.append(f"{i2}{acc}{i}_{c} = " + _acc_axpy(
+                    L.append(f"{ind}{acc}{i}_{c} = " + _acc_axpy(
                         self.widths[arr], f"{acc}{i}_{c}", _comp('p_' + acc, i, RM), f"o_{acc}{c}")
                         + ";")
-        L.append(f"{ind}}}")
 
     def put_tile(self, L, ind, arr, val) -> None:
         """arr[(tc + j·TC)·TR + tr] = (val(0, j), …, val(RM-1, j)) for each j."""
         for j in range(self.RN):
             vals = [val(i, j) for i in range(self.RM)]
-            L.append(f"{ind}{arr}[(tc + {u(j * self.TC)}) * {u(self.TR)} + tr] = {_vec(vals)};")
+            at = (f"{arr}[tc + {u(j * self.TC)}][tr]" if arr in self.rows2d
+                  else f"{arr}[(tc + {u(j * self.TC)}) * {u(self.TR)} + tr]")
+            L.append(f"{ind}{at} = {_vec(vals)};")
 
     def store_rows(self, L, ind, target, acc, nc, w, units, dim, rbase, ok, scale) -> None:
         """Store accumulator row i (columns tc + c·TC < units) · ``scale(i)`` into row
@@ -815,10 +855,11 @@ def _fwd_softmax(g: _Gen, L, ind, after_max=None, before_p=None) -> None:
 def _fwd_kernel(g: _Gen, t):
     k, ind, i2 = g.k, "    ", "        "
     RM, TR, TC = g.RM, g.TR, g.TC
-    g.array("Qs", g.wd, g.own * g.dp)
-    g.array("Ks", g.wd, g.loop * g.dp)
-    g.array("Vs", g.wv, g.loop * g.vp)
-    g.array("Ps", RM, g.loop * TR)
+    rows = g.unroll  # arrays of rows (FWD_UNROLL)
+    g.array("Qs", g.wd, g.own * g.dp, g.own if rows else 0)
+    g.array("Ks", g.wd, g.loop * g.dp, g.loop if rows else 0)
+    g.array("Vs", g.wv, g.loop * g.vp, g.loop if rows else 0)
+    g.array("Ps", RM, g.loop * TR, g.loop if rows else 0)
     g.array("Red", RM, TC * TR)
     total = -(-g.rows // g.own) * g.B * g.Hkv * g.ns
     grid = g.grid = make_grid(k.name, total, t)
