@@ -8,10 +8,10 @@ scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
   python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
       [--short] [--shapes whisper,smollm2] [--share ROOFLINE_JSON]
       [--roof OUTDIR] [--kvariants before,after,...]
-      [--fwd-sweep OUTDIR [--winfer before,after,after@7,...]]
+      [--fwd-sweep OUTDIR [--set first|tiles] [--winfer main,before,all_on@7,...]]
 
 ``--fwd-sweep OUTDIR``: only the long forward's variants (``FWD_VARIANTS`` × tiles × key
-chunks, ``FWD_SWEEP``) at Whisper's shape, two interleaved rounds, then with ``--winfer`` the
+chunks, ``FWD_SWEEPS``) at Whisper's shape, two interleaved rounds, then with ``--winfer`` the
 Whisper-tiny inference step profiled per variant (OUTDIR/whisper-infer-<variant>.json).
 
 ``--share ROOFLINE_JSON``: no device; SmolLM2's attention share of a profiled step (every
@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 
@@ -653,35 +654,56 @@ def attention_share(path, key="smollm2-train", marks=("9, 128, 64)", "3, 3, 128,
 
 
 # --fwd-sweep: the long forward's switches of kernels/attention.py (two barriers per key tile,
-# base-2 scores, unrolled products over arrays of rows), each alone, set in one process
+# base-2 scores, unrolled products over arrays of rows, no K/V register prefetch), set in one
+# process; "reg_q": Whisper's forward built as a short loop (Q staged through registers, K/V
+# tile 0 loaded before Q)
+_OFF = {"A.FWD_TWO_BARRIERS": False, "A.FWD_EXP2": False, "A.FWD_UNROLL": False,
+        "A.FWD_PREFETCH": True}
 FWD_VARIANTS = {
-    "before": {"A.FWD_TWO_BARRIERS": False, "A.FWD_EXP2": False, "A.FWD_UNROLL": False},
-    "two_barriers": {"A.FWD_EXP2": False, "A.FWD_UNROLL": False},
-    "exp2": {"A.FWD_TWO_BARRIERS": False, "A.FWD_UNROLL": False},
-    "unroll": {"A.FWD_TWO_BARRIERS": False, "A.FWD_EXP2": False},
-    "no_exp2": {"A.FWD_EXP2": False},
-    "after": {},
+    "before": _OFF,
+    "two_barriers": {**_OFF, "A.FWD_TWO_BARRIERS": True},
+    "exp2": {**_OFF, "A.FWD_EXP2": True},
+    "unroll": {**_OFF, "A.FWD_UNROLL": True},
+    "no_exp2": {**_OFF, "A.FWD_TWO_BARRIERS": True, "A.FWD_UNROLL": True},
+    "all_on": {"A.FWD_TWO_BARRIERS": True, "A.FWD_EXP2": True, "A.FWD_UNROLL": True},
+    "reg_q": {**_OFF, "A.SHORT_LOOP": 1 << 30},
+    "no_prefetch": {**_OFF, "A.FWD_PREFETCH": False},
+    # in the op (--winfer): main's split tile before this branch
+    "main": {**_OFF, "A.SPLIT_FWD_FIRST": ((16, 8, 4, 4),)},
 }
-# (variant, tile configuration, key chunks) timed at Whisper's shape
-FWD_SWEEP = ([(v, (16, 8, 4, 4), 6) for v in FWD_VARIANTS]
-             + [("before", (16, 8, 4, 4), n) for n in (7, 8)]
-             + [("after", (16, 8, 4, 4), n) for n in (4, 5, 7, 8)]
-             + [("after", c, 6) for c in ((32, 8, 2, 4), (16, 16, 4, 2), (8, 16, 4, 2),
-                                         (16, 8, 4, 2), (32, 4, 2, 8))]
-             + [("after", (16, 8, 4, 2), n) for n in (4, 8)])
+# (variant, tile configuration, key chunks) timed at Whisper's shape, per --set: "first" (the
+# first H200 run of 2026-12-01, where "all_on" was logged as "after"), "tiles" (the final run)
+_T = (16, 16, 4, 2)
+FWD_SWEEPS = {
+    "first": ([(v, (16, 8, 4, 4), 6) for v in ("before", "two_barriers", "exp2", "unroll",
+                                                "no_exp2", "all_on")]
+              + [("before", (16, 8, 4, 4), n) for n in (7, 8)]
+              + [("all_on", (16, 8, 4, 4), n) for n in (4, 5, 7, 8)]
+              + [("all_on", c, 6) for c in ((32, 8, 2, 4), _T, (8, 16, 4, 2), (16, 8, 4, 2),
+                                            (32, 4, 2, 8))]
+              + [("all_on", (16, 8, 4, 2), n) for n in (4, 8)]),
+    "tiles": ([("before", (16, 8, 4, 4), 6)]
+              + [("before", _T, n) for n in (6, 4, 5, 8)]
+              + [(v, _T, 6) for v in ("all_on", "two_barriers", "unroll", "reg_q",
+                                      "no_prefetch")]
+              + [("no_prefetch", c, 6) for c in ((32, 16, 2, 2), (16, 16, 2, 2))]
+              + [("before", c, 6) for c in ((32, 16, 2, 2), (16, 16, 2, 2), (16, 16, 4, 1),
+                                            (32, 8, 2, 2))]
+              + [("before", (16, 16, 2, 2), 4)]),
+}
 
 
-def fwd_sweep(dev, t, sname="whisper", rounds=2, smoke=False):
-    """The long forward's variants (``FWD_SWEEP``) at one shape, split forward + combine µs
+def fwd_sweep(dev, t, sname="whisper", rounds=2, smoke=False, which="tiles"):
+    """The long forward's variants (``FWD_SWEEPS[which]``) at one shape, split forward + combine µs
     and the relative max error against float64; ``rounds`` passes over the whole list (ABAB:
     clock drift shows as a round-to-round difference), the minimum reported."""
     shape = SHAPES[sname]
     x, a, ref = problem(shape)
     D = shape[4]
     best: dict = {}
-    todo = [c for c in FWD_SWEEP if not smoke or c[1] in ((16, 8, 4, 4), (8, 8, 2, 2))]
+    todo = FWD_SWEEPS[which]
     if smoke:  # lavapipe: 32 KiB of workgroup storage; the smoke shape's keys as a long loop
-        todo = [(v, (8, 8, 2, 2), n) for v, _, n in todo]
+        todo = list(dict.fromkeys((v, (8, 8, 2, 2), n) for v, _, n in todo))
         A.SHORT_LOOP = 1
     for r in range(rounds):
         for name, cfg, n in todo:
@@ -709,12 +731,9 @@ def whisper_infer_rows(dev, names, outdir, quick=False, steps=3):
     """Whisper-tiny inference profiled (``bench/roofline.py``) per forward variant: ``names``
     of ``FWD_VARIANTS``, or ``<variant>@<chunks>`` (the op's key chunks forced through
     ``SPLIT_TARGET_FWD``); the step's GPU ms and its attention kernels' µs per call."""
-    import os
-
     import roofline
     from workloads import WORKLOADS
 
-    os.makedirs(outdir, exist_ok=True)
     w = WORKLOADS["whisper"](quick=quick, variant="main")
     rows = []
     for name in names:
@@ -729,7 +748,7 @@ def whisper_infer_rows(dev, names, outdir, quick=False, steps=3):
                "dispatches": prof.dispatches_per_step,
                "attention": [(r["label"], r["calls"], r["mean_us"]) for r in kern]}
         rows.append(row)
-        with open(os.path.join(outdir, f"whisper-infer-{name}.json"), "w") as f:
+        with open(os.path.join(outdir, f"whisper-infer-{name.replace('@', '-x')}.json"), "w") as f:
             json.dump(row, f, indent=1)
         print(f"whisper infer {name:16} GPU {prof.gpu_ms_per_step:7.3f} ms/step  " + "; ".join(
             f"{lab[:44]} {c}x{us:.1f}" for lab, c, us in row["attention"]), flush=True)
@@ -786,7 +805,9 @@ def main(argv) -> None:
 
     if "--fwd-sweep" in argv:  # the long forward's variants, then Whisper's inference
         smoke = "--smoke" in argv
-        rows += fwd_sweep(dev, t, rounds=1 if smoke else 2, smoke=smoke)
+        os.makedirs(argv[argv.index("--fwd-sweep") + 1], exist_ok=True)
+        which = argv[argv.index("--set") + 1] if "--set" in argv else "tiles"
+        rows += fwd_sweep(dev, t, rounds=1 if smoke else 2, smoke=smoke, which=which)
         save()
         if "--winfer" in argv:
             rows += whisper_infer_rows(dev, argv[argv.index("--winfer") + 1].split(","),

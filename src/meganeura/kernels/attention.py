@@ -245,20 +245,23 @@ SHORT_EARLY_KV = True
 SHORT_REG_STAGE = True
 SHORT_FWD_FIRST: tuple = ((16, 16, 1, 4), (16, 16, 1, 2))
 
-# Long forwards (not short loops): two barriers per key tile instead of four (K of the next
-# tile is staged after the row-max barrier, V of this tile too; see _fwd_loop_two_barriers).
-# False restores the old schedule (kept for before/after timings in one process)
-FWD_TWO_BARRIERS = True
-# Long forwards: scores in base 2 (log2(e) folded into Q's scale and the mask, exp2, lse =
-# (m + log2 l)·ln 2): the exp's multiply by log2(e) leaves the softmax loop (16 of ~2,600
-# instructions per invocation and 32-key tile).  False: natural exp (before/after timings)
-FWD_EXP2 = True
+# Long forwards (not short loops), three switches measured off on the H200 (Whisper, 6 key
+# chunks, (16, 8, 4, 4): 208.4 µs with all three off; docs/rejected-optimizations.md), kept for
+# before/after timings in one process (bench/attention_bench.py --fwd-sweep):
+# FWD_TWO_BARRIERS: two barriers per key tile instead of four (K of the next tile staged
+# after the row-max barrier, V of this tile too; ``_fwd_loop_two_barriers``): 212.3 µs;
+# FWD_EXP2: scores in base 2 (log2(e) folded into Q's scale and the mask, exp2, lse =
+# (m + log2 l)·ln 2; one multiply less per exp): 209.8 µs;
+# FWD_UNROLL: staged tiles as arrays of rows (``Qs[row][unit]``) and both products unrolled
+# (constant unit indices: no robustness clamp or address arithmetic per read): 231.9 µs
+FWD_TWO_BARRIERS = False
+FWD_EXP2 = False
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
-# Long forwards: the staged tiles as arrays of rows (``Qs[row][unit]``) and the two products'
-# loops unrolled, so every workgroup-memory read has a constant unit index: the robustness
-# clamp Dawn adds to each runtime index (and the address arithmetic) is paid once per row
-# and tile instead of once per read.  False: flat arrays and loops (before/after timings)
-FWD_UNROLL = True
+FWD_UNROLL = False
+# Long forwards: K/V tiles prefetched through registers (the next tile's loads in flight while
+# this one is computed); False loads each tile straight into workgroup memory at its start
+# (fewer registers per invocation: more warps per SM hide the latency instead)
+FWD_PREFETCH = True
 
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
@@ -318,9 +321,10 @@ def config_fits(kind: str, cfg, D: int, Dv: int, t, delta_out: bool = False) -> 
 
 
 # Forwards split into key chunks (batch-1 encoders) try these first: 64 rows × 32 keys per
-# workgroup, Whisper 209 µs against 255 with (8, 16, 4, 2) at 6 chunks (H200, 2026-12-01;
-# with the explicit fma chains RM = 4 with TR = 16 no longer loses)
-SPLIT_FWD_FIRST = ((16, 8, 4, 4),)
+# workgroup on 256 invocations (2 keys × 4 rows each: half the registers per invocation of
+# (16, 8, 4, 4), twice the warps per workgroup), Whisper 192.5 µs against 208.4 for
+# (16, 8, 4, 4) and 255 for (8, 16, 4, 2) at 6 chunks (H200, 2026-12-01)
+SPLIT_FWD_FIRST = ((16, 16, 4, 2),)
 
 
 def choose_config(kind: str, own_n: int, n_bh: int, D: int, Dv: int, t, own: int = 0,
@@ -476,6 +480,7 @@ class _Gen:
         self.exp2 = FWD_EXP2 and not short and k.kind == "fwd"  # see FWD_EXP2
         self.unroll = FWD_UNROLL and not short and k.kind == "fwd"  # see FWD_UNROLL
         self.rows2d: set[str] = set()  # arrays declared as arrays of rows
+        self.direct_kv = not FWD_PREFETCH and not short and k.kind == "fwd"  # FWD_PREFETCH
         if self.ns < 1 or (self.ns > 1 and k.out_bshd):
             raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (>= 1, not with "
                                "out_bshd)")
@@ -783,6 +788,14 @@ def _kv_tiles(g: _Gen, L, ind) -> None:
     (keys past ``kv_hi`` as zeros), barrier, and the next tile's loads issued (they land while
     this tile is computed)."""
     i2 = ind + "    "
+    if g.direct_kv:  # FWD_PREFETCH off: each tile loaded straight into workgroup memory
+        L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
+        pre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
+        for arr, which, w, pad in (("Ks", "k", g.wd, g.dp), ("Vs", "v", g.wv, g.vp)):
+            g.stage(L, i2, arr, g.loop, which, w, pad, pre, "jj < kv_hi",
+                    lambda c: ["b", "hkv", "u32(jj)", c])
+        L.append(f"{i2}workgroupBarrier();")
+        return
     if not g.kv_early:
         _kv_first(g, L, ind)
     L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
@@ -871,7 +884,7 @@ def _fwd_kernel(g: _Gen, t):
     L.append(f"{ind}var m: {_vt(RM)} = {_vt(RM)}(-{FLT_MAX});")
     L.append(f"{ind}var l: {_vt(RM)} = {_vt(RM)}(0.0);")
     g.nc = g.acc_decl(L, ind, "o", g.wv, g.vu)
-    if FWD_TWO_BARRIERS and not g.kv_early:
+    if FWD_TWO_BARRIERS and not g.kv_early and not g.direct_kv:  # (built on the prefetch)
         _fwd_loop_two_barriers(g, L, ind)
     else:
         _kv_tiles(g, L, ind)
