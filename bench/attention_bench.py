@@ -8,11 +8,12 @@ scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
   python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
       [--short] [--shapes whisper,smollm2] [--share ROOFLINE_JSON]
       [--roof OUTDIR] [--kvariants before,after,...]
-      [--fwd-sweep OUTDIR [--set first|tiles] [--winfer main,before,all_on@7,...]]
+      [--fwd-sweep OUTDIR [--winfer main,after,after@8,...]]
 
-``--fwd-sweep OUTDIR``: only the long forward's variants (``FWD_VARIANTS`` × tiles × key
-chunks, ``FWD_SWEEPS``) at Whisper's shape, two interleaved rounds, then with ``--winfer`` the
-Whisper-tiny inference step profiled per variant (OUTDIR/whisper-infer-<variant>.json).
+``--fwd-sweep OUTDIR``: only the long forward: with ``--winfer`` first the Whisper-tiny
+inference step profiled per variant (OUTDIR/whisper-infer-<variant>.json), then its variants
+(``FWD_VARIANTS`` × tiles × key chunks, ``FWD_SWEEP``) at Whisper's shape, two interleaved
+rounds (clock drift shows as a round-to-round difference).
 
 ``--share ROOFLINE_JSON``: no device; SmolLM2's attention share of a profiled step (every
 attention kernel and attention-shaped reduce).  ``--short``: first, one layer's attention
@@ -653,54 +654,35 @@ def attention_share(path, key="smollm2-train", marks=("9, 128, 64)", "3, 3, 128,
     return us, total
 
 
-# --fwd-sweep: the long forward's switches of kernels/attention.py (two barriers per key tile,
-# base-2 scores, unrolled products over arrays of rows, no K/V register prefetch), set in one
-# process; "reg_q": Whisper's forward built as a short loop (Q staged through registers, K/V
-# tile 0 loaded before Q)
-_OFF = {"A.FWD_TWO_BARRIERS": False, "A.FWD_EXP2": False, "A.FWD_UNROLL": False,
-        "A.FWD_PREFETCH": True}
+# --fwd-sweep: the long forward's variants, set in one process: "after" as the code is,
+# "before" rolled (no ``FWD_UNROLL``), "unroll_all" every tile unrolled, "reg_q" Whisper's
+# forward built as a short loop (Q staged through registers, K/V tile 0 loaded before Q),
+# "main" the split tile and rolled kernel before 2026-12-01's fifth session.  (The two H200
+# runs of docs/benchmarks.md "strict forward at Whisper's shape" ran this with the switches
+# of commits 8614591 / 6ea2518, since removed as rejected: docs/rejected-optimizations.md)
 FWD_VARIANTS = {
-    "before": _OFF,
-    "two_barriers": {**_OFF, "A.FWD_TWO_BARRIERS": True},
-    "exp2": {**_OFF, "A.FWD_EXP2": True},
-    "unroll": {**_OFF, "A.FWD_UNROLL": True},
-    "no_exp2": {**_OFF, "A.FWD_TWO_BARRIERS": True, "A.FWD_UNROLL": True},
-    "all_on": {"A.FWD_TWO_BARRIERS": True, "A.FWD_EXP2": True, "A.FWD_UNROLL": True},
-    "reg_q": {**_OFF, "A.SHORT_LOOP": 1 << 30},
-    "no_prefetch": {**_OFF, "A.FWD_PREFETCH": False},
-    # in the op (--winfer): main's split tile before this branch
-    "main": {**_OFF, "A.SPLIT_FWD_FIRST": ((16, 8, 4, 4),)},
+    "after": {},
+    "before": {"A.FWD_UNROLL": ()},
+    "unroll_all": {"A.FWD_UNROLL": A.CONFIGS},
+    "reg_q": {"A.FWD_UNROLL": (), "A.SHORT_LOOP": 1 << 30},
+    "main": {"A.FWD_UNROLL": (), "A.SPLIT_FWD_FIRST": ((16, 8, 4, 4),)},
 }
-# (variant, tile configuration, key chunks) timed at Whisper's shape, per --set: "first" (the
-# first H200 run of 2026-12-01, where "all_on" was logged as "after"), "tiles" (the final run)
+# (variant, tile configuration, key chunks) timed at Whisper's shape
 _T = (16, 16, 4, 2)
-FWD_SWEEPS = {
-    "first": ([(v, (16, 8, 4, 4), 6) for v in ("before", "two_barriers", "exp2", "unroll",
-                                                "no_exp2", "all_on")]
-              + [("before", (16, 8, 4, 4), n) for n in (7, 8)]
-              + [("all_on", (16, 8, 4, 4), n) for n in (4, 5, 7, 8)]
-              + [("all_on", c, 6) for c in ((32, 8, 2, 4), _T, (8, 16, 4, 2), (16, 8, 4, 2),
-                                            (32, 4, 2, 8))]
-              + [("all_on", (16, 8, 4, 2), n) for n in (4, 8)]),
-    "tiles": ([("before", (16, 8, 4, 4), 6)]
-              + [("before", _T, n) for n in (6, 4, 8)]
-              + [(v, _T, 6) for v in ("all_on", "two_barriers", "unroll", "no_prefetch",
-                                      "reg_q")]
-              + [("before", c, 6) for c in ((32, 16, 2, 2), (16, 16, 2, 2), (64, 8, 1, 4),
-                                            (64, 4, 1, 8))]
-              + [("no_prefetch", (32, 16, 2, 2), 6)]),
-}
+FWD_SWEEP = ([("main", (16, 8, 4, 4), 6), ("before", _T, 6), ("after", _T, 6),
+              ("unroll_all", (16, 8, 4, 4), 6), ("reg_q", _T, 6)]
+             + [("after", _T, n) for n in (4, 5, 8)])
 
 
-def fwd_sweep(dev, t, sname="whisper", rounds=2, smoke=False, which="tiles"):
-    """The long forward's variants (``FWD_SWEEPS[which]``) at one shape, split forward + combine µs
+def fwd_sweep(dev, t, sname="whisper", rounds=2, smoke=False):
+    """The long forward's variants (``FWD_SWEEP``) at one shape, split forward + combine µs
     and the relative max error against float64; ``rounds`` passes over the whole list (ABAB:
     clock drift shows as a round-to-round difference), the minimum reported."""
     shape = SHAPES[sname]
     x, a, ref = problem(shape)
     D = shape[4]
     best: dict = {}
-    todo = FWD_SWEEPS[which]
+    todo = FWD_SWEEP
     if smoke:  # lavapipe: 32 KiB of workgroup storage; the smoke shape's keys as a long loop
         todo = list(dict.fromkeys((v, (8, 8, 2, 2), n) for v, _, n in todo))
         A.SHORT_LOOP = 1
@@ -805,19 +787,13 @@ def main(argv) -> None:
     if "--fwd-sweep" in argv:  # the long forward's variants, then Whisper's inference
         smoke = "--smoke" in argv
         os.makedirs(argv[argv.index("--fwd-sweep") + 1], exist_ok=True)
-        which = argv[argv.index("--set") + 1] if "--set" in argv else "tiles"
-        if "--winfer" in argv and "--set" in argv:  # the final run's order: the op first
+        if "--winfer" in argv:  # the op in the model first
             rows += whisper_infer_rows(dev, argv[argv.index("--winfer") + 1].split(","),
                                        argv[argv.index("--fwd-sweep") + 1], quick=smoke,
                                        steps=1 if smoke else 3)
             save()
-        rows += fwd_sweep(dev, t, rounds=1 if smoke else 2, smoke=smoke, which=which)
+        rows += fwd_sweep(dev, t, rounds=1 if smoke else 2, smoke=smoke)
         save()
-        if "--winfer" in argv and "--set" not in argv:
-            rows += whisper_infer_rows(dev, argv[argv.index("--winfer") + 1].split(","),
-                                       argv[argv.index("--fwd-sweep") + 1], quick=smoke,
-                                       steps=1 if smoke else 3)
-            save()
         for r in sorted((r for r in rows if r["kind"] == "fwd_sweep"), key=lambda r: r["us"]):
             print(f"best {r['variant']:13} {str(tuple(r['config'])):14} x{r['splits']} "
                   f"{r['us']:8.1f} µs (rounds {', '.join(f'{u:.1f}' for u in r['us_rounds'])})"

@@ -60,6 +60,9 @@ are in a fixed order (deterministic).  Inputs are read in place through their st
 configuration is chosen from the device's workgroup-storage and invocation limits and the
 problem size (``choose_config``); ``candidates`` lists the ones worth timing for the tuner.
 
+Long forwards on the tiles of ``FWD_UNROLL`` declare the staged tiles as arrays of rows and
+unroll both products (constant unit indices: no per-read index clamp or address arithmetic).
+
 Short loops (fewer than ``SHORT_LOOP`` keys, or query positions for dK/dV) are latency-bound:
 their own block is staged through registers (every load before the first store), fwd/dQ load
 K/V tile 0 before staging Q, and a forward with too few workgroups takes 64-key tiles
@@ -245,23 +248,12 @@ SHORT_EARLY_KV = True
 SHORT_REG_STAGE = True
 SHORT_FWD_FIRST: tuple = ((16, 16, 1, 4), (16, 16, 1, 2))
 
-# Long forwards (not short loops), three switches measured off on the H200 (Whisper, 6 key
-# chunks, (16, 8, 4, 4): 208.4 µs with all three off; docs/rejected-optimizations.md), kept for
-# before/after timings in one process (bench/attention_bench.py --fwd-sweep):
-# FWD_TWO_BARRIERS: two barriers per key tile instead of four (K of the next tile staged
-# after the row-max barrier, V of this tile too; ``_fwd_loop_two_barriers``): 212.3 µs;
-# FWD_EXP2: scores in base 2 (log2(e) folded into Q's scale and the mask, exp2, lse =
-# (m + log2 l)·ln 2; one multiply less per exp): 209.8 µs;
-# FWD_UNROLL: staged tiles as arrays of rows (``Qs[row][unit]``) and both products unrolled
-# (constant unit indices: no robustness clamp or address arithmetic per read): 231.9 µs
-FWD_TWO_BARRIERS = False
-FWD_EXP2 = False
-LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
-FWD_UNROLL = False
-# Long forwards: K/V tiles prefetched through registers (the next tile's loads in flight while
-# this one is computed); False loads each tile straight into workgroup memory at its start
-# (fewer registers per invocation: more warps per SM hide the latency instead)
-FWD_PREFETCH = True
+# Long forwards (not short loops) on these tiles: the staged tiles as arrays of rows
+# (``Qs[row][unit]``) and both products unrolled, so every workgroup-memory read has a constant
+# unit index (no robustness clamp or address arithmetic per read).  H200, Whisper, 6 key
+# chunks (2026-12-01): (16, 16, 4, 2) 209.2 -> 193.5 µs, but (16, 8, 4, 4) 208.4 -> 231.9 (not
+# listed).  () restores the old kernels (kept for before/after timings in one process)
+FWD_UNROLL: tuple = ((16, 16, 4, 2),)
 
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
@@ -321,9 +313,9 @@ def config_fits(kind: str, cfg, D: int, Dv: int, t, delta_out: bool = False) -> 
 
 
 # Forwards split into key chunks (batch-1 encoders) try these first: 64 rows × 32 keys per
-# workgroup on 256 invocations (2 keys × 4 rows each: half the registers per invocation of
-# (16, 8, 4, 4), twice the warps per workgroup), Whisper 192.5 µs against 208.4 for
-# (16, 8, 4, 4) and 255 for (8, 16, 4, 2) at 6 chunks (H200, 2026-12-01)
+# workgroup on 256 invocations (4 rows × 2 keys each), unrolled (``FWD_UNROLL``): Whisper
+# 193.5 µs with the combine against 208.4 for (16, 8, 4, 4) (either rolled: 209.2 / 208.4;
+# (16, 8, 4, 4) unrolled: 231.9) and 255 for (8, 16, 4, 2), 6 chunks (H200, 2026-12-01)
 SPLIT_FWD_FIRST = ((16, 16, 4, 2),)
 
 
@@ -477,10 +469,9 @@ class _Gen:
         short = is_short(k)
         self.reg_stage = SHORT_REG_STAGE and short  # see SHORT_LOOP
         self.kv_early = SHORT_EARLY_KV and short and k.kind in ("fwd", "dq")
-        self.exp2 = FWD_EXP2 and not short and k.kind == "fwd"  # see FWD_EXP2
-        self.unroll = FWD_UNROLL and not short and k.kind == "fwd"  # see FWD_UNROLL
+        self.unroll = (not short and k.kind == "fwd"  # see FWD_UNROLL
+                       and (self.TR, self.TC, self.RM, self.RN) in FWD_UNROLL)
         self.rows2d: set[str] = set()  # arrays declared as arrays of rows
-        self.direct_kv = not FWD_PREFETCH and not short and k.kind == "fwd"  # FWD_PREFETCH
         if self.ns < 1 or (self.ns > 1 and k.out_bshd):
             raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (>= 1, not with "
                                "out_bshd)")
@@ -769,7 +760,7 @@ def _rows_stage_q(g: _Gen, L, ind) -> None:
     pre = lambda rr: [f"let RR = R0 + {rr};"] + g.packed("RR", "s")  # noqa: E731
     valid = f"RR < {u(g.rows)}"
     g.stage(L, ind, "Qs", g.own, "q", g.wd, g.dp, pre, valid,
-            lambda c: ["b", "sh", "si", c], k.scale * (LOG2E if g.exp2 else 1.0))
+            lambda c: ["b", "sh", "si", c], k.scale)
     if k.kind == "dq":
         g.stage(L, ind, "Os", g.own, "dout", g.wv, g.vp, pre, valid,
                 lambda c: ["b", "sh", "si", c])
@@ -788,14 +779,6 @@ def _kv_tiles(g: _Gen, L, ind) -> None:
     (keys past ``kv_hi`` as zeros), barrier, and the next tile's loads issued (they land while
     this tile is computed)."""
     i2 = ind + "    "
-    if g.direct_kv:  # FWD_PREFETCH off: each tile loaded straight into workgroup memory
-        L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
-        pre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
-        for arr, which, w, pad in (("Ks", "k", g.wd, g.dp), ("Vs", "v", g.wv, g.vp)):
-            g.stage(L, i2, arr, g.loop, which, w, pad, pre, "jj < kv_hi",
-                    lambda c: ["b", "hkv", "u32(jj)", c])
-        L.append(f"{i2}workgroupBarrier();")
-        return
     if not g.kv_early:
         _kv_first(g, L, ind)
     L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(g.loop)}) {{")
@@ -808,8 +791,10 @@ def _kv_tiles(g: _Gen, L, ind) -> None:
 
 
 def _kv_load(g: _Gen, L, ind, start: str) -> None:
+    pre = lambda rr: [f"let jj = {start} + i32({rr});"]  # noqa: E731
     for tag, which in (("pk", "k"), ("pv", "v")):
-        _kv_load_one(g, L, ind, tag, which, start)
+        g.prefetch_load(L, ind, tag, g.loop, which, pre, "jj < kv_hi",
+                        lambda c: ["b", "hkv", "u32(jj)", c])
 
 
 def _rows_score(g: _Gen, i: int, j: int, x: str) -> list[str]:
@@ -819,18 +804,14 @@ def _rows_score(g: _Gen, i: int, j: int, x: str) -> list[str]:
     out = [f"let kj = kt + i32(tc + {u(j * g.TC)});", f"let inb = rok{i} && kj < kv_hi;"]
     if k.mask is not None:
         mv = g.ld("mask", g.midx("b", f"q{i}h", f"q{i}i", "u32(kj)"), k.mask.dtype)
-        mv = f"{mv} * {_f(LOG2E)}" if g.exp2 else mv
         out.append(f"if (inb) {{ {x} = {x} + {mv}; }}")
     out.append(f"let vis = {' && '.join(['inb'] + g.vis_terms('kj', f'pos{i}'))};")
     return out
 
 
-def _fwd_softmax(g: _Gen, L, ind, after_max=None, before_p=None) -> None:
-    """Scores -> probabilities of the tile with the running max/sum updated; P to ``Ps``.
-    ``after_max`` / ``before_p``: callables adding lines right after the row-max barrier and
-    right before the barrier that publishes ``Ps`` (the two-barrier schedule's K/V stores)."""
+def _fwd_softmax(g: _Gen, L, ind) -> None:
+    """Scores -> probabilities of the tile with the running max/sum updated; P to ``Ps``."""
     RM, RN, TR, TC, i2 = g.RM, g.RN, g.TR, g.TC, ind + "    "
-    ex = "exp2" if g.exp2 else "exp"
     for i in range(RM):
         L.append(f"{ind}var mx{i}: f32 = -{FLT_MAX};")
         for j in range(RN):
@@ -845,14 +826,12 @@ def _fwd_softmax(g: _Gen, L, ind, after_max=None, before_p=None) -> None:
     L.append(f"{ind}for (var cc: u32 = 0u; cc < {u(TC)}; cc = cc + 1u) {{")
     L.append(f"{i2}mt = max(mt, Red[cc * {u(TR)} + tr]);")
     L.append(f"{ind}}}")
-    if after_max:
-        after_max(L, ind)
     for i in range(RM):
         for j in range(RN):
             mi = _comp("mt", i, RM)
-            L.append(f"{ind}let p{i}_{j} = select({ex}(s{i}_{j} - {mi}), 0.0, "
+            L.append(f"{ind}let p{i}_{j} = select(exp(s{i}_{j} - {mi}), 0.0, "
                      f"s{i}_{j} < -{FLT_MAX});")
-    L.append(f"{ind}let alpha = {ex}(m - mt);")
+    L.append(f"{ind}let alpha = exp(m - mt);")
     sums = [" + ".join(f"p{i}_{j}" for j in range(RN)) for i in range(RM)]
     L.append(f"{ind}l = l * alpha + {_vec(sums)};")
     L.append(f"{ind}m = mt;")
@@ -860,8 +839,6 @@ def _fwd_softmax(g: _Gen, L, ind, after_max=None, before_p=None) -> None:
         for c in range(g.nc):
             L.append(f"{ind}o{i}_{c} = o{i}_{c} * {_comp('alpha', i, RM)};")
     g.put_tile(L, ind, "Ps", lambda i, j: f"p{i}_{j}")
-    if before_p:
-        before_p(L, ind)
     L.append(f"{ind}workgroupBarrier();")
 
 
@@ -884,15 +861,12 @@ def _fwd_kernel(g: _Gen, t):
     L.append(f"{ind}var m: {_vt(RM)} = {_vt(RM)}(-{FLT_MAX});")
     L.append(f"{ind}var l: {_vt(RM)} = {_vt(RM)}(0.0);")
     g.nc = g.acc_decl(L, ind, "o", g.wv, g.vu)
-    if FWD_TWO_BARRIERS and not g.kv_early and not g.direct_kv:  # (built on the prefetch)
-        _fwd_loop_two_barriers(g, L, ind)
-    else:
-        _kv_tiles(g, L, ind)
-        g.dots(L, i2, "s", "Qs", "Ks", g.wd, g.du, g.dp)
-        _fwd_softmax(g, L, i2)
-        g.outer(L, i2, g.loop, [("o", "Ps", "Vs", g.vp, g.nc)])
-        L.append(f"{i2}workgroupBarrier();")
-        L.append(f"{ind}}}")
+    _kv_tiles(g, L, ind)
+    g.dots(L, i2, "s", "Qs", "Ks", g.wd, g.du, g.dp)
+    _fwd_softmax(g, L, i2)
+    g.outer(L, i2, g.loop, [("o", "Ps", "Vs", g.vp, g.nc)])
+    L.append(f"{i2}workgroupBarrier();")
+    L.append(f"{ind}}}")
     # the row sums: partial per invocation, summed over the TC invocations of a row
     L.append(f"{ind}Red[tc * {u(TR)} + tr] = l;")
     L.append(f"{ind}workgroupBarrier();")
@@ -904,49 +878,6 @@ def _fwd_kernel(g: _Gen, t):
     return L
 
 
-def _fwd_loop_two_barriers(g: _Gen, L, ind) -> None:
-    """The long forward's key loop with two barriers per tile instead of four.  Each staged
-    array is rewritten only where every read of its previous contents is behind a barrier:
-    K of tile t+1 goes to ``Ks`` after the row-max barrier of tile t (tile t's scores are
-    done), V of tile t to ``Vs`` after that same barrier (tile t-1's P·V is done), and the
-    ``Ps`` barrier publishes both.  The register prefetch therefore runs one tile further
-    ahead for K (K of t+2 is loaded in tile t) and V of t+1 is loaded in tile t."""
-    i2, lp = ind + "    ", _i(g.loop)
-    _kv_first(g, L, ind)  # K and V of the first tile in flight
-    g.prefetch_store(L, ind, "pk", "Ks", g.loop, "k", g.dp)
-    L.append(f"{ind}if (kv_lo + {lp} < kv_hi) {{")
-    _kv_load_one(g, L, i2, "pk", "k", f"kv_lo + {lp}")
-    L.append(f"{ind}}}")
-    L.append(f"{ind}workgroupBarrier();")
-    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {lp}) {{")
-    g.dots(L, i2, "s", "Qs", "Ks", g.wd, g.du, g.dp)
-
-    def after_max(L, ind):  # tile t-1's P·V and tile t's scores are done everywhere
-        g.prefetch_store(L, ind, "pv", "Vs", g.loop, "v", g.vp)
-        L.append(f"{ind}if (kt + {lp} < kv_hi) {{")
-        _kv_load_one(g, L, ind + "    ", "pv", "v", f"kt + {lp}")
-        L.append(f"{ind}}}")
-
-    def before_p(L, ind):
-        L.append(f"{ind}if (kt + {lp} < kv_hi) {{")
-        g.prefetch_store(L, ind + "    ", "pk", "Ks", g.loop, "k", g.dp)
-        L.append(f"{ind}}}")
-        L.append(f"{ind}if (kt + {_i(2 * g.loop)} < kv_hi) {{")
-        _kv_load_one(g, L, ind + "    ", "pk", "k", f"kt + {_i(2 * g.loop)}")
-        L.append(f"{ind}}}")
-
-    _fwd_softmax(g, L, i2, after_max, before_p)
-    g.outer(L, i2, g.loop, [("o", "Ps", "Vs", g.vp, g.nc)])
-    L.append(f"{ind}}}")
-
-
-def _kv_load_one(g: _Gen, L, ind, tag: str, which: str, start: str) -> None:
-    """Issue the loads of K or V (``which``) of the tile starting at key ``start``."""
-    pre = lambda rr: [f"let jj = {start} + i32({rr});"]  # noqa: E731
-    g.prefetch_load(L, ind, tag, g.loop, which, pre, "jj < kv_hi",
-                    lambda c: ["b", "hkv", "u32(jj)", c])
-
-
 def _fwd_store(g: _Gen, L, ind) -> None:
     k, RM = g.k, g.RM
     for i in range(RM):
@@ -954,9 +885,8 @@ def _fwd_store(g: _Gen, L, ind) -> None:
         L.append(f"{ind}let inv{i} = select(1.0 / {li}, 0.0, {li} == 0.0);")
         L.append(f"{ind}if (rok{i} && tc == 0u) {{")
         obase = f"(({g.bsplit()} * {u(g.Hq)} + q{i}h) * {u(g.Sq)} + q{i}i)"
-        lse = f"({mi} + log2({li})) * {_f(LN2)}" if g.exp2 else f"{mi} + log({li})"
         L.append(f"{ind}    {g.bind['lse_out']}[{obase}] = "
-                 f"{_store(f'select({lse}, -mn_inf(), {li} == 0.0)', g.dt)};")
+                 f"{_store(f'select({mi} + log({li}), -mn_inf(), {li} == 0.0)', g.dt)};")
         L.append(f"{ind}}}")
     if k.out_bshd:
         rbase = lambda i: f"((b * {u(g.Sq)} + q{i}i) * {u(g.Hq)} + q{i}h)"  # noqa: E731
