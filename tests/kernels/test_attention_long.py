@@ -87,21 +87,22 @@ def test_whisper_split_choice():
     assert "array<array<" in kernels.emit(desc, H200).wgsl
 
 
-@pytest.mark.parametrize("unroll", [False, True])
-def test_whisper_tile_h200(dev, rng, monkeypatch, unroll):
+@pytest.mark.parametrize("unroll,D", [(False, 64), (True, 64), (True, 32)])
+def test_whisper_tile_h200(dev, rng, monkeypatch, unroll, D):
     """The tile the H200 takes for Whisper's split forward (``SPLIT_FWD_FIRST``: 64 rows × 32
     keys, vec4 head dim 64, 46 KiB), emitted for 48 KiB and run here with the runtime's
     storage check relaxed (lavapipe reports 32 KiB): 520 keys (a long loop, last tile cut), 2
-    chunks, odd row count; unrolled (the default) and rolled."""
+    chunks, odd row count; unrolled (the default) and rolled, and at head dim 32 (fewer
+    units than invocations per row: padding columns computed and not stored)."""
     monkeypatch.setattr(A, "FWD_UNROLL", A.FWD_UNROLL if unroll else ())
-    dims = (1, 2, 2, 70, 520, 64, 64)
+    dims = (1, 2, 2, 70, 520, D, D)
     x, a, _ = _problem(rng, dims, {})
     desc = dataclasses.replace(_desc("fwd", x, a, A.SPLIT_FWD_FIRST[0]), splits=2)
     spec = kernels.emit(desc, {**dev.limits, **H200}, dev.features)
     assert spec.meta["workgroup_storage"] > 32768 and not A.is_short(desc)
     assert ("array<array<" in spec.wgsl) == unroll
     monkeypatch.setattr(type(dev), "check_spec", lambda self, s: None)
-    shapes = ((2, 2, 70, 64), (2, 2, 70))
+    shapes = ((2, 2, 70, D), (2, 2, 70))
     outs = [dev.upload(np.full(s, np.nan, np.float32)) for s in shapes]
     dev.dispatch(spec, [dev.upload(x[n]) for n in ("q", "k", "v")] + outs)
     po, pl = [dev.read_array(b, s, f32) for b, s in zip(outs, shapes, strict=True)]
