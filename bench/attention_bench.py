@@ -8,6 +8,12 @@ scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
   python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
       [--short] [--shapes whisper,smollm2] [--share ROOFLINE_JSON]
       [--roof OUTDIR] [--kvariants before,after,...]
+      [--fwd-sweep OUTDIR [--winfer main,after,after@8,...]]
+
+``--fwd-sweep OUTDIR``: only the long forward: with ``--winfer`` first the Whisper-tiny
+inference step profiled per variant (OUTDIR/whisper-infer-<variant>.json), then its variants
+(``FWD_VARIANTS`` × tiles × key chunks, ``FWD_SWEEP``) at Whisper's shape, two interleaved
+rounds (clock drift shows as a round-to-round difference).
 
 ``--share ROOFLINE_JSON``: no device; SmolLM2's attention share of a profiled step (every
 attention kernel and attention-shaped reduce).  ``--short``: first, one layer's attention
@@ -33,6 +39,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 
@@ -647,6 +654,88 @@ def attention_share(path, key="smollm2-train", marks=("9, 128, 64)", "3, 3, 128,
     return us, total
 
 
+# --fwd-sweep: the long forward's variants, set in one process: "after" as the code is,
+# "before" rolled (no ``FWD_UNROLL``), "unroll_all" every tile unrolled, "reg_q" Whisper's
+# forward built as a short loop (Q staged through registers, K/V tile 0 loaded before Q),
+# "main" the split tile and rolled kernel before 2026-12-01's fifth session.  (The two H200
+# runs of docs/benchmarks.md "strict forward at Whisper's shape" ran this with the switches
+# of commits 8614591 / 6ea2518, since removed as rejected: docs/rejected-optimizations.md)
+FWD_VARIANTS = {
+    "after": {},
+    "before": {"A.FWD_UNROLL": ()},
+    "unroll_all": {"A.FWD_UNROLL": A.CONFIGS},
+    "reg_q": {"A.FWD_UNROLL": (), "A.SHORT_LOOP": 1 << 30},
+    "main": {"A.FWD_UNROLL": (), "A.SPLIT_FWD_FIRST": ((16, 8, 4, 4),)},
+}
+# (variant, tile configuration, key chunks) timed at Whisper's shape
+_T = (16, 16, 4, 2)
+FWD_SWEEP = ([("main", (16, 8, 4, 4), 6), ("before", _T, 6), ("after", _T, 6),
+              ("unroll_all", (16, 8, 4, 4), 6), ("reg_q", _T, 6)]
+             + [("after", _T, n) for n in (4, 5, 8)])
+
+
+def fwd_sweep(dev, t, sname="whisper", rounds=2, smoke=False):
+    """The long forward's variants (``FWD_SWEEP``) at one shape, split forward + combine µs
+    and the relative max error against float64; ``rounds`` passes over the whole list (ABAB:
+    clock drift shows as a round-to-round difference), the minimum reported."""
+    shape = SHAPES[sname]
+    x, a, ref = problem(shape)
+    D = shape[4]
+    best: dict = {}
+    todo = FWD_SWEEP
+    if smoke:  # lavapipe: 32 KiB of workgroup storage; the smoke shape's keys as a long loop
+        todo = list(dict.fromkeys((v, (8, 8, 2, 2), n) for v, _, n in todo))
+        A.SHORT_LOOP = 1
+    for r in range(rounds):
+        for name, cfg, n in todo:
+            if not A.config_fits("fwd", cfg, D, D, t):
+                continue
+            with variant(FWD_VARIANTS[name]):
+                desc = dataclasses.replace(describe("fwd", x, a), splits=n, config=cfg)
+                spec, err, us = run_config(dev, desc, x, ref)
+            key = (name, cfg, n)
+            row = best.setdefault(key, {"shape": sname, "kind": "fwd_sweep", "variant": name,
+                                        "config": list(cfg), "splits": n, "us_rounds": [],
+                                        "err": err})
+            row["us_rounds"].append(us)
+            row["err"] = max(row["err"], err)
+            fl = 4 * shape[3] ** 2 * D * shape[1] * shape[0]
+            print(f"sweep r{r} {sname:8} {name:13} {str(cfg):14} x{n} {us:8.1f} µs "
+                  f"{fl / us / 1e6:6.2f} TFLOP/s err {err:.1e}", flush=True)
+    rows = list(best.values())
+    for row in rows:
+        row["us"] = min(row["us_rounds"])
+    return rows
+
+
+def whisper_infer_rows(dev, names, outdir, quick=False, steps=3):
+    """Whisper-tiny inference profiled (``bench/roofline.py``) per forward variant: ``names``
+    of ``FWD_VARIANTS``, or ``<variant>@<chunks>`` (the op's key chunks forced through
+    ``SPLIT_TARGET_FWD``); the step's GPU ms and its attention kernels' µs per call."""
+    import roofline
+    from workloads import WORKLOADS
+
+    w = WORKLOADS["whisper"](quick=quick, variant="main")
+    rows = []
+    for name in names:
+        base, _, n = name.partition("@")
+        sets = dict(FWD_VARIANTS[base])
+        if n:  # fwd_splits: ceil(target / items) chunks, items = 282 (row blocks of 32)
+            sets["SPLIT_TARGET_FWD"] = 282 * (int(n) - 1) + 1
+        with variant(sets):
+            prof = roofline.profile_workload(w, dev, "strict", True, steps)
+        kern = [r for r in prof.roofline() if r["label"].startswith("attention")]
+        row = {"kind": "whisper_infer", "variant": name, "gpu_ms": prof.gpu_ms_per_step,
+               "dispatches": prof.dispatches_per_step,
+               "attention": [(r["label"], r["calls"], r["mean_us"]) for r in kern]}
+        rows.append(row)
+        with open(os.path.join(outdir, f"whisper-infer-{name.replace('@', '-x')}.json"), "w") as f:
+            json.dump(row, f, indent=1)
+        print(f"whisper infer {name:16} GPU {prof.gpu_ms_per_step:7.3f} ms/step  " + "; ".join(
+            f"{lab[:44]} {c}x{us:.1f}" for lab, c, us in row["attention"]), flush=True)
+    return rows
+
+
 def config_rows(dev, t, sname, shape, quick, everything):
     """Every tile configuration of each kernel at one shape, then split-K and fast rows."""
     rows = []
@@ -695,6 +784,21 @@ def main(argv) -> None:
             with open(path, "w") as f:
                 json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
 
+    if "--fwd-sweep" in argv:  # the long forward's variants, then Whisper's inference
+        smoke = "--smoke" in argv
+        os.makedirs(argv[argv.index("--fwd-sweep") + 1], exist_ok=True)
+        if "--winfer" in argv:  # the op in the model first
+            rows += whisper_infer_rows(dev, argv[argv.index("--winfer") + 1].split(","),
+                                       argv[argv.index("--fwd-sweep") + 1], quick=smoke,
+                                       steps=1 if smoke else 3)
+            save()
+        rows += fwd_sweep(dev, t, rounds=1 if smoke else 2, smoke=smoke)
+        save()
+        for r in sorted((r for r in rows if r["kind"] == "fwd_sweep"), key=lambda r: r["us"]):
+            print(f"best {r['variant']:13} {str(tuple(r['config'])):14} x{r['splits']} "
+                  f"{r['us']:8.1f} µs (rounds {', '.join(f'{u:.1f}' for u in r['us_rounds'])})"
+                  f" err {r['err']:.1e}")
+        return
     kv = argv[argv.index("--kvariants") + 1].split(",") if "--kvariants" in argv else None
     if "--roof" in argv:  # SmolLM2's whole step per kernel variant (first)
         rows += roof_rows(dev, kv or ["before", "after"], argv[argv.index("--roof") + 1],

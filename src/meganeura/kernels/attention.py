@@ -60,6 +60,9 @@ are in a fixed order (deterministic).  Inputs are read in place through their st
 configuration is chosen from the device's workgroup-storage and invocation limits and the
 problem size (``choose_config``); ``candidates`` lists the ones worth timing for the tuner.
 
+Long forwards on the tiles of ``FWD_UNROLL`` declare the staged tiles as arrays of rows and
+unroll both products (constant unit indices: no per-read index clamp or address arithmetic).
+
 Short loops (fewer than ``SHORT_LOOP`` keys, or query positions for dK/dV) are latency-bound:
 their own block is staged through registers (every load before the first store), fwd/dQ load
 K/V tile 0 before staging Q, and a forward with too few workgroups takes 64-key tiles
@@ -245,6 +248,13 @@ SHORT_EARLY_KV = True
 SHORT_REG_STAGE = True
 SHORT_FWD_FIRST: tuple = ((16, 16, 1, 4), (16, 16, 1, 2))
 
+# Long forwards (not short loops) on these tiles: the staged tiles as arrays of rows
+# (``Qs[row][unit]``) and both products unrolled, so every workgroup-memory read has a constant
+# unit index (no robustness clamp or address arithmetic per read).  H200, Whisper, 6 key
+# chunks (2026-12-01): (16, 16, 4, 2) 209.2 -> 193.5 µs, but (16, 8, 4, 4) 208.4 -> 231.9 (not
+# listed).  () restores the old kernels (kept for before/after timings in one process)
+FWD_UNROLL: tuple = ((16, 16, 4, 2),)
+
 
 def _acc_dot(w: int, acc: str, a: str, b: str) -> str:
     """``acc`` plus the dot product of units ``a`` and ``b`` (width ``w``)."""
@@ -303,9 +313,10 @@ def config_fits(kind: str, cfg, D: int, Dv: int, t, delta_out: bool = False) -> 
 
 
 # Forwards split into key chunks (batch-1 encoders) try these first: 64 rows × 32 keys per
-# workgroup, Whisper 209 µs against 255 with (8, 16, 4, 2) at 6 chunks (H200, 2026-12-01;
-# with the explicit fma chains RM = 4 with TR = 16 no longer loses)
-SPLIT_FWD_FIRST = ((16, 8, 4, 4),)
+# workgroup on 256 invocations (4 rows × 2 keys each), unrolled (``FWD_UNROLL``): Whisper
+# 193.5 µs with the combine against 208.4 for (16, 8, 4, 4) (either rolled: 209.2 / 208.4;
+# (16, 8, 4, 4) unrolled: 231.9) and 255 for (8, 16, 4, 2), 6 chunks (H200, 2026-12-01)
+SPLIT_FWD_FIRST = ((16, 16, 4, 2),)
 
 
 def choose_config(kind: str, own_n: int, n_bh: int, D: int, Dv: int, t, own: int = 0,
@@ -458,6 +469,9 @@ class _Gen:
         short = is_short(k)
         self.reg_stage = SHORT_REG_STAGE and short  # see SHORT_LOOP
         self.kv_early = SHORT_EARLY_KV and short and k.kind in ("fwd", "dq")
+        self.unroll = (not short and k.kind == "fwd"  # see FWD_UNROLL
+                       and (self.TR, self.TC, self.RM, self.RN) in FWD_UNROLL)
+        self.rows2d: set[str] = set()  # arrays declared as arrays of rows
         if self.ns < 1 or (self.ns > 1 and k.out_bshd):
             raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (>= 1, not with "
                                "out_bshd)")
@@ -508,9 +522,15 @@ class _Gen:
             return [f"let {prefix}i = {R};", f"let {prefix}h = hkv;"]
         return [f"let {prefix}i = {R} / {u(G)};", f"let {prefix}h = hkv * {u(G)} + {R} % {u(G)};"]
 
-    def array(self, name: str, w: int, n_units: int) -> None:
-        """Declare workgroup array ``name`` of ``n_units`` units of width ``w``."""
-        self.shared.append(f"var<workgroup> {name}: array<{_vt(w)}, {max(1, n_units)}>;")
+    def array(self, name: str, w: int, n_units: int, rows: int = 0) -> None:
+        """Declare workgroup array ``name`` of ``n_units`` units of width ``w`` (with
+        ``rows``: as that many rows of ``n_units // rows`` units, indexed ``name[r][c]``)."""
+        if rows:
+            self.shared.append(f"var<workgroup> {name}: array<array<{_vt(w)}, "
+                               f"{n_units // rows}>, {rows}>;")
+            self.rows2d.add(name)
+        else:
+            self.shared.append(f"var<workgroup> {name}: array<{_vt(w)}, {max(1, n_units)}>;")
         self.widths[name] = w
         self.words += max(1, n_units) * w
 
@@ -537,7 +557,8 @@ class _Gen:
         L.append(f"{i2}if ({valid}) {{")
         L.append(f"{i3}x = {self.unit_value(which, w, coords, scale)};")
         L.append(f"{i2}}}")
-        L.append(f"{i2}{arr}[rr * {u(pad)} + uu] = x;")
+        L.append(f"{i2}{arr}[rr][uu] = x;" if arr in self.rows2d else
+                 f"{i2}{arr}[rr * {u(pad)} + uu] = x;")
         L.append(f"{ind}}}")
 
     def unit_value(self, which, w, coords, scale=None) -> str:
@@ -580,7 +601,8 @@ class _Gen:
         _, units, n = self.prefetch_units(which, nrows)
         for m in range(n):
             e = f"(lid + {u(m * self.wg)})"
-            line = f"{arr}[{e} / {u(units)} * {u(pad)} + {e} % {u(units)}] = {tag}{m};"
+            line = (f"{arr}[{e} / {u(units)}][{e} % {u(units)}] = {tag}{m};" if arr in self.rows2d
+                    else f"{arr}[{e} / {u(units)} * {u(pad)} + {e} % {u(units)}] = {tag}{m};")
             if (m + 1) * self.wg <= nrows * units:
                 L.append(f"{ind}{line}")
             else:
@@ -593,6 +615,15 @@ class _Gen:
         for i in range(RM):
             for j in range(RN):
                 L.append(f"{ind}var {acc}{i}_{j}: f32 = 0.0;")
+        if own_arr in self.rows2d:  # unrolled: constant unit indices (FWD_UNROLL)
+            for d in range(units):
+                L.append(f"{ind}{{")
+                L += [f"{i2}let a{i} = {own_arr}[tr + {u(i * TR)}][{u(d)}];" for i in range(RM)]
+                L += [f"{i2}let b{j} = {loop_arr}[tc + {u(j * TC)}][{u(d)}];" for j in range(RN)]
+                L += [f"{i2}{acc}{i}_{j} = {_acc_dot(w, f'{acc}{i}_{j}', f'a{i}', f'b{j}')};"
+                      for i in range(RM) for j in range(RN)]
+                L.append(f"{ind}}}")
+            return
         L.append(f"{ind}for (var d: u32 = 0u; d < {u(units)}; d = d + 1u) {{")
         for i in range(RM):
             L.append(f"{i2}let a{i} = {own_arr}[(tr + {u(i * TR)}) * {u(pad)} + d];")
@@ -613,24 +644,40 @@ class _Gen:
 
     def outer(self, L, ind, n_loop, terms) -> None:
         """For each step kk of the loop tile: acc{i}_{c} += vec[kk][i] · arr[kk][tc + c·TC] for
-        each (acc, vec, arr, pad, nc) of ``terms``."""
-        TR, TC, RM, i2 = self.TR, self.TC, self.RM, ind + "    "
+        each (acc, vec, arr, pad, nc) of ``terms`` (unrolled for arrays of rows:
+        ``FWD_UNROLL``)."""
+        if all(t[1] in self.rows2d for t in terms):
+            for n in range(n_loop):
+                L.append(f"{ind}{{")
+                self.outer_step(L, ind + "    ", u(n), terms)
+                L.append(f"{ind}}}")
+            return
         L.append(f"{ind}for (var kk: u32 = 0u; kk < {u(n_loop)}; kk = kk + 1u) {{")
+        self.outer_step(L, ind + "    ", "kk", terms)
+        L.append(f"{ind}}}")
+
+    def outer_step(self, L, ind, kk, terms) -> None:
+        """The body of ``outer`` for step ``kk`` (the loop variable or a constant)."""
+        TC, RM = self.TC, self.RM
         for acc, vec, arr, pad, nc in terms:
-            L.append(f"{i2}let p_{acc} = {vec}[kk * {u(TR)} + tr];")
+            two = vec in self.rows2d
+            L.append(f"{ind}let p_{acc} = {vec}[{kk}][tr];" if two else
+                     f"{ind}let p_{acc} = {vec}[kk * {u(self.TR)} + tr];")
             for c in range(nc):
-                L.append(f"{i2}let o_{acc}{c} = {arr}[kk * {u(pad)} + tc + {u(c * TC)}];")
+                L.append(f"{ind}let o_{acc}{c} = {arr}[{kk}][tc + {u(c * TC)}];" if two else
+                         f"{ind}let o_{acc}{c} = {arr}[kk * {u(pad)} + tc + {u(c * TC)}];")
                 for i in range(RM):
-                    L.append(f"{i2}{acc}{i}_{c} = " + _acc_axpy(
+                    L.append(f"{ind}{acc}{i}_{c} = " + _acc_axpy(
                         self.widths[arr], f"{acc}{i}_{c}", _comp('p_' + acc, i, RM), f"o_{acc}{c}")
                         + ";")
-        L.append(f"{ind}}}")
 
     def put_tile(self, L, ind, arr, val) -> None:
         """arr[(tc + j·TC)·TR + tr] = (val(0, j), …, val(RM-1, j)) for each j."""
         for j in range(self.RN):
             vals = [val(i, j) for i in range(self.RM)]
-            L.append(f"{ind}{arr}[(tc + {u(j * self.TC)}) * {u(self.TR)} + tr] = {_vec(vals)};")
+            at = (f"{arr}[tc + {u(j * self.TC)}][tr]" if arr in self.rows2d
+                  else f"{arr}[(tc + {u(j * self.TC)}) * {u(self.TR)} + tr]")
+            L.append(f"{ind}{at} = {_vec(vals)};")
 
     def store_rows(self, L, ind, target, acc, nc, w, units, dim, rbase, ok, scale) -> None:
         """Store accumulator row i (columns tc + c·TC < units) · ``scale(i)`` into row
@@ -798,10 +845,11 @@ def _fwd_softmax(g: _Gen, L, ind) -> None:
 def _fwd_kernel(g: _Gen, t):
     k, ind, i2 = g.k, "    ", "        "
     RM, TR, TC = g.RM, g.TR, g.TC
-    g.array("Qs", g.wd, g.own * g.dp)
-    g.array("Ks", g.wd, g.loop * g.dp)
-    g.array("Vs", g.wv, g.loop * g.vp)
-    g.array("Ps", RM, g.loop * TR)
+    rows = g.unroll  # arrays of rows (FWD_UNROLL)
+    g.array("Qs", g.wd, g.own * g.dp, g.own if rows else 0)
+    g.array("Ks", g.wd, g.loop * g.dp, g.loop if rows else 0)
+    g.array("Vs", g.wv, g.loop * g.vp, g.loop if rows else 0)
+    g.array("Ps", RM, g.loop * TR, g.loop if rows else 0)
     g.array("Red", RM, TC * TR)
     total = -(-g.rows // g.own) * g.B * g.Hkv * g.ns
     grid = g.grid = make_grid(k.name, total, t)
