@@ -5,7 +5,7 @@
 # `source .gpu/env.sh`:
 #   bash bench/gpu_session_final.sh OUTDIR        (QUICK=1: tiny configs, a lavapipe dry run)
 # Knobs (environment): TESTS (test files run under Dawn), WORKLOADS / GATE_WORKLOADS (harness:
-# gates), PAIRED_ROUNDS (0 skips the paired rounds), ROOF_WORKLOADS, T_* (time limits, s).
+# gates; empty skips), PAIRED_ROUNDS (0 skips the paired rounds), ROOF_WORKLOADS (empty skips), T_* (time limits, s).
 set -uo pipefail
 out="$1"; mkdir -p "$out"
 q=${QUICK:+--quick}
@@ -20,7 +20,7 @@ if [ -z "$q" ]; then
     $tests > "$out/tests.log" 2>&1
   tail -3 "$out/tests.log"
 fi
-gates=${GATE_WORKLOADS:-${WORKLOADS:-whisper,resnet50,unet,smolvla,smollm2}}
+gates=${GATE_WORKLOADS-${WORKLOADS:-whisper,resnet50,unet,smolvla,smollm2}}
 if [ -n "$gates" ]; then
   timeout "${T_HARNESS:-240}" python3 bench/harness.py --workloads "$gates" \
     --impls "${IMPL:-dawn}" --warmup 3 --steps "${HARNESS_STEPS:-10}" $q --out "$out/final.json" \
@@ -33,7 +33,7 @@ if [ "${PAIRED_ROUNDS:-0}" != 0 ]; then
     --out "$out/paired.json" > "$out/paired.log" 2>&1
   tail -22 "$out/paired.log"
 fi
-roof=${ROOF_WORKLOADS:-whisper,resnet50,smollm2}
+roof=${ROOF_WORKLOADS-whisper,resnet50,smollm2}
 [ -z "$q" ] && [ -n "$roof" ] && timeout "${T_ROOF:-110}" python3 bench/roofline.py "$out/roofline" "$roof" \
   --impl dawn --inference --top 15 2>&1 | tail -8
 exit 0
