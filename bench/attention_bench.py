@@ -8,7 +8,13 @@ scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
   python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
       [--short] [--shapes whisper,smollm2] [--share ROOFLINE_JSON]
       [--roof OUTDIR] [--kvariants before,after,...]
-      [--fwd-sweep OUTDIR [--winfer main,after,after@8,...]]
+      [--fwd-sweep OUTDIR [--winfer main,after,after@8,...]] [--fast-ab halves,il,...]
+
+``--fast-e2e``: first, Whisper-tiny's inference and training step profiled strict, fast with
+the strict attention forward and fast with the tensor-core one (GPU ms per step).
+``--fast-ab VARIANTS``: only the tensor-core forward: each variant of ``FAST_VARIANTS``
+(kernels/attention_fast.py's layout switches) × configurations × key chunks at Whisper's and
+SmolLM2's shapes, against the strict forward of the op, in two interleaved rounds.
 
 ``--fwd-sweep OUTDIR``: only the long forward: with ``--winfer`` first the Whisper-tiny
 inference step profiled per variant (OUTDIR/whisper-infer-<variant>.json), then its variants
@@ -313,6 +319,71 @@ def fast_rows(dev, x, a, sname, shape):
             print(f"{sname:8} fwd fast {cfg} splits={n} {us:9.1f} µs {fl / us / 1e6:7.2f} "
                   f"TFLOP/s  rel L2 {err:.1e}", flush=True)
     return rows
+
+
+# the tensor-core forward's switches (kernels/attention_fast.py), by name; the layouts measured
+# before them (halves, il, il4, pf+blk, pf+pack, pf+reread): docs/benchmarks.md
+_OFF = {"SF_PAD": 2, "PREFETCH": True, "ABLATE": frozenset()}
+FAST_VARIANTS = {"main": _OFF, "no-prefetch": dict(_OFF, PREFETCH=False),
+                 "pad4": dict(_OFF, SF_PAD=4)}
+# timing only (wrong results): each phase of the key loop left out (attention_fast.ABLATE)
+FAST_VARIANTS.update({f"no-{a}": dict(_OFF, ABLATE=frozenset({a}))
+                      for a in ("stage", "scores", "softmax", "pv", "barriers")})
+FAST_AB = {"no": (((4, 64),), (3,)),
+           "*": (((4, 64), (4, 32)), (3, 4, 6))}
+
+
+def fast_ab(dev, t, names, shapes=("whisper", "smollm2"), rounds=2, smoke=False):
+    """Tensor-core forward variants (``FAST_VARIANTS`` × configurations × key chunks) against
+    the strict forward of the op (its split count, combine included), ``rounds`` interleaved
+    rounds; µs per forward (+ combine), relative max error against float64."""
+    rows = []
+    for sname in shapes:
+        shape = SHAPES[sname]
+        x, a, ref = problem(shape)
+        x["_ref"] = ref
+        base = describe("fwd", x, a)
+        n0 = fwd_splits(shape[0], shape[1], shape[2], shape[3], shape[3])
+        cells = [("strict", (), n0)]
+        for name in names:
+            cfgs, splits = FAST_AB.get(name.split("-")[0], FAST_AB["*"])
+            cells += [(name, c, n) for c in cfgs for n in (splits if not smoke else (1, 3))]
+        got = {}
+        for rnd in range(rounds):
+            for name, cfg, n in (cells if rnd % 2 == 0 else cells[::-1]):
+                desc = dataclasses.replace(base, splits=n, config=cfg,
+                                           precision="strict" if name == "strict" else "fast")
+                with fast_variant(FAST_VARIANTS.get(name, {})):
+                    try:
+                        _, err, us = run_config(dev, desc, x, ref)
+                    except kernels.CodegenError as e:
+                        print(f"{sname:8} {name:7} {cfg} x{n}: {e}", flush=True)
+                        continue
+                got.setdefault((name, cfg, n), []).append((us, err))
+        fl = 4 * shape[0] * shape[1] * shape[3] ** 2 * shape[4] * (0.5 if shape[5] else 1)
+        for (name, cfg, n), rs in got.items():
+            us = float(np.median([r[0] for r in rs]))
+            rows.append({"shape": sname, "kind": "fwd_fast_ab", "variant": name,
+                         "config": list(cfg), "splits": n, "us": us,
+                         "us_rounds": [r[0] for r in rs], "err": max(r[1] for r in rs),
+                         "tflops": fl / us / 1e6})
+            print(f"{sname:8} {name:7} {str(cfg):9} x{n} {us:8.1f} µs {fl / us / 1e6:6.1f} "
+                  f"TFLOP/s rounds {', '.join(f'{r[0]:.1f}' for r in rs)} err "
+                  f"{max(r[1] for r in rs):.1e}", flush=True)
+    return rows
+
+
+@contextlib.contextmanager
+def fast_variant(sets):
+    """``attention_fast`` module switches set for the block, restored after."""
+    keep = {k: getattr(AF, k) for k in sets}
+    for k, val in sets.items():
+        setattr(AF, k, val)
+    try:
+        yield
+    finally:
+        for k, val in keep.items():
+            setattr(AF, k, val)
 
 
 def fast_err(dev, desc, x):
@@ -736,6 +807,39 @@ def whisper_infer_rows(dev, names, outdir, quick=False, steps=3):
     return rows
 
 
+def fast_e2e_rows(dev, quick=False, steps=3, rounds=2):
+    """Whisper-tiny's step profiled (``bench/roofline.py``; GPU ms per step, attention kernels)
+    strict, and fast with its attention forward on the strict kernel ("fast, strict attn":
+    ``FAST_MIN_KEYS`` out of reach) or on the tensor cores ("fast"), inference and SGD
+    training, ``rounds`` interleaved rounds."""
+    import roofline
+    from workloads import WORKLOADS
+
+    w = WORKLOADS["whisper"](quick=quick, variant="main")
+    cells = [("strict", "strict", None), ("fast, strict attn", "fast", 10 ** 9),
+             ("fast", "fast", AF.FAST_MIN_KEYS)]
+    got: dict = {}
+    for rnd in range(rounds):
+        for inference in (True, False):
+            for name, prec, keys in (cells if rnd % 2 == 0 else cells[::-1]):
+                with fast_variant({} if keys is None else {"FAST_MIN_KEYS": keys}):
+                    prof = roofline.profile_workload(w, dev, prec, inference, steps)
+                att = [(r["label"], r["calls"], r["mean_us"]) for r in prof.roofline()
+                       if r["label"].startswith("attention")]
+                got.setdefault((name, inference), []).append((prof.gpu_ms_per_step, att))
+    rows = []
+    for (name, inference), rs in got.items():
+        ms = [r[0] for r in rs]
+        rows.append({"kind": "whisper_fast_e2e", "variant": name,
+                     "mode": "infer" if inference else "train", "gpu_ms": float(np.median(ms)),
+                     "gpu_ms_rounds": ms, "attention": rs[-1][1]})
+        print(f"whisper {'infer' if inference else 'train'} {name:18} GPU "
+              f"{np.median(ms):7.3f} ms/step (rounds {', '.join(f'{m:.3f}' for m in ms)}); "
+              + "; ".join(f"{lab[:30]} {c}x{us:.1f}" for lab, c, us in rs[-1][1][:3]),
+              flush=True)
+    return rows
+
+
 def config_rows(dev, t, sname, shape, quick, everything):
     """Every tile configuration of each kernel at one shape, then split-K and fast rows."""
     rows = []
@@ -784,6 +888,24 @@ def main(argv) -> None:
             with open(path, "w") as f:
                 json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
 
+    if "--fast-e2e" in argv:  # Whisper's step, fast with and without the tensor-core forward
+        smoke = "--smoke" in argv
+        rows += fast_e2e_rows(dev, quick=smoke, steps=1 if smoke else 3,
+                              rounds=1 if smoke else 2)
+        save()
+        if "--fast-ab" not in argv:
+            return
+    if "--fast-ab" in argv:  # the tensor-core forward's variants against the strict one
+        names = argv[argv.index("--fast-ab") + 1].split(",")
+        smoke = "--smoke" in argv
+        rows += fast_ab(dev, t, names, rounds=1 if smoke else 2, smoke=smoke)
+        save()
+        ab = [r for r in rows if r["kind"] == "fwd_fast_ab"]
+        best = sorted((r for r in ab if r["variant"] != "strict"), key=lambda r: r["us"])
+        for r in [r for r in ab if r["variant"] == "strict"] + best[:6]:
+            print(f"table {r['shape']:8} {r['variant']:7} {str(tuple(r['config'])):9} "
+                  f"x{r['splits']} {r['us']:8.1f} µs err {r['err']:.1e}")
+        return
     if "--fwd-sweep" in argv:  # the long forward's variants, then Whisper's inference
         smoke = "--smoke" in argv
         os.makedirs(argv[argv.index("--fwd-sweep") + 1], exist_ok=True)

@@ -53,3 +53,40 @@ def test_training_step_counter_update_is_recorded_in_place_and_survives_export()
     again = from_manifest(manifest, modules, {})  # the graph has no constant leaves
     assert [d.inplace for d in again.train.dispatches] == \
         [d.inplace for d in s.executable.train.dispatches]
+
+
+def _attention_desc(kind: str, Hq: int, Hkv: int, S: int, D: int = 64):
+    from meganeura.dtypes import f32
+    from meganeura.kernels import Strided
+    from meganeura.kernels.attention import KIND_TYPES
+
+    q = Strided.contiguous(f32, (1, Hq, S, D))
+    kv = Strided.contiguous(f32, (1, Hkv, S, D))
+    rows = Strided.contiguous(f32, (1, Hq, S))
+    extra = (None, None, None) if kind == "fwd" else (q, rows, rows)
+    return KIND_TYPES[kind](kind, q, kv, kv, None, *extra, False, D ** -0.5, 0, 0)
+
+
+def test_fast_precision_takes_tensor_core_attention_only_where_it_pays():
+    """Under precision "fast" on a device with f16 subgroup matrices, a long attention
+    forward (Whisper's 1,500 positions) is emitted on the tensor cores; a short one
+    (SmolLM2's 128), the backward kernels and every kernel under "strict" stay f32."""
+    from meganeura.compile.emit import emit_kernel
+    from meganeura.kernels import attention_fast as AF
+    from meganeura.kernels import make_target
+
+    target = make_target({"max_compute_workgroup_storage_size": 49152,
+                          "max_compute_invocations_per_workgroup": 1024},
+                         {"shader-f16", "subgroups", AF.SG_FEATURE})
+
+    def precision(desc, mode):
+        binds = [object() for _ in range(5 if desc.kind == "fwd" else 7)]  # distinct ranges
+        return emit_kernel(desc, binds, target, mode).spec.meta["precision"]
+
+    long_fwd = _attention_desc("fwd", 6, 6, 1500)
+    assert AF.pays(long_fwd)
+    assert precision(long_fwd, "fast") == "fast"
+    assert precision(long_fwd, "strict") == "strict"
+    assert precision(_attention_desc("fwd", 9, 3, 128), "fast") == "strict"
+    assert precision(_attention_desc("dq", 6, 6, 1500), "fast") == "strict"
+    assert not AF.pays(_attention_desc("fwd", 6, 6, 1500, D=40))  # head dim not 16k

@@ -2,10 +2,10 @@
 
 Each description is emitted for the target device (its limits and features); precision is
 applied here, once: under ``precision="fast"`` matmul descriptions ask for the tensor-core
-variant (the emitter falls back to f32 kernels where the device has none).  Attention stays
-strict in fast mode: its tensor-core forward (``kernels/attention_fast.py``) measured slower
-than the strict one at Whisper's shape (288.6 vs 257.0 µs on the H200,
-docs/rejected-optimizations.md); kernels reach it by asking for it in their description."""
+variant (the emitter falls back to f32 kernels where the device has none), and so do attention
+forwards over long key loops (``attention_fast.pays``: H200, Whisper's (1, 6, 1500, 64)
+148.0 µs against 193.7 strict); short ones, whose tensor-core kernel is slower, and the
+attention backward stay strict."""
 
 from __future__ import annotations
 
@@ -13,12 +13,20 @@ import dataclasses
 import os
 
 from .. import kernels
+from ..kernels import attention_fast
+from ..kernels.attention import AttentionKernel
 from ..kernels.common import Target
 from .executable import Copy, Dispatch, Fetch, Stream, round4
 from .memory import CopyOp, Plan
 
-# descriptions whose tensor-core variant pays under precision="fast"
-FAST_KERNELS = (kernels.MatmulKernel,)
+
+def fast_pays(desc) -> bool:
+    """Whether description ``desc`` asks for its tensor-core variant under precision "fast":
+    matmuls unless marked to stay f32, attention forwards where ``attention_fast.pays``."""
+    if isinstance(desc, kernels.MatmulKernel):
+        return desc.tensor_cores
+    return isinstance(desc, AttentionKernel) and attention_fast.pays(desc)
+
 
 _DEBUG = set(filter(None, os.environ.get("MEGANEURA_DEBUG", "").split(",")))
 
@@ -30,7 +38,7 @@ def emit_kernel(desc, binds, target: Target, precision: str = "strict",
     emitted for this target, by (description, aliasing); the layers of a model repeat the same
     few kernels (SmolLM2's 1,015 training dispatches are 51 distinct programs), and emitting
     WGSL is most of this stage's time."""
-    if precision != "strict" and isinstance(desc, FAST_KERNELS) and desc.tensor_cores:
+    if precision != "strict" and fast_pays(desc):
         desc = dataclasses.replace(desc, precision=precision)
     # several views of one tensor (RoPE halves, q/k/v of a fused projection) bind the same
     # range: WebGPU forbids that for writable storage bindings (Dawn validates it), so the

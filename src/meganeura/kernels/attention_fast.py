@@ -7,16 +7,34 @@ staged once (pre-scaled, rounded to f16) and kept as D/16 left fragments.  Per k
 keys (K and V staged as f16, K read transposed through a column-major load):
 
 1. S = Q·Kᵀ: BK/16 result fragments, stored (f32) into the subgroup's rows of ``Sf``;
-2. softmax: lane (r, h) = (lane / 2, lane % 2) owns row r and half h of the tile's columns and of
-   the output columns; row maxima are exchanged with the partner lane (``subgroupShuffleXor``),
-   the online-softmax rescale and the row sums are f32, P is rounded to f16 into ``Ph``;
-3. O_tile = P·V: Dv/16 fresh result fragments, stored (f32) into ``Sf``; each lane adds its
-   share to its f32 registers after rescaling them (fragments cannot be scaled per row).
+2. softmax: lane (r, h) = (lane / 2, lane % 2) owns row r and the columns of parity h of the
+   tile and of the output; row maxima are exchanged with the partner lane
+   (``subgroupShuffleXor``), the online-softmax rescale and the row sums are f32, P is rounded
+   to f16 into ``Ph``;
+3. O_tile = P·V: Dv/16 fresh result fragments (each P fragment loaded once), stored (f32) into
+   ``Sf``; each lane adds its share to its f32 registers after rescaling them (fragments cannot
+   be scaled per row, and a result fragment rescaled or reset inside the loop came out wrong
+   on the H200: docs/rejected-optimizations.md).
+
+``PREFETCH``: tile t + 1's K and V are loaded into registers at the top of tile t and stored
+(rounded to f16) after its P·V, so the global loads' latency hides behind the tile's work; the
+values must not be touched before then (rounding them at load time, to halve the registers,
+made the kernel 1.4x slower on the H200: the conversion waits for the load).
+
+Bank conflicts.  The scalar phases read and write 16 scratch rows at once.  The two lanes of a
+row sit on adjacent columns and ``Sf``'s rows are ``SF_PAD`` words longer than their width (64
++ 2: row r starts on bank 2r), so the 32 lanes of every ``Sf`` access hit 32 banks; ``Ph``'s
+rows are BK + 8 f16 (16-byte aligned for the fragment loads: at most 2-way).  With the earlier
+layout (a lane on half a row, unpadded rows) every such access was a 32-way conflict.
+
+H200 (Dawn, (1, 6, 1500, 64), 3 key chunks + combine): 290.0 µs before the layout and prefetch
+changes, 132.7 after, against 193.7 for the strict forward; where the rest goes, per phase:
+docs/benchmarks.md ("Tensor-core attention forward, second design").
 
 The stores (out = o / l, lse = m + log l), causal/window tile bounds, masks, GQA packing and
 split-K chunks are those of the strict kernel.  Workgroup memory: K (max(BQ, BK) rows; it holds
-Q while the fragments are loaded) and V as f16, one f32 and one f16 16×max(BK, Dv) / 16×BK
-scratch per subgroup."""
+Q while the fragments are loaded) and V as f16, one f32 and one f16 scratch of 16 rows per
+subgroup."""
 
 from __future__ import annotations
 
@@ -28,6 +46,32 @@ PAD = 8  # f16 elements of padding per staged row (rows stay 16-byte aligned)
 # (subgroups per workgroup, keys per tile), heuristic first
 FAST_CONFIGS = ((4, 64), (2, 64), (4, 32), (2, 32), (1, 64))
 FLT_MAX = "3.4028234663852886e38"
+PREFETCH = True  # K/V of tile t + 1 loaded into registers during tile t (stored after it)
+# timing only (wrong results): phases of the key loop left out, to see what each one costs
+# ("stage", "scores", "softmax", "pv", "barriers"; bench/attention_bench.py --fast-ab)
+ABLATE: frozenset = frozenset()
+SF_PAD = 2  # f32 words after each ``Sf`` row (every access conflict-free)
+
+
+def _strides(bk: int, Dv: int) -> tuple[int, int]:
+    """(``Sf`` row stride in f32, ``Ph`` row stride in f16)."""
+    return max(bk, Dv) + SF_PAD, bk + PAD
+
+
+def _at(name: str, n: int, idx: str) -> str:
+    """Element ``idx`` of this subgroup's block (``n`` elements) of scratch ``name``."""
+    return f"{name}[sid * {u(n)} + {idx}]"
+
+
+def _ptr(name: str, n: int, off: int) -> str:
+    """Pointer and offset arguments of a fragment load/store at ``off`` in this subgroup's
+    block of scratch ``name``."""
+    return f"&{name}, sid * {u(n)} + {u(off)}"
+
+
+def _col(j: int) -> str:
+    """WGSL column of this lane's ``j``-th column: the two lanes of a row alternate."""
+    return f"{u(2 * j)} + hh"
 
 
 def usable(k, t) -> bool:
@@ -39,13 +83,27 @@ def usable(k, t) -> bool:
             and ("subgroups" in t.features or "subgroup" in t.features))
 
 
+# the fast forward pays from this many keys and packed query rows up (H200, Dawn: Whisper's
+# (1, 6, 1500, 64) 132.7-148.0 µs against 193.7 strict; SmolLM2's 128 keys 12.9 against 10.0)
+FAST_MIN_KEYS = 512
+FAST_MIN_ROWS = 64
+
+
+def pays(k) -> bool:
+    """Under ``precision="fast"``: whether forward ``k`` should ask for the tensor-core kernel
+    (long key loops over enough query rows; short ones are faster on the strict kernel)."""
+    rows = k.q.shape[2] * (k.q.shape[1] // k.k.shape[1])
+    return (k.kind == "fwd" and k.k.shape[2] >= FAST_MIN_KEYS and rows >= FAST_MIN_ROWS
+            and k.q.shape[3] % 16 == 0 and k.v.shape[3] % 16 == 0)
+
+
 def fast_words(cfg, D: int, Dv: int) -> int:
     """Bytes / 4 of workgroup storage of configuration ``cfg``."""
     nsg, bk = cfg
     bq = 16 * nsg
-    sw = max(bk, Dv)
-    f16_elems = max(bq, bk) * (D + PAD) + bk * (Dv + PAD) + nsg * 16 * bk
-    return -(-f16_elems // 2) + nsg * 16 * sw
+    sst, pst = _strides(bk, Dv)
+    f16_elems = max(bq, bk) * (D + PAD) + bk * (Dv + PAD) + nsg * 16 * pst
+    return -(-f16_elems // 2) + nsg * 16 * sst
 
 
 def fast_config(k, t) -> tuple[int, int]:
@@ -76,11 +134,12 @@ def fast_body(g, t) -> list[str]:
     k = g.k
     nsg, bk = g.fast = fast_config(k, t)
     bq, D, Dv = 16 * nsg, g.D, g.Dv
-    qs, vs, sw = D + PAD, Dv + PAD, max(bk, Dv)
+    qs, vs = D + PAD, Dv + PAD
+    sw, pst = _strides(bk, Dv)
     g.wg = 32 * nsg
     g.shared += [f"var<workgroup> Kh: array<f16, {max(bq, bk) * qs}>;",
                  f"var<workgroup> Vh: array<f16, {bk * vs}>;",
-                 f"var<workgroup> Ph: array<f16, {nsg * 16 * bk}>;",
+                 f"var<workgroup> Ph: array<f16, {nsg * 16 * pst}>;",
                  f"var<workgroup> Sf: array<f32, {nsg * 16 * sw}>;"]
     g.words = fast_words((nsg, bk), D, Dv)
     total = -(-g.rows // bq) * g.B * g.Hkv * g.ns
@@ -117,15 +176,32 @@ def fast_body(g, t) -> list[str]:
     L.append(f"{ind}workgroupBarrier();")
     L += [f"{ind}var m: f32 = -{FLT_MAX};", f"{ind}var l: f32 = 0.0;"]
     L += [f"{ind}var o{c}: f32 = 0.0;" for c in range(Dv // 2)]
-    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(bk)}) {{")
+    kv = (("Kh", "k", qs), ("Vh", "v", vs))
     kpre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
-    for arr, which, st in (("Kh", "k", qs), ("Vh", "v", vs)):
-        _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi",
-                   lambda c: ["b", "hkv", "u32(jj)", c])
-    L.append(f"{i2}workgroupBarrier();")
+    if PREFETCH:  # tile kv_lo staged before the loop, tile t + 1 loaded into registers in it
+        L += [f"{ind}{{", f"{i2}let kt = kv_lo;"]
+        for arr, which, st in kv:
+            _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi",
+                       lambda c: ["b", "hkv", "u32(jj)", c])
+        L += [f"{ind}}}", f"{ind}workgroupBarrier();"]
+    L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(bk)}) {{")
+    if PREFETCH:
+        npre = lambda rr: [f"let jj = kt + {_i(bk)} + i32({rr});"]  # noqa: E731
+        for arr, which, _ in (kv if "stage" not in ABLATE else ()):
+            _prefetch(g, L, i2, arr, bk, which, npre, "jj < kv_hi",
+                      lambda c: ["b", "hkv", "u32(jj)", c])
+    else:
+        for arr, which, st in kv:
+            _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi",
+                       lambda c: ["b", "hkv", "u32(jj)", c])
+        L.append(f"{i2}{_barrier()}")
     _scores(g, L, i2, bk, qs, sw, D)
-    _softmax(g, L, i2, bk, sw)
-    _pv(g, L, i2, bk, vs, sw, Dv)
+    _softmax(g, L, i2, bk, sw, pst)
+    _pv(g, L, i2, bk, vs, sw, pst, Dv)
+    if PREFETCH:  # every subgroup is past its P·V (the barrier in _pv): K/V may be replaced
+        for arr, which, st in (kv if "stage" not in ABLATE else ()):
+            _prefetch(g, L, i2, arr, bk, which, None, None, None, stride=st)
+        L.append(f"{i2}{_barrier()}")
     L.append(f"{ind}}}")
     _store(g, L, ind, Dv)
     return L
@@ -151,74 +227,126 @@ def _stage_f16(g, L, ind, arr, nrows, which, stride, pre, valid, coords, scale=N
     L.append(f"{ind}}}")
 
 
+def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0) -> None:
+    """``PREFETCH``: the loads of ``nrows`` rows of k/v into registers ``r{arr}{i}`` (``pre``
+    given; unrolled, zeros past ``valid``), or (``pre`` None) their f16 stores into ``arr``."""
+    dim = g.Dv if which == "v" else g.D
+    w = 4 if dim % 4 == 0 else 1
+    units = dim // w
+    n, vt = nrows * units, ("f32" if w == 1 else f"vec{w}<f32>")
+    i2 = ind + "    "
+    for i in range(-(-n // g.wg)):
+        e, r = f"(lid + {u(i * g.wg)})", f"r{arr}{i}"
+        guard = f"{e} < {u(n)}" if (i + 1) * g.wg > n else "true"
+        if pre is None:
+            L += [f"{ind}if ({guard}) {{", f"{i2}let rr = {e} / {u(units)};",
+                  f"{i2}let uu = {e} % {u(units)};"]
+            for c in range(w):
+                xc = r if w == 1 else f"{r}[{c}]"
+                L.append(f"{i2}{arr}[rr * {u(stride)} + uu * {u(w)} + {u(c)}] = f16({xc});")
+            L.append(f"{ind}}}")
+            continue
+        L += [f"{ind}var {r}: {vt} = {vt}(0.0);", f"{ind}{{", f"{i2}let rr = {e} / {u(units)};",
+              f"{i2}let uu = {e} % {u(units)};"]
+        L += [i2 + x for x in pre("rr")]
+        L += [f"{i2}if ({guard} && {valid}) {{",
+              f"{i2}    {r} = {g.unit_value(which, w, coords)};", f"{i2}}}", f"{ind}}}"]
+
+
+def _barrier() -> str:
+    """A barrier of the key loop (none with ``ABLATE`` "barriers": timing only)."""
+    return "" if "barriers" in ABLATE else "workgroupBarrier();"
+
+
 def _scores(g, L, ind, bk, qs, sw, D) -> None:
     """S = Q·Kᵀ of the tile into the subgroup's rows of ``Sf``; barrier."""
     right, res = "subgroup_matrix_right<f16, 16, 16>", "subgroup_matrix_result<f32, 16, 16>"
-    for f in range(bk // 16):
+    for f in range(bk // 16 if "scores" not in ABLATE else 0):
         L.append(f"{ind}{{")
         L.append(f"{ind}    var acc = {res}();")
         for kk in range(D // 16):
             L.append(f"{ind}    let kf{kk} = subgroupMatrixLoad<{right}>(&Kh, "
                      f"{u(16 * f * qs + 16 * kk)}, true, {u(qs)});")
             L.append(f"{ind}    acc = subgroupMatrixMultiplyAccumulate(qf{kk}, kf{kk}, acc);")
-        L.append(f"{ind}    subgroupMatrixStore(&Sf, sid * {u(16 * sw)} + {u(16 * f)}, acc, false, "
+        L.append(f"{ind}    subgroupMatrixStore({_ptr('Sf', 16 * sw, 16 * f)}, acc, false, "
                  f"{u(sw)});")
         L.append(f"{ind}}}")
-    L.append(f"{ind}workgroupBarrier();")
+    L.append(f"{ind}{_barrier()}")
 
 
-def _softmax(g, L, ind, bk, sw) -> None:
-    """Lane (r, hh): masked scores of its half row, row max with the partner lane, rescale of
-    its accumulators and row sum, P (f16) into ``Ph``; barrier."""
-    k, half, i2 = g.k, bk // 2, ind + "    "
-    row = "(sid * 16u + lane / 2u)"
+def _softmax(g, L, ind, bk, sw, pst) -> None:
+    """Lane (r, hh): masked scores of its half of row r, row max with the partner lane,
+    rescale of its accumulators and row sum, P (f16) into ``Ph``; barrier."""
+    half = bk // 2
+    if "softmax" in ABLATE:
+        L += [f"{ind}let alpha = 1.0;", f"{ind}{_barrier()}"]
+        return
     L.append(f"{ind}var mx: f32 = -{FLT_MAX};")
-    L.append(f"{ind}let j0 = hh * {u(half)};")
     for jj in range(half):  # unrolled: the half row stays in registers
-        L.append(f"{ind}var x{jj} = Sf[{row} * {u(sw)} + j0 + {u(jj)}];")
-        L.append(f"{ind}{{")
-        L.append(f"{i2}let kj = kt + i32(j0 + {u(jj)});")
-        L.append(f"{i2}let inb = rok0 && kj < kv_hi;")
-        if k.mask is not None:
-            mv = g.ld("mask", g.midx("b", "q0h", "q0i", "u32(kj)"), k.mask.dtype)
-            L.append(f"{i2}if (inb) {{ x{jj} = x{jj} + {mv}; }}")
-        L.append(f"{i2}let vis = {' && '.join(['inb'] + g.vis_terms('kj', 'pos0'))};")
-        L.append(f"{i2}x{jj} = select(-mn_inf(), x{jj}, vis);")
-        L.append(f"{i2}mx = max(mx, x{jj});")
-        L.append(f"{ind}}}")
+        L += _score(g, ind, jj, sw)
+        L.append(f"{ind}mx = max(mx, x{jj});")
     L.append(f"{ind}let mt = max(m, max(mx, subgroupShuffleXor(mx, 1u)));")
     L.append(f"{ind}let alpha = exp(m - mt);")
     L.append(f"{ind}var ps: f32 = 0.0;")
     for jj in range(half):
         L.append(f"{ind}{{")
-        L.append(f"{i2}let p = f16(select(exp(x{jj} - mt), 0.0, x{jj} < -{FLT_MAX}));")
-        L.append(f"{i2}ps = ps + f32(p);")
-        L.append(f"{i2}Ph[{row} * {u(bk)} + j0 + {u(jj)}] = p;")
+        L.append(f"{ind}    let p = f16(select(exp(x{jj} - mt), 0.0, x{jj} < -{FLT_MAX}));")
+        L.append(f"{ind}    ps = ps + f32(p);")
+        L.append(f"{ind}    {_at('Ph', 16 * pst, f'lane / 2u * {u(pst)} + {_col(jj)}')} = p;")
         L.append(f"{ind}}}")
     L += [f"{ind}l = l * alpha + ps;", f"{ind}m = mt;"]
-    L.append(f"{ind}workgroupBarrier();")
+    L.append(f"{ind}{_barrier()}")
 
 
-def _pv(g, L, ind, bk, vs, sw, Dv) -> None:
+def _score(g, ind, jj, sw) -> list[str]:
+    """Lines defining ``x{jj}``: this lane's ``jj``-th score of the tile, masked (added mask,
+    causal/window visibility, keys past the chunk at -inf)."""
+    k, i2 = g.k, ind + "    "
+    sf = _at("Sf", 16 * sw, f"lane / 2u * {u(sw)} + {_col(jj)}")
+    out = [f"{ind}let kj{jj} = kt + i32({_col(jj)});",
+           f"{ind}let inb{jj} = rok0 && kj{jj} < kv_hi;"]
+    terms = [f"inb{jj}"] + g.vis_terms(f"kj{jj}", "pos0")
+    if k.mask is not None:
+        mv = g.ld("mask", g.midx("b", "q0h", "q0i", f"u32(kj{jj})"), k.mask.dtype)
+        out += [f"{ind}var s{jj} = {sf};", f"{ind}if (inb{jj}) {{", f"{i2}s{jj} = s{jj} + {mv};",
+                f"{ind}}}"]
+        sf = f"s{jj}"
+    out.append(f"{ind}let x{jj} = select(-mn_inf(), {sf}, {' && '.join(terms)});")
+    return out
+
+
+def _pv(g, L, ind, bk, vs, sw, pst, Dv) -> None:
     """O_tile = P·V into ``Sf``; barrier; each lane rescales and adds its half row."""
     left, right = "subgroup_matrix_left<f16, 16, 16>", "subgroup_matrix_right<f16, 16, 16>"
     res = "subgroup_matrix_result<f32, 16, 16>"
-    for c in range(Dv // 16):
-        L.append(f"{ind}{{")
-        L.append(f"{ind}    var acc = {res}();")
-        for kk in range(bk // 16):
-            L.append(f"{ind}    let pf{kk} = subgroupMatrixLoad<{left}>(&Ph, sid * {u(16 * bk)} + "
-                     f"{u(16 * kk)}, false, {u(bk)});")
-            L.append(f"{ind}    let vf{kk} = subgroupMatrixLoad<{right}>(&Vh, "
-                     f"{u(16 * kk * vs + 16 * c)}, false, {u(vs)});")
-            L.append(f"{ind}    acc = subgroupMatrixMultiplyAccumulate(pf{kk}, vf{kk}, acc);")
-        L.append(f"{ind}    subgroupMatrixStore(&Sf, sid * {u(16 * sw)} + {u(16 * c)}, acc, false, "
-                 f"{u(sw)});")
-        L.append(f"{ind}}}")
-    L.append(f"{ind}workgroupBarrier();")
-    base = f"(sid * 16u + lane / 2u) * {u(sw)} + hh * {u(Dv // 2)}"
+
+    def pload(kk: int) -> str:
+        return (f"let pf{kk} = subgroupMatrixLoad<{left}>({_ptr('Ph', 16 * pst, 16 * kk)}, "
+                f"false, {u(pst)});")
+
+    def mma(c: int, kk: int, acc: str) -> list[str]:
+        return [f"let vf{kk}_{c} = subgroupMatrixLoad<{right}>(&Vh, "
+                f"{u(16 * kk * vs + 16 * c)}, false, {u(vs)});",
+                f"{acc} = subgroupMatrixMultiplyAccumulate(pf{kk}, vf{kk}_{c}, {acc});"]
+
+    def store(c: int, acc: str) -> str:
+        return f"subgroupMatrixStore({_ptr('Sf', 16 * sw, 16 * c)}, {acc}, false, {u(sw)});"
+
+    body = [f"var acc{c} = {res}();" for c in range(Dv // 16)]  # each P fragment loaded once
+    for kk in range(bk // 16):
+        body.append(pload(kk))
+        for c in range(Dv // 16):
+            body += mma(c, kk, f"acc{c}")
+    body += [store(c, f"acc{c}") for c in range(Dv // 16)]
+    if "pv" in ABLATE:
+        body = []
+    L.append(f"{ind}{{")
+    L += [f"{ind}    {x}" for x in body]
+    L.append(f"{ind}}}")
+    L.append(f"{ind}{_barrier()}")
     for c in range(Dv // 2):
-        L.append(f"{ind}o{c} = o{c} * alpha + Sf[{base} + {u(c)}];")
+        sf = _at("Sf", 16 * sw, f"lane / 2u * {u(sw)} + {_col(c)}")
+        L.append(f"{ind}o{c} = o{c} * alpha + {'0.0' if 'pv' in ABLATE else sf};")
 
 
 def _store(g, L, ind, Dv) -> None:
@@ -235,6 +363,6 @@ def _store(g, L, ind, Dv) -> None:
     if k.out_bshd:
         row = f"((b * {u(g.Sq)} + q0i) * {u(g.Hq)} + q0h)"
     for c in range(Dv // 2):
-        L.append(f"{ind}    {g.bind['out']}[{row} * {u(Dv)} + hh * {u(Dv // 2)} + {u(c)}] = "
+        L.append(f"{ind}    {g.bind['out']}[{row} * {u(Dv)} + {_col(c)}] = "
                  f"o{c} * inv;")
     L.append(f"{ind}}}")
