@@ -323,13 +323,17 @@ def fast_rows(dev, x, a, sname, shape):
 
 # the tensor-core forward's switches (kernels/attention_fast.py), by name; the layouts measured
 # before them (halves, il, il4, pf+blk, pf+pack, pf+reread): docs/benchmarks.md
-_OFF = {"SF_PAD": 2, "PREFETCH": True, "ABLATE": frozenset()}
+_OFF = {"SF_PAD": 2, "PREFETCH": True, "ROW_BLOCKS": 2, "GROUP_KEYS": 512,
+        "ABLATE": frozenset()}
 FAST_VARIANTS = {"main": _OFF, "no-prefetch": dict(_OFF, PREFETCH=False),
-                 "pad4": dict(_OFF, SF_PAD=4)}
+                 "pad4": dict(_OFF, SF_PAD=4), "rows1": dict(_OFF, ROW_BLOCKS=1),
+                 "rows3": dict(_OFF, ROW_BLOCKS=3), "nogroup": dict(_OFF, GROUP_KEYS=0),
+                 "rows1-nogroup": dict(_OFF, ROW_BLOCKS=1, GROUP_KEYS=0)}
 # timing only (wrong results): each phase of the key loop left out (attention_fast.ABLATE)
 FAST_VARIANTS.update({f"no-{a}": dict(_OFF, ABLATE=frozenset({a}))
                       for a in ("stage", "scores", "softmax", "pv", "barriers")})
-FAST_AB = {"no": (((4, 64),), (3,)),
+FAST_AB = {"no": (((4, 64),), (3,)), "rows3": (((4, 64), (2, 64)), (1, 2, 3, 6)),
+           "rows1": (((4, 64),), (3, 6)),
            "*": (((4, 64), (4, 32)), (3, 4, 6))}
 
 
@@ -898,7 +902,9 @@ def main(argv) -> None:
     if "--fast-ab" in argv:  # the tensor-core forward's variants against the strict one
         names = argv[argv.index("--fast-ab") + 1].split(",")
         smoke = "--smoke" in argv
-        rows += fast_ab(dev, t, names, rounds=1 if smoke else 2, smoke=smoke)
+        shapes = (argv[argv.index("--shapes") + 1].split(",") if "--shapes" in argv
+                  else ("whisper", "smollm2"))
+        rows += fast_ab(dev, t, names, shapes, rounds=1 if smoke else 2, smoke=smoke)
         save()
         ab = [r for r in rows if r["kind"] == "fwd_fast_ab"]
         best = sorted((r for r in ab if r["variant"] != "strict"), key=lambda r: r["us"])

@@ -56,8 +56,29 @@ CASES = {
 }
 
 
+def test_chunk_groups():
+    """A workgroup walks the largest divisor of the chunk count whose chunks stay within
+    ``GROUP_KEYS`` keys: Whisper's 6 chunks of 250 keys in pairs, unsplit kernels alone."""
+    desc = _attention_desc_fwd(1500, 6)
+    assert AF.chunk_group(desc) == 2
+    assert AF.chunk_group(_attention_desc_fwd(1500, 1)) == 1
+    assert AF.chunk_group(_attention_desc_fwd(512, 4)) == 4
+    assert AF.chunk_group(_attention_desc_fwd(516, 6)) == 3  # 6 x 86 > 512
+
+
+def _attention_desc_fwd(S: int, splits: int):
+    from meganeura.dtypes import f32
+    from meganeura.kernels import Strided
+    from meganeura.kernels.attention import KIND_TYPES
+
+    q = Strided.contiguous(f32, (1, 6, S, 64))
+    return KIND_TYPES["fwd"]("fwd", q, q, q, None, None, None, None, False, 0.125, 0, 0,
+                             splits=splits)
+
+
 # layout switches of kernels/attention_fast.py (the default first)
-VARIANTS = {"default": {}, "no_prefetch": {"PREFETCH": False}, "pad4": {"SF_PAD": 4}}
+VARIANTS = {"default": {}, "no_prefetch": {"PREFETCH": False}, "pad4": {"SF_PAD": 4},
+            "rows1": {"ROW_BLOCKS": 1}, "rows3": {"ROW_BLOCKS": 3}}
 
 
 @pytest.fixture(params=sorted(VARIANTS))
@@ -130,11 +151,17 @@ def test_fast_mode_keeps_strict_attention(gpu):
     assert _rel(got["fast"]["o"], want["o"]) <= 1e-5
 
 
-def test_fast_mode_takes_tensor_cores_for_long_attention(gpu):
+@pytest.mark.parametrize("splits", [1, 4, 6])
+def test_fast_mode_takes_tensor_cores_for_long_attention(gpu, monkeypatch, splits):
     """From ``FAST_MIN_KEYS`` keys up the fast program's forward runs on the tensor cores where
     the device has them and passes the fast gates (forward ≤ 1e-2 relative L2, gradients —
     whose kernels stay strict but read the fast forward's lse — ≤ 5e-2 and cosine ≥ 0.99);
-    elsewhere it is the strict program, bit for bit."""
+    elsewhere it is the strict program, bit for bit.  Forced key chunks: 4 chunks of 128 keys
+    are walked by one workgroup each (``chunk_group``), 6 of 86 in two groups of 3."""
+    import sys
+
+    att_op = sys.modules["meganeura.ops.attention"]  # (the package's ``attention`` is the op)
+    monkeypatch.setattr(att_op, "fwd_splits", lambda *dims: splits)
     got, want = _fast_and_strict(gpu, 1, 2, AF.FAST_MIN_KEYS, 64)
     if AF.SG_FEATURE not in gpu.features:
         for n in got["fast"]:

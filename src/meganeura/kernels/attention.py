@@ -1258,7 +1258,7 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)
     flops += 2 * B * Hq * Sq * Skv * D if k.dq_block else 0  # the dQ partials' product
-    cfg, tiles = (g.fast, (16 * g.fast[0], g.fast[1])) if fast else \
+    cfg, tiles = (g.fast, (g.fast_rows, g.fast[1])) if fast else \
         ((g.TR, g.TC, g.RM, g.RN), (g.own, g.loop))
     meta = {"tiles": tiles, "config": cfg, "precision": "fast" if fast else "strict",
             "workgroup_storage": 4 * g.words, "archetype": f"attention_{k.kind}",

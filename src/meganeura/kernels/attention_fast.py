@@ -38,6 +38,8 @@ subgroup."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from ..dtypes import f32
 from .common import CodegenError, make_grid, u
 
@@ -46,6 +48,10 @@ PAD = 8  # f16 elements of padding per staged row (rows stay 16-byte aligned)
 # (subgroups per workgroup, keys per tile), heuristic first
 FAST_CONFIGS = ((4, 64), (2, 64), (4, 32), (2, 32), (1, 64))
 FLT_MAX = "3.4028234663852886e38"
+ROW_BLOCKS = 2  # 16-row blocks per subgroup: each staged K/V tile serves ROW_BLOCKS x 16 rows
+# a workgroup walks several of the description's key chunks in turn (Q staged once) until it
+# covers about this many keys (the op's chunk count is the strict kernel's: ops/attention.py)
+GROUP_KEYS = 512
 PREFETCH = True  # K/V of tile t + 1 loaded into registers during tile t (stored after it)
 # timing only (wrong results): phases of the key loop left out, to see what each one costs
 # ("stage", "scores", "softmax", "pv", "barriers"; bench/attention_bench.py --fast-ab)
@@ -100,7 +106,7 @@ def pays(k) -> bool:
 def fast_words(cfg, D: int, Dv: int) -> int:
     """Bytes / 4 of workgroup storage of configuration ``cfg``."""
     nsg, bk = cfg
-    bq = 16 * nsg
+    bq = 16 * nsg  # Q is staged 16 * nsg rows at a time (ROW_BLOCKS passes)
     sst, pst = _strides(bk, Dv)
     f16_elems = max(bq, bk) * (D + PAD) + bk * (Dv + PAD) + nsg * 16 * pst
     return -(-f16_elems // 2) + nsg * 16 * sst
@@ -122,9 +128,18 @@ def fast_config(k, t) -> tuple[int, int]:
     B, Hq, Sq, _ = k.q.shape
     rows, items = Sq * (Hq // k.k.shape[1]), B * k.k.shape[1] * max(1, k.splits)
     for c in fits:
-        if items * -(-rows // (16 * c[0])) >= 128:
+        if items * -(-rows // (16 * c[0] * ROW_BLOCKS)) >= 128:
             return c
     return min(fits, key=lambda c: (c[0], -c[1]))
+
+
+def chunk_group(k) -> int:
+    """Key chunks one workgroup walks: the largest divisor of ``k.splits`` whose chunks
+    together stay within ``GROUP_KEYS`` keys (H200, Whisper: 6 chunks of 250 keys in groups of
+    2 run like 3 chunks, 117.7 against 141.3 µs)."""
+    n = max(1, k.splits)
+    chunk = -(-k.k.shape[2] // n)
+    return max(d for d in range(1, n + 1) if n % d == 0 and (d == 1 or d * chunk <= GROUP_KEYS))
 
 
 def fast_body(g, t) -> list[str]:
@@ -133,26 +148,63 @@ def fast_body(g, t) -> list[str]:
 
     k = g.k
     nsg, bk = g.fast = fast_config(k, t)
-    bq, D, Dv = 16 * nsg, g.D, g.Dv
+    nrb = ROW_BLOCKS
+    sq, bq, D, Dv = 16 * nsg, 16 * nsg * nrb, g.D, g.Dv  # rows staged at once / per workgroup
     qs, vs = D + PAD, Dv + PAD
     sw, pst = _strides(bk, Dv)
-    g.wg = 32 * nsg
-    g.shared += [f"var<workgroup> Kh: array<f16, {max(bq, bk) * qs}>;",
+    g.wg, g.fast_rows = 32 * nsg, bq
+    g.shared += [f"var<workgroup> Kh: array<f16, {max(sq, bk) * qs}>;",
                  f"var<workgroup> Vh: array<f16, {bk * vs}>;",
                  f"var<workgroup> Ph: array<f16, {nsg * 16 * pst}>;",
                  f"var<workgroup> Sf: array<f32, {nsg * 16 * sw}>;"]
     g.words = fast_words((nsg, bk), D, Dv)
-    total = -(-g.rows // bq) * g.B * g.Hkv * g.ns
+    cpw = chunk_group(k)
+    total = -(-g.rows // bq) * g.B * g.Hkv * (g.ns // cpw)
     grid = g.grid = make_grid(k.name, total, t)
     ind, i2 = "    ", "        "
     L: list[str] = []
-    _grid_head(L, ind, grid, total, "blk", -(-g.rows // bq), "hkv", g.Hkv, g)
+    head: list[str] = []  # the chunk index ``sc`` of the strict head is this workgroup's group
+    _grid_head(head, ind, grid, total, "blk", -(-g.rows // bq), "hkv", g.Hkv,
+               SimpleNamespace(ns=g.ns // cpw, B=g.B))
+    L += [x.replace("let sc = ", "let scg = ") for x in head]
+    if g.ns > 1 and g.ns == cpw:  # one group: every chunk in every workgroup
+        L.append(f"{ind}let scg = 0u;")
     L += [f"{ind}let sid = lid / 32u;", f"{ind}let lane = lid % 32u;",
           f"{ind}let hh = lane % 2u;", f"{ind}let R0 = blk * {u(bq)};",
           f"{ind}let Rn = min(R0 + {u(bq)}, {u(g.rows)});",
           f"{ind}let i_first = i32(R0 / {u(g.G)});",
-          f"{ind}let i_last = i32((Rn - 1u) / {u(g.G)});",
-          f"{ind}var kv_lo: i32 = 0i;", f"{ind}var kv_hi: i32 = {_i(g.Skv)};"]
+          f"{ind}let i_last = i32((Rn - 1u) / {u(g.G)});"]
+    left = "subgroup_matrix_left<f16, 16, 16>"
+    for rb in range(nrb):  # this lane's row of block rb, its Q fragments (staged 16·nsg rows)
+        L += [f"{ind}let rw{rb} = R0 + {u(rb * sq)} + sid * 16u + lane / 2u;",
+              f"{ind}let rok{rb} = rw{rb} < {u(g.rows)};"]
+        L += [ind + x for x in g.packed(f"rw{rb}", f"q{rb}")]
+        L.append(f"{ind}let pos{rb} = i32(q{rb}i) + {_i(k.q_offset)};")
+        pre = lambda rr, rb=rb: [f"let RR = R0 + {u(rb * sq)} + {rr};"] + g.packed("RR", "s")  # noqa: E731
+        _stage_f16(g, L, ind, "Kh", sq, "q", qs, pre, f"RR < {u(g.rows)}",
+                   lambda c: ["b", "sh", "si", c], k.scale)
+        L.append(f"{ind}workgroupBarrier();")
+        for kk in range(D // 16):
+            L.append(f"{ind}let qf{rb}_{kk} = subgroupMatrixLoad<{left}>(&Kh, sid * "
+                     f"{u(16 * qs)} + {u(16 * kk)}, false, {u(qs)});")
+        L.append(f"{ind}workgroupBarrier();")
+    if g.ns > 1:
+        L.append(f"{ind}for (var cc: u32 = 0u; cc < {u(cpw)}; cc = cc + 1u) {{")
+        L.append(f"{i2}let sc = scg * {u(cpw)} + cc;")
+    else:
+        L.append(f"{ind}{{")
+    _chunk(g, L, i2, bq, bk, qs, vs, sw, pst, D, Dv)
+    L.append(f"{ind}}}")
+    return L
+
+
+def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
+    """One key chunk of this workgroup's rows: its key range, fresh softmax state, the key
+    loop, the stores."""
+    from .attention import _i
+
+    k, nrb, i2 = g.k, ROW_BLOCKS, ind + "    "
+    L += [f"{ind}var kv_lo: i32 = 0i;", f"{ind}var kv_hi: i32 = {_i(g.Skv)};"]
     if k.causal:
         L.append(f"{ind}kv_hi = min(kv_hi, {_i(k.q_offset)} + i_last + 1i);")
     if k.window:
@@ -161,21 +213,9 @@ def fast_body(g, t) -> list[str]:
         ch = -(-g.Skv // g.ns)
         L.append(f"{ind}kv_lo = max(kv_lo, i32(sc) * {_i(ch)});")
         L.append(f"{ind}kv_hi = min(kv_hi, i32(sc) * {_i(ch)} + {_i(ch)});")
-    L += [f"{ind}let rw0 = R0 + sid * 16u + lane / 2u;", f"{ind}let rok0 = rw0 < {u(g.rows)};"]
-    L += [ind + x for x in g.packed("rw0", "q0")]
-    L.append(f"{ind}let pos0 = i32(q0i) + {_i(k.q_offset)};")
-    # Q (pre-scaled) into Kh as f16, then into fragments
-    pre = lambda rr: [f"let RR = R0 + {rr};"] + g.packed("RR", "s")  # noqa: E731
-    _stage_f16(g, L, ind, "Kh", bq, "q", qs, pre, f"RR < {u(g.rows)}",
-               lambda c: ["b", "sh", "si", c], k.scale)
-    L.append(f"{ind}workgroupBarrier();")
-    left = "subgroup_matrix_left<f16, 16, 16>"
-    for kk in range(D // 16):
-        L.append(f"{ind}let qf{kk} = subgroupMatrixLoad<{left}>(&Kh, sid * {u(16 * qs)} + "
-                 f"{u(16 * kk)}, false, {u(qs)});")
-    L.append(f"{ind}workgroupBarrier();")
-    L += [f"{ind}var m: f32 = -{FLT_MAX};", f"{ind}var l: f32 = 0.0;"]
-    L += [f"{ind}var o{c}: f32 = 0.0;" for c in range(Dv // 2)]
+    for rb in range(nrb):
+        L += [f"{ind}var m{rb}: f32 = -{FLT_MAX};", f"{ind}var l{rb}: f32 = 0.0;"]
+        L += [f"{ind}var o{rb}_{c}: f32 = 0.0;" for c in range(Dv // 2)]
     kv = (("Kh", "k", qs), ("Vh", "v", vs))
     kpre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
     if PREFETCH:  # tile kv_lo staged before the loop, tile t + 1 loaded into registers in it
@@ -195,16 +235,24 @@ def fast_body(g, t) -> list[str]:
             _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi",
                        lambda c: ["b", "hkv", "u32(jj)", c])
         L.append(f"{i2}{_barrier()}")
-    _scores(g, L, i2, bk, qs, sw, D)
-    _softmax(g, L, i2, bk, sw, pst)
-    _pv(g, L, i2, bk, vs, sw, pst, Dv)
+    for rb in range(nrb):  # each row block through the subgroup's scratch in turn
+        i3 = i2 + "    "
+        L.append(f"{i2}{{")
+        _scores(g, L, i3, bk, qs, sw, D, rb)
+        _softmax(g, L, i3, bk, sw, pst, rb)
+        _pv(g, L, i3, bk, vs, sw, pst, Dv, rb)
+        if rb + 1 < nrb:  # its O reads before the next block's S overwrites the scratch
+            L.append(f"{i3}{_barrier()}")
+        L.append(f"{i2}}}")
     if PREFETCH:  # every subgroup is past its P·V (the barrier in _pv): K/V may be replaced
         for arr, which, st in (kv if "stage" not in ABLATE else ()):
             _prefetch(g, L, i2, arr, bk, which, None, None, None, stride=st)
         L.append(f"{i2}{_barrier()}")
     L.append(f"{ind}}}")
-    _store(g, L, ind, Dv)
-    return L
+    for rb in range(nrb):
+        L.append(f"{ind}{{")
+        _store(g, L, ind + "    ", Dv, rb)
+        L.append(f"{ind}}}")
 
 
 def _stage_f16(g, L, ind, arr, nrows, which, stride, pre, valid, coords, scale=None) -> None:
@@ -258,8 +306,8 @@ def _barrier() -> str:
     return "" if "barriers" in ABLATE else "workgroupBarrier();"
 
 
-def _scores(g, L, ind, bk, qs, sw, D) -> None:
-    """S = Q·Kᵀ of the tile into the subgroup's rows of ``Sf``; barrier."""
+def _scores(g, L, ind, bk, qs, sw, D, rb) -> None:
+    """S = Q·Kᵀ of the tile for row block ``rb`` into the subgroup's rows of ``Sf``; barrier."""
     right, res = "subgroup_matrix_right<f16, 16, 16>", "subgroup_matrix_result<f32, 16, 16>"
     for f in range(bk // 16 if "scores" not in ABLATE else 0):
         L.append(f"{ind}{{")
@@ -267,26 +315,26 @@ def _scores(g, L, ind, bk, qs, sw, D) -> None:
         for kk in range(D // 16):
             L.append(f"{ind}    let kf{kk} = subgroupMatrixLoad<{right}>(&Kh, "
                      f"{u(16 * f * qs + 16 * kk)}, true, {u(qs)});")
-            L.append(f"{ind}    acc = subgroupMatrixMultiplyAccumulate(qf{kk}, kf{kk}, acc);")
+            L.append(f"{ind}    acc = subgroupMatrixMultiplyAccumulate(qf{rb}_{kk}, kf{kk}, acc);")
         L.append(f"{ind}    subgroupMatrixStore({_ptr('Sf', 16 * sw, 16 * f)}, acc, false, "
                  f"{u(sw)});")
         L.append(f"{ind}}}")
     L.append(f"{ind}{_barrier()}")
 
 
-def _softmax(g, L, ind, bk, sw, pst) -> None:
-    """Lane (r, hh): masked scores of its half of row r, row max with the partner lane,
-    rescale of its accumulators and row sum, P (f16) into ``Ph``; barrier."""
+def _softmax(g, L, ind, bk, sw, pst, rb) -> None:
+    """Lane (r, hh): masked scores of its half of row r (of row block ``rb``), row max with
+    the partner lane, rescale of its accumulators and row sum, P (f16) into ``Ph``; barrier."""
     half = bk // 2
     if "softmax" in ABLATE:
         L += [f"{ind}let alpha = 1.0;", f"{ind}{_barrier()}"]
         return
     L.append(f"{ind}var mx: f32 = -{FLT_MAX};")
     for jj in range(half):  # unrolled: the half row stays in registers
-        L += _score(g, ind, jj, sw)
+        L += _score(g, ind, jj, sw, rb)
         L.append(f"{ind}mx = max(mx, x{jj});")
-    L.append(f"{ind}let mt = max(m, max(mx, subgroupShuffleXor(mx, 1u)));")
-    L.append(f"{ind}let alpha = exp(m - mt);")
+    L.append(f"{ind}let mt = max(m{rb}, max(mx, subgroupShuffleXor(mx, 1u)));")
+    L.append(f"{ind}let alpha = exp(m{rb} - mt);")
     L.append(f"{ind}var ps: f32 = 0.0;")
     for jj in range(half):
         L.append(f"{ind}{{")
@@ -294,20 +342,20 @@ def _softmax(g, L, ind, bk, sw, pst) -> None:
         L.append(f"{ind}    ps = ps + f32(p);")
         L.append(f"{ind}    {_at('Ph', 16 * pst, f'lane / 2u * {u(pst)} + {_col(jj)}')} = p;")
         L.append(f"{ind}}}")
-    L += [f"{ind}l = l * alpha + ps;", f"{ind}m = mt;"]
+    L += [f"{ind}l{rb} = l{rb} * alpha + ps;", f"{ind}m{rb} = mt;"]
     L.append(f"{ind}{_barrier()}")
 
 
-def _score(g, ind, jj, sw) -> list[str]:
+def _score(g, ind, jj, sw, rb) -> list[str]:
     """Lines defining ``x{jj}``: this lane's ``jj``-th score of the tile, masked (added mask,
     causal/window visibility, keys past the chunk at -inf)."""
     k, i2 = g.k, ind + "    "
     sf = _at("Sf", 16 * sw, f"lane / 2u * {u(sw)} + {_col(jj)}")
     out = [f"{ind}let kj{jj} = kt + i32({_col(jj)});",
-           f"{ind}let inb{jj} = rok0 && kj{jj} < kv_hi;"]
-    terms = [f"inb{jj}"] + g.vis_terms(f"kj{jj}", "pos0")
+           f"{ind}let inb{jj} = rok{rb} && kj{jj} < kv_hi;"]
+    terms = [f"inb{jj}"] + g.vis_terms(f"kj{jj}", f"pos{rb}")
     if k.mask is not None:
-        mv = g.ld("mask", g.midx("b", "q0h", "q0i", f"u32(kj{jj})"), k.mask.dtype)
+        mv = g.ld("mask", g.midx("b", f"q{rb}h", f"q{rb}i", f"u32(kj{jj})"), k.mask.dtype)
         out += [f"{ind}var s{jj} = {sf};", f"{ind}if (inb{jj}) {{", f"{i2}s{jj} = s{jj} + {mv};",
                 f"{ind}}}"]
         sf = f"s{jj}"
@@ -315,8 +363,9 @@ def _score(g, ind, jj, sw) -> list[str]:
     return out
 
 
-def _pv(g, L, ind, bk, vs, sw, pst, Dv) -> None:
-    """O_tile = P·V into ``Sf``; barrier; each lane rescales and adds its half row."""
+def _pv(g, L, ind, bk, vs, sw, pst, Dv, rb) -> None:
+    """O_tile = P·V into ``Sf``; barrier; each lane rescales and adds its half row of row
+    block ``rb``."""
     left, right = "subgroup_matrix_left<f16, 16, 16>", "subgroup_matrix_right<f16, 16, 16>"
     res = "subgroup_matrix_result<f32, 16, 16>"
 
@@ -346,23 +395,25 @@ def _pv(g, L, ind, bk, vs, sw, pst, Dv) -> None:
     L.append(f"{ind}{_barrier()}")
     for c in range(Dv // 2):
         sf = _at("Sf", 16 * sw, f"lane / 2u * {u(sw)} + {_col(c)}")
-        L.append(f"{ind}o{c} = o{c} * alpha + {'0.0' if 'pv' in ABLATE else sf};")
+        L.append(f"{ind}o{rb}_{c} = o{rb}_{c} * alpha + {'0.0' if 'pv' in ABLATE else sf};")
 
 
-def _store(g, L, ind, Dv) -> None:
-    """out = o / l (0 for rows with no visible key), lse = m + log l, as the strict kernel."""
+def _store(g, L, ind, Dv, rb) -> None:
+    """out = o / l (0 for rows with no visible key), lse = m + log l, as the strict kernel,
+    for row block ``rb``."""
     k = g.k
-    L.append(f"{ind}let lt = l + subgroupShuffleXor(l, 1u);")
+    L.append(f"{ind}let lt = l{rb} + subgroupShuffleXor(l{rb}, 1u);")
     L.append(f"{ind}let inv = select(1.0 / lt, 0.0, lt == 0.0);")
-    L.append(f"{ind}if (rok0) {{")
-    row = f"(({g.bsplit()} * {u(g.Hq)} + q0h) * {u(g.Sq)} + q0i)"
+    L.append(f"{ind}if (rok{rb}) {{")
+    qh, qi = f"q{rb}h", f"q{rb}i"
+    row = f"(({g.bsplit()} * {u(g.Hq)} + {qh}) * {u(g.Sq)} + {qi})"
     L.append(f"{ind}    if (hh == 0u) {{")
-    L.append(f"{ind}        {g.bind['lse_out']}[{row}] = select(m + log(lt), -mn_inf(), "
+    L.append(f"{ind}        {g.bind['lse_out']}[{row}] = select(m{rb} + log(lt), -mn_inf(), "
              f"lt == 0.0);")
     L.append(f"{ind}    }}")
     if k.out_bshd:
-        row = f"((b * {u(g.Sq)} + q0i) * {u(g.Hq)} + q0h)"
+        row = f"((b * {u(g.Sq)} + {qi}) * {u(g.Hq)} + {qh})"
     for c in range(Dv // 2):
         L.append(f"{ind}    {g.bind['out']}[{row} * {u(Dv)} + {_col(c)}] = "
-                 f"o{c} * inv;")
+                 f"o{rb}_{c} * inv;")
     L.append(f"{ind}}}")
