@@ -1,10 +1,12 @@
 """The ``precision="fast"`` attention forward: QKᵀ and PV on f16 subgroup matrices (Dawn's
 ``chromium_experimental_subgroup_matrix``, 16×16×16, f32 accumulation), softmax in f32.
 
-Layout.  A workgroup is ``NSG`` subgroups of 32; subgroup s owns 16 packed rows (the rows of
-``attention.py``: (query position, group member) of one kv head) of the block R0 + 16·s.  Q is
-staged once (pre-scaled, rounded to f16) and kept as D/16 left fragments.  Per key tile of BK
-keys (K and V staged as f16, K read transposed through a column-major load):
+Layout.  A workgroup is ``NSG`` subgroups of 32; subgroup s owns ``ROW_BLOCKS`` blocks of 16
+packed rows (the rows of ``attention.py``: (query position, group member) of one kv head): block
+r covers rows R0 + 16·(r·NSG + s).  Q is staged once (pre-scaled, rounded to f16, 16·NSG rows
+at a time) and kept as D/16 left fragments per block.  Per key tile of BK keys (K and V staged
+as f16, K read transposed through a column-major load), each row block in turn through the
+subgroup's scratch:
 
 1. S = Q·Kᵀ: BK/16 result fragments, stored (f32) into the subgroup's rows of ``Sf``;
 2. softmax: lane (r, h) = (lane / 2, lane % 2) owns row r and the columns of parity h of the
@@ -27,9 +29,15 @@ row sit on adjacent columns and ``Sf``'s rows are ``SF_PAD`` words longer than t
 rows are BK + 8 f16 (16-byte aligned for the fragment loads: at most 2-way).  With the earlier
 layout (a lane on half a row, unpadded rows) every such access was a 32-way conflict.
 
-H200 (Dawn, (1, 6, 1500, 64), 3 key chunks + combine): 290.0 µs before the layout and prefetch
-changes, 132.7 after, against 193.7 for the strict forward; where the rest goes, per phase:
-docs/benchmarks.md ("Tensor-core attention forward, second design").
+Work per staged tile.  Two row blocks per subgroup (``ROW_BLOCKS``) let every staged K/V tile
+serve 128 rows instead of 64 (the staging was the largest cost); a workgroup also walks several
+of the description's key chunks in turn (``chunk_group``: Q staged once for all of them), since
+the op picks its chunk count for the strict kernel.
+
+H200 (Dawn, (1, 6, 1500, 64), key chunks + combine): 290.0 µs before this design, 132.7 with
+the layout, prefetch and single P loads (3 chunks), 117.6 with two row blocks and 32-key tiles
+(1.65x the strict 193.7); in Whisper's model (6 chunks) 142.9 against 203.0 strict.  Where the
+time goes, per phase: docs/benchmarks.md ("Tensor-core attention forward, second design").
 
 The stores (out = o / l, lse = m + log l), causal/window tile bounds, masks, GQA packing and
 split-K chunks are those of the strict kernel.  Workgroup memory: K (max(BQ, BK) rows; it holds
