@@ -331,7 +331,7 @@ FAST_VARIANTS = {"main": _OFF, "no-prefetch": dict(_OFF, PREFETCH=False),
                  "rows1-nogroup": dict(_OFF, ROW_BLOCKS=1, GROUP_KEYS=0)}
 # timing only (wrong results): each phase of the key loop left out (attention_fast.ABLATE)
 FAST_VARIANTS.update({f"no-{a}": dict(_OFF, ABLATE=frozenset({a}))
-                      for a in ("stage", "scores", "softmax", "pv", "barriers")})
+                      for a in sorted(AF.ABLATE_PHASES)})
 FAST_AB = {"no": (((4, 64),), (3,)), "rows3": (((4, 64), (2, 64)), (1, 2, 3, 6)),
            "rows1": (((4, 64),), (3, 6)),
            "*": (((4, 64), (4, 32)), (3, 4, 6))}

@@ -100,6 +100,19 @@ def test_fast_wgsl_is_valid(dev, rng, case, layout):
         dev.device.create_shader_module(code=_stubbed(spec.wgsl))
 
 
+@pytest.mark.parametrize("phase", sorted(AF.ABLATE_PHASES))
+def test_ablations_emit_valid_wgsl(dev, rng, monkeypatch, phase):
+    """The timing-only ablations (bench/attention_bench.py ``--fast-ab no-<phase>``) still
+    emit valid WGSL, and leave out what they name."""
+    x, a, _ = _problem(rng, CASES["gqa_causal"][0], CASES["gqa_causal"][1])
+    desc = dataclasses.replace(_desc("fwd", x, a), precision="fast", splits=3)
+    full = kernels.emit(desc, H200_LIMITS, TC_FEATURES).wgsl
+    monkeypatch.setattr(AF, "ABLATE", frozenset({phase}))
+    src = kernels.emit(desc, H200_LIMITS, TC_FEATURES).wgsl
+    dev.device.create_shader_module(code=_stubbed(src))
+    assert len(src) < len(full)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fast_forward(run, dev, rng, case, layout):
     """The fast kernel on this device: fast gates where it has tensor cores, else exactly the

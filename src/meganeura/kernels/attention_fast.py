@@ -63,7 +63,8 @@ ROW_BLOCKS = 2  # 16-row blocks per subgroup: each staged K/V tile serves ROW_BL
 GROUP_KEYS = 512
 PREFETCH = True  # K/V of tile t + 1 loaded into registers during tile t (stored after it)
 # timing only (wrong results): phases of the key loop left out, to see what each one costs
-# ("stage", "scores", "softmax", "pv", "barriers"; bench/attention_bench.py --fast-ab)
+# (bench/attention_bench.py --fast-ab no-<phase>)
+ABLATE_PHASES = frozenset({"stage", "scores", "softmax", "pv", "barriers"})
 ABLATE: frozenset = frozenset()
 SF_PAD = 2  # f32 words after each ``Sf`` row (every access conflict-free)
 
