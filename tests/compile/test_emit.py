@@ -90,3 +90,19 @@ def test_fast_precision_takes_tensor_core_attention_only_where_it_pays():
     assert precision(_attention_desc("fwd", 9, 3, 128), "fast") == "strict"
     assert precision(_attention_desc("dq", 6, 6, 1500), "fast") == "strict"
     assert not AF.pays(_attention_desc("fwd", 6, 6, 1500, D=40))  # head dim not 16k
+
+
+def test_tensor_core_attention_counts_as_tensor_cores():
+    """The roofline measures a tensor-core attention forward against the f16 tensor peak and
+    ``kernel_variants`` lists it with the tensor-core matmuls (``sgmat*``)."""
+    from meganeura.compile.emit import emit_kernel
+    from meganeura.kernels import attention_fast as AF
+    from meganeura.kernels import make_target
+
+    target = make_target({"max_compute_workgroup_storage_size": 49152,
+                          "max_compute_invocations_per_workgroup": 1024},
+                         {"shader-f16", "subgroups", AF.SG_FEATURE})
+    desc = _attention_desc("fwd", 6, 6, 1500)
+    binds = [object() for _ in range(5)]
+    assert emit_kernel(desc, binds, target, "fast").tensor_cores
+    assert not emit_kernel(desc, binds, target, "strict").tensor_cores

@@ -96,6 +96,7 @@ def test_fast_wgsl_is_valid(dev, rng, case, layout):
         desc = dataclasses.replace(_desc("fwd", x, a), precision="fast", splits=splits)
         spec = kernels.emit(desc, H200_LIMITS, TC_FEATURES)
         assert spec.meta["precision"] == "fast"
+        assert spec.meta["variant"].startswith("sgmat_attention_fwd")
         assert "subgroupMatrixMultiplyAccumulate" in spec.wgsl
         dev.device.create_shader_module(code=_stubbed(spec.wgsl))
 
@@ -128,6 +129,7 @@ def test_fast_forward(run, dev, rng, case, layout):
         assert spec.wgsl == strict.wgsl and spec.meta["precision"] == "strict"
     else:
         assert spec.meta["precision"] == "fast"
+        assert spec.meta["variant"].startswith("sgmat")  # reports count it on tensor cores
     assert _rel(out, ref["out"]) <= 1e-2
     assert _rel(lse, ref["lse"]) <= 1e-2
 

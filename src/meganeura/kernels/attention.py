@@ -1261,6 +1261,8 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
     cfg, tiles = (g.fast, (g.fast_rows, g.fast[1])) if fast else \
         ((g.TR, g.TC, g.RM, g.RN), (g.own, g.loop))
     meta = {"tiles": tiles, "config": cfg, "precision": "fast" if fast else "strict",
+            # on tensor cores: an ``sgmat*`` variant, like the matmul's (reports, roofline peak)
+            **({"variant": f"sgmat_attention_{k.kind}_{cfg[0]}x{cfg[1]}"} if fast else {}),
             "workgroup_storage": 4 * g.words, "archetype": f"attention_{k.kind}",
             "workgroup_size": g.wg, "binding_dtypes": tuple(g.dts), "flops": flops}
     return KernelSpec(k.name, src, g.bd.n, g.grid.workgroups, meta=meta)
