@@ -8,13 +8,15 @@ scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
   python bench/attention_bench.py [dawn|wgpu] [--quick] [--torch] [--json PATH]
       [--short] [--shapes whisper,smollm2] [--share ROOFLINE_JSON]
       [--roof OUTDIR] [--kvariants before,after,...]
-      [--fwd-sweep OUTDIR [--winfer main,after,after@8,...]] [--fast-ab halves,il,...]
+      [--fwd-sweep OUTDIR [--winfer main,after,after@8,...]]
+      [--fast-e2e] [--fast-ab main,no-prefetch,...]
 
 ``--fast-e2e``: first, Whisper-tiny's inference and training step profiled strict, fast with
 the strict attention forward and fast with the tensor-core one (GPU ms per step).
 ``--fast-ab VARIANTS``: only the tensor-core forward: each variant of ``FAST_VARIANTS``
-(kernels/attention_fast.py's layout switches) × configurations × key chunks at Whisper's and
-SmolLM2's shapes, against the strict forward of the op, in two interleaved rounds.
+(kernels/attention_fast.py's switches; ``no-<phase>`` ones are timing-only ablations) ×
+configurations × key chunks at Whisper's and SmolLM2's shapes (``--shapes`` picks), against the
+strict forward of the op, in two interleaved rounds.
 
 ``--fwd-sweep OUTDIR``: only the long forward: with ``--winfer`` first the Whisper-tiny
 inference step profiled per variant (OUTDIR/whisper-infer-<variant>.json), then its variants
@@ -323,21 +325,23 @@ def fast_rows(dev, x, a, sname, shape):
 
 # the tensor-core forward's switches (kernels/attention_fast.py), by name; the layouts measured
 # before them (halves, il, il4, pf+blk, pf+pack, pf+reread): docs/benchmarks.md
-_OFF = {"SF_PAD": 2, "PREFETCH": True, "ROW_BLOCKS": 2, "GROUP_KEYS": 512,
-        "ABLATE": frozenset()}
-FAST_VARIANTS = {"main": _OFF, "no-prefetch": dict(_OFF, PREFETCH=False),
-                 "pad4": dict(_OFF, SF_PAD=4), "rows1": dict(_OFF, ROW_BLOCKS=1),
-                 "rows3": dict(_OFF, ROW_BLOCKS=3), "nogroup": dict(_OFF, GROUP_KEYS=0),
-                 "rows1-nogroup": dict(_OFF, ROW_BLOCKS=1, GROUP_KEYS=0)}
+_MAIN = {"AF.SF_PAD": 2, "AF.PREFETCH": True, "AF.ROW_BLOCKS": 2, "AF.GROUP_KEYS": 512,
+         "AF.ABLATE": frozenset()}
+FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": False}),
+                 "pad4": dict(_MAIN, **{"AF.SF_PAD": 4}),
+                 "rows1": dict(_MAIN, **{"AF.ROW_BLOCKS": 1}),
+                 "rows3": dict(_MAIN, **{"AF.ROW_BLOCKS": 3}),
+                 "nogroup": dict(_MAIN, **{"AF.GROUP_KEYS": 0}),
+                 "rows1-nogroup": dict(_MAIN, **{"AF.ROW_BLOCKS": 1, "AF.GROUP_KEYS": 0})}
 # timing only (wrong results): each phase of the key loop left out (attention_fast.ABLATE)
-FAST_VARIANTS.update({f"no-{a}": dict(_OFF, ABLATE=frozenset({a}))
+FAST_VARIANTS.update({f"no-{a}": dict(_MAIN, **{"AF.ABLATE": frozenset({a})})
                       for a in sorted(AF.ABLATE_PHASES)})
 FAST_AB = {"no": (((4, 64),), (3,)), "rows3": (((4, 64), (2, 64)), (1, 2, 3, 6)),
            "rows1": (((4, 64),), (3, 6)),
            "*": (((4, 64), (4, 32)), (3, 4, 6))}
 
 
-def fast_ab(dev, t, names, shapes=("whisper", "smollm2"), rounds=2, smoke=False):
+def fast_ab(dev, names, shapes=("whisper", "smollm2"), rounds=2, smoke=False):
     """Tensor-core forward variants (``FAST_VARIANTS`` × configurations × key chunks) against
     the strict forward of the op (its split count, combine included), ``rounds`` interleaved
     rounds; µs per forward (+ combine), relative max error against float64."""
@@ -357,7 +361,7 @@ def fast_ab(dev, t, names, shapes=("whisper", "smollm2"), rounds=2, smoke=False)
             for name, cfg, n in (cells if rnd % 2 == 0 else cells[::-1]):
                 desc = dataclasses.replace(base, splits=n, config=cfg,
                                            precision="strict" if name == "strict" else "fast")
-                with fast_variant(FAST_VARIANTS.get(name, {})):
+                with variant(FAST_VARIANTS.get(name, {})):
                     try:
                         _, err, us = run_config(dev, desc, x, ref)
                     except kernels.CodegenError as e:
@@ -375,19 +379,6 @@ def fast_ab(dev, t, names, shapes=("whisper", "smollm2"), rounds=2, smoke=False)
                   f"TFLOP/s rounds {', '.join(f'{r[0]:.1f}' for r in rs)} err "
                   f"{max(r[1] for r in rs):.1e}", flush=True)
     return rows
-
-
-@contextlib.contextmanager
-def fast_variant(sets):
-    """``attention_fast`` module switches set for the block, restored after."""
-    keep = {k: getattr(AF, k) for k in sets}
-    for k, val in sets.items():
-        setattr(AF, k, val)
-    try:
-        yield
-    finally:
-        for k, val in keep.items():
-            setattr(AF, k, val)
 
 
 def fast_err(dev, desc, x):
@@ -613,10 +604,18 @@ SHORT_VARIANTS = {
 
 @contextlib.contextmanager
 def variant(sets):
-    """Module switches set for the block (``A.NAME``: kernels/attention.py, else
-    ops/attention.py), restored after."""
+    """Module switches set for the block (``A.NAME``: kernels/attention.py, ``AF.NAME``:
+    kernels/attention_fast.py, else ops/attention.py), restored after."""
     ops_att = sys.modules["meganeura.ops.attention"]
-    mods = {k: (A, k[2:]) if k.startswith("A.") else (ops_att, k) for k in sets}
+    prefixes = {"A.": A, "AF.": AF}
+
+    def target(key):
+        for pre, mod in prefixes.items():
+            if key.startswith(pre):
+                return mod, key[len(pre):]
+        return ops_att, key
+
+    mods = {k: target(k) for k in sets}
     keep = {k: getattr(*mods[k]) for k in sets}
     for k, val in sets.items():
         setattr(*mods[k], val)
@@ -826,7 +825,7 @@ def fast_e2e_rows(dev, quick=False, steps=3, rounds=2):
     for rnd in range(rounds):
         for inference in (True, False):
             for name, prec, keys in (cells if rnd % 2 == 0 else cells[::-1]):
-                with fast_variant({} if keys is None else {"FAST_MIN_KEYS": keys}):
+                with variant({} if keys is None else {"AF.FAST_MIN_KEYS": keys}):
                     prof = roofline.profile_workload(w, dev, prec, inference, steps)
                 att = [(r["label"], r["calls"], r["mean_us"]) for r in prof.roofline()
                        if r["label"].startswith("attention")]
@@ -904,7 +903,7 @@ def main(argv) -> None:
         smoke = "--smoke" in argv
         shapes = (argv[argv.index("--shapes") + 1].split(",") if "--shapes" in argv
                   else ("whisper", "smollm2"))
-        rows += fast_ab(dev, t, names, shapes, rounds=1 if smoke else 2, smoke=smoke)
+        rows += fast_ab(dev, names, shapes, rounds=1 if smoke else 2, smoke=smoke)
         save()
         ab = [r for r in rows if r["kind"] == "fwd_fast_ab"]
         best = sorted((r for r in ab if r["variant"] != "strict"), key=lambda r: r["us"])

@@ -10,6 +10,8 @@ from meganeura.compile.emit import inplace_slots
 from meganeura.compile.executable import Dispatch, Loc, from_manifest, to_manifest
 from meganeura.kernels.ir import KernelSpec
 
+from ..kernels.test_attention_fast import attention_desc
+
 
 def test_an_input_and_an_output_on_one_range_is_in_place():
     # slots: in0, in1, out (out bound to in0's range)
@@ -55,18 +57,6 @@ def test_training_step_counter_update_is_recorded_in_place_and_survives_export()
         [d.inplace for d in s.executable.train.dispatches]
 
 
-def _attention_desc(kind: str, Hq: int, Hkv: int, S: int, D: int = 64):
-    from meganeura.dtypes import f32
-    from meganeura.kernels import Strided
-    from meganeura.kernels.attention import KIND_TYPES
-
-    q = Strided.contiguous(f32, (1, Hq, S, D))
-    kv = Strided.contiguous(f32, (1, Hkv, S, D))
-    rows = Strided.contiguous(f32, (1, Hq, S))
-    extra = (None, None, None) if kind == "fwd" else (q, rows, rows)
-    return KIND_TYPES[kind](kind, q, kv, kv, None, *extra, False, D ** -0.5, 0, 0)
-
-
 def test_fast_precision_takes_tensor_core_attention_only_where_it_pays():
     """Under precision "fast" on a device with f16 subgroup matrices, a long attention
     forward (Whisper's 1,500 positions) is emitted on the tensor cores; a short one
@@ -83,13 +73,13 @@ def test_fast_precision_takes_tensor_core_attention_only_where_it_pays():
         binds = [object() for _ in range(5 if desc.kind == "fwd" else 7)]  # distinct ranges
         return emit_kernel(desc, binds, target, mode).spec.meta["precision"]
 
-    long_fwd = _attention_desc("fwd", 6, 6, 1500)
+    long_fwd = attention_desc("fwd", 6, 6, 1500)
     assert AF.pays(long_fwd)
     assert precision(long_fwd, "fast") == "fast"
     assert precision(long_fwd, "strict") == "strict"
-    assert precision(_attention_desc("fwd", 9, 3, 128), "fast") == "strict"
-    assert precision(_attention_desc("dq", 6, 6, 1500), "fast") == "strict"
-    assert not AF.pays(_attention_desc("fwd", 6, 6, 1500, D=40))  # head dim not 16k
+    assert precision(attention_desc("fwd", 9, 3, 128), "fast") == "strict"
+    assert precision(attention_desc("dq", 6, 6, 1500), "fast") == "strict"
+    assert not AF.pays(attention_desc("fwd", 6, 6, 1500, D=40))  # head dim not 16k
 
 
 def test_tensor_core_attention_counts_as_tensor_cores():
@@ -102,7 +92,7 @@ def test_tensor_core_attention_counts_as_tensor_cores():
     target = make_target({"max_compute_workgroup_storage_size": 49152,
                           "max_compute_invocations_per_workgroup": 1024},
                          {"shader-f16", "subgroups", AF.SG_FEATURE})
-    desc = _attention_desc("fwd", 6, 6, 1500)
+    desc = attention_desc("fwd", 6, 6, 1500)
     binds = [object() for _ in range(5)]
     assert emit_kernel(desc, binds, target, "fast").tensor_cores
     assert not emit_kernel(desc, binds, target, "strict").tensor_cores

@@ -40,9 +40,9 @@ the layout, prefetch and single P loads (3 chunks), 117.6 with two row blocks an
 time goes, per phase: docs/benchmarks.md ("Tensor-core attention forward, second design").
 
 The stores (out = o / l, lse = m + log l), causal/window tile bounds, masks, GQA packing and
-split-K chunks are those of the strict kernel.  Workgroup memory: K (max(BQ, BK) rows; it holds
-Q while the fragments are loaded) and V as f16, one f32 and one f16 scratch of 16 rows per
-subgroup."""
+split-K chunks are those of the strict kernel.  Workgroup memory: K (max(16·NSG, BK) rows; it
+holds Q while the fragments are loaded) and V as f16, one f32 and one f16 scratch of 16 rows
+per subgroup."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def usable(k, t) -> bool:
 
 
 # the fast forward pays from this many keys and packed query rows up (H200, Dawn: Whisper's
-# (1, 6, 1500, 64) 132.7-148.0 µs against 193.7 strict; SmolLM2's 128 keys 12.9 against 10.0)
+# (1, 6, 1500, 64) 117.6-135.7 µs against 193.7 strict; SmolLM2's 128 keys 12.9 against 10.0)
 FAST_MIN_KEYS = 512
 FAST_MIN_ROWS = 64
 
@@ -144,9 +144,9 @@ def fast_config(k, t) -> tuple[int, int]:
 
 
 def chunk_group(k) -> int:
-    """Key chunks one workgroup walks: the largest divisor of ``k.splits`` whose chunks
-    together stay within ``GROUP_KEYS`` keys (H200, Whisper: 6 chunks of 250 keys in groups of
-    2 run like 3 chunks, 117.7 against 141.3 µs)."""
+    """Key chunks one workgroup walks in turn: the largest divisor of ``k.splits`` whose chunks
+    together stay within ``GROUP_KEYS`` keys (H200, Whisper's 6 chunks of 250 keys in pairs:
+    135.7 against 141.0 µs ungrouped; a real 3-chunk launch runs 117.6)."""
     n = max(1, k.splits)
     chunk = -(-k.k.shape[2] // n)
     return max(d for d in range(1, n + 1) if n % d == 0 and (d == 1 or d * chunk <= GROUP_KEYS))
