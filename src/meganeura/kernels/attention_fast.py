@@ -67,6 +67,13 @@ PREFETCH = True  # K/V of tile t + 1 loaded into registers during tile t (stored
 ABLATE_PHASES = frozenset({"stage", "scores", "softmax", "pv", "barriers"})
 ABLATE: frozenset = frozenset()
 SF_PAD = 2  # f32 words after each ``Sf`` row (every access conflict-free)
+# tiles wholly inside the key range skip the per-score masks (when the description has no
+# causal/window bound and no added mask); scores are kept in log2 units (Q pre-scaled by
+# log2 e, exp2 in the softmax)
+LEAN = True
+ROLLED_EDGE = True  # the masked copy (a chunk's last tile) as rolled loops: fewer registers
+PV_GROUP = 0  # P·V result fragments held at once (0: all Dv/16; fewer: P fragments reloaded)
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 def _strides(bk: int, Dv: int) -> tuple[int, int]:
@@ -74,9 +81,10 @@ def _strides(bk: int, Dv: int) -> tuple[int, int]:
     return max(bk, Dv) + SF_PAD, bk + PAD
 
 
-def _at(name: str, n: int, idx: str) -> str:
-    """Element ``idx`` of this subgroup's block (``n`` elements) of scratch ``name``."""
-    return f"{name}[sid * {u(n)} + {idx}]"
+def _at(name: str, j: int) -> str:
+    """This lane's ``j``-th element of its row of scratch ``name`` (``Sf`` or ``Ph``; the row
+    base ``sfb`` / ``phb`` holds the subgroup's block, the row and the lane's parity)."""
+    return f"{name}[{'sfb' if name == 'Sf' else 'phb'} + {u(2 * j)}]"
 
 
 def _ptr(name: str, n: int, off: int) -> str:
@@ -181,6 +189,8 @@ def fast_body(g, t) -> list[str]:
         L.append(f"{ind}let scg = 0u;")
     L += [f"{ind}let sid = lid / 32u;", f"{ind}let lane = lid % 32u;",
           f"{ind}let hh = lane % 2u;", f"{ind}let R0 = blk * {u(bq)};",
+          f"{ind}let sfb = sid * {u(16 * sw)} + lane / 2u * {u(sw)} + hh;",
+          f"{ind}let phb = sid * {u(16 * pst)} + lane / 2u * {u(pst)} + hh;",
           f"{ind}let Rn = min(R0 + {u(bq)}, {u(g.rows)});",
           f"{ind}let i_first = i32(R0 / {u(g.G)});",
           f"{ind}let i_last = i32((Rn - 1u) / {u(g.G)});"]
@@ -192,7 +202,7 @@ def fast_body(g, t) -> list[str]:
         L.append(f"{ind}let pos{rb} = i32(q{rb}i) + {_i(k.q_offset)};")
         pre = lambda rr, rb=rb: [f"let RR = R0 + {u(rb * sq)} + {rr};"] + g.packed("RR", "s")  # noqa: E731
         _stage_f16(g, L, ind, "Kh", sq, "q", qs, pre, f"RR < {u(g.rows)}",
-                   lambda c: ["b", "sh", "si", c], k.scale)
+                   lambda c: ["b", "sh", "si", c], k.scale * (LOG2E if LEAN else 1.0))
         L.append(f"{ind}workgroupBarrier();")
         for kk in range(D // 16):
             L.append(f"{ind}let qf{rb}_{kk} = subgroupMatrixLoad<{left}>(&Kh, sid * "
@@ -334,38 +344,78 @@ def _scores(g, L, ind, bk, qs, sw, D, rb) -> None:
 
 def _softmax(g, L, ind, bk, sw, pst, rb) -> None:
     """Lane (r, hh): masked scores of its half of row r (of row block ``rb``), row max with
-    the partner lane, rescale of its accumulators and row sum, P (f16) into ``Ph``; barrier."""
-    half = bk // 2
+    the partner lane, rescale of its accumulators and row sum, P (f16) into ``Ph``; barrier.
+    With ``LEAN`` and nothing but the key range to mask, tiles inside the range take an
+    unmasked copy of the code (a workgroup-uniform branch)."""
     if "softmax" in ABLATE:
         L += [f"{ind}let alpha = 1.0;", f"{ind}{_barrier()}"]
         return
+    from .attention import _i
+
+    L.append(f"{ind}var alpha: f32;")
+    k = g.k
+    if LEAN and not (k.causal or k.window or k.mask is not None):
+        L.append(f"{ind}if (kt + {_i(bk)} <= kv_hi) {{")
+        _softmax_body(g, L, ind + "    ", bk, sw, pst, rb, masked=False)
+        L.append(f"{ind}}} else {{")
+        body = _softmax_rolled if ROLLED_EDGE else _softmax_body
+        body(g, L, ind + "    ", bk, sw, pst, rb, masked=True)
+        L.append(f"{ind}}}")
+    else:
+        _softmax_body(g, L, ind, bk, sw, pst, rb, masked=True)
+    L.append(f"{ind}{_barrier()}")
+
+
+def _softmax_body(g, L, ind, bk, sw, pst, rb, masked: bool) -> None:
+    """The online-softmax step of one row block (``_softmax``); ``masked`` False: every score
+    of the tile is visible."""
+    ex = "exp2" if LEAN else "exp"
     L.append(f"{ind}var mx: f32 = -{FLT_MAX};")
-    for jj in range(half):  # unrolled: the half row stays in registers
-        L += _score(g, ind, jj, sw, rb)
+    for jj in range(bk // 2):  # unrolled: the half row stays in registers
+        L += _score(g, ind, jj, sw, rb) if masked else [f"{ind}let x{jj} = {_at('Sf', jj)};"]
         L.append(f"{ind}mx = max(mx, x{jj});")
     L.append(f"{ind}let mt = max(m{rb}, max(mx, subgroupShuffleXor(mx, 1u)));")
-    L.append(f"{ind}let alpha = exp(m{rb} - mt);")
+    L.append(f"{ind}alpha = {ex}(m{rb} - mt);")
     L.append(f"{ind}var ps: f32 = 0.0;")
-    for jj in range(half):
+    for jj in range(bk // 2):
+        e = f"{ex}(x{jj} - mt)"
+        e = f"select({e}, 0.0, x{jj} < -{FLT_MAX})" if masked else e
         L.append(f"{ind}{{")
-        L.append(f"{ind}    let p = f16(select(exp(x{jj} - mt), 0.0, x{jj} < -{FLT_MAX}));")
+        L.append(f"{ind}    let p = f16({e});")
         L.append(f"{ind}    ps = ps + f32(p);")
-        L.append(f"{ind}    {_at('Ph', 16 * pst, f'lane / 2u * {u(pst)} + {_col(jj)}')} = p;")
+        L.append(f"{ind}    {_at('Ph', jj)} = p;")
         L.append(f"{ind}}}")
     L += [f"{ind}l{rb} = l{rb} * alpha + ps;", f"{ind}m{rb} = mt;"]
-    L.append(f"{ind}{_barrier()}")
+
+
+def _softmax_rolled(g, L, ind, bk, sw, pst, rb, masked: bool = True) -> None:
+    """``_softmax_body`` (masked) as two rolled loops over the lane's scores (the second
+    recomputes them from ``Sf``): for the rare edge tile, so its code holds no registers."""
+    i2 = ind + "    "
+    loop = f"for (var jj: u32 = 0u; jj < {u(bk // 2)}; jj = jj + 1u) {{"
+    L += [f"{ind}var mx: f32 = -{FLT_MAX};", ind + loop]
+    L += _score(g, i2, "jj", sw, rb) + [f"{i2}mx = max(mx, xjj);", f"{ind}}}"]
+    L += [f"{ind}let mt = max(m{rb}, max(mx, subgroupShuffleXor(mx, 1u)));",
+          f"{ind}alpha = exp2(m{rb} - mt);", f"{ind}var ps: f32 = 0.0;", ind + loop]
+    L += _score(g, i2, "jj", sw, rb)
+    L += [f"{i2}let p = f16(select(exp2(xjj - mt), 0.0, xjj < -{FLT_MAX}));",
+          f"{i2}ps = ps + f32(p);", f"{i2}Ph[phb + 2u * jj] = p;", f"{ind}}}"]
+    L += [f"{ind}l{rb} = l{rb} * alpha + ps;", f"{ind}m{rb} = mt;"]
 
 
 def _score(g, ind, jj, sw, rb) -> list[str]:
     """Lines defining ``x{jj}``: this lane's ``jj``-th score of the tile, masked (added mask,
-    causal/window visibility, keys past the chunk at -inf)."""
+    causal/window visibility, keys past the chunk at -inf); ``jj`` an int, or the name of a
+    loop variable (the names then end in it: ``xjj``)."""
     k, i2 = g.k, ind + "    "
-    sf = _at("Sf", 16 * sw, f"lane / 2u * {u(sw)} + {_col(jj)}")
-    out = [f"{ind}let kj{jj} = kt + i32({_col(jj)});",
+    sf, col = (_at("Sf", jj), _col(jj)) if isinstance(jj, int) else (
+        f"Sf[sfb + 2u * {jj}]", f"2u * {jj} + hh")
+    out = [f"{ind}let kj{jj} = kt + i32({col});",
            f"{ind}let inb{jj} = rok{rb} && kj{jj} < kv_hi;"]
     terms = [f"inb{jj}"] + g.vis_terms(f"kj{jj}", f"pos{rb}")
     if k.mask is not None:
         mv = g.ld("mask", g.midx("b", f"q{rb}h", f"q{rb}i", f"u32(kj{jj})"), k.mask.dtype)
+        mv = f"{mv} * {LOG2E}" if LEAN else mv
         out += [f"{ind}var s{jj} = {sf};", f"{ind}if (inb{jj}) {{", f"{i2}s{jj} = s{jj} + {mv};",
                 f"{ind}}}"]
         sf = f"s{jj}"
@@ -391,12 +441,17 @@ def _pv(g, L, ind, bk, vs, sw, pst, Dv, rb) -> None:
     def store(c: int, acc: str) -> str:
         return f"subgroupMatrixStore({_ptr('Sf', 16 * sw, 16 * c)}, {acc}, false, {u(sw)});"
 
-    body = [f"var acc{c} = {res}();" for c in range(Dv // 16)]  # each P fragment loaded once
-    for kk in range(bk // 16):
-        body.append(pload(kk))
-        for c in range(Dv // 16):
-            body += mma(c, kk, f"acc{c}")
-    body += [store(c, f"acc{c}") for c in range(Dv // 16)]
+    nf = Dv // 16
+    grp = PV_GROUP or nf  # each P fragment loaded once per group of result fragments
+    body = []
+    for c0 in range(0, nf, grp):
+        cs = range(c0, min(nf, c0 + grp))
+        body += ["{"] + [f"var acc{c} = {res}();" for c in cs]
+        for kk in range(bk // 16):
+            body.append(pload(kk))
+            for c in cs:
+                body += mma(c, kk, f"acc{c}")
+        body += [store(c, f"acc{c}") for c in cs] + ["}"]
     if "pv" in ABLATE:
         body = []
     L.append(f"{ind}{{")
@@ -404,7 +459,7 @@ def _pv(g, L, ind, bk, vs, sw, pst, Dv, rb) -> None:
     L.append(f"{ind}}}")
     L.append(f"{ind}{_barrier()}")
     for c in range(Dv // 2):
-        sf = _at("Sf", 16 * sw, f"lane / 2u * {u(sw)} + {_col(c)}")
+        sf = _at("Sf", c)
         L.append(f"{ind}o{rb}_{c} = o{rb}_{c} * alpha + {'0.0' if 'pv' in ABLATE else sf};")
 
 
@@ -418,7 +473,8 @@ def _store(g, L, ind, Dv, rb) -> None:
     qh, qi = f"q{rb}h", f"q{rb}i"
     row = f"(({g.bsplit()} * {u(g.Hq)} + {qh}) * {u(g.Sq)} + {qi})"
     L.append(f"{ind}    if (hh == 0u) {{")
-    L.append(f"{ind}        {g.bind['lse_out']}[{row}] = select(m{rb} + log(lt), -mn_inf(), "
+    lse = f"(m{rb} + log2(lt)) * {LN2}" if LEAN else f"m{rb} + log(lt)"
+    L.append(f"{ind}        {g.bind['lse_out']}[{row}] = select({lse}, -mn_inf(), "
              f"lt == 0.0);")
     L.append(f"{ind}    }}")
     if k.out_bshd:
