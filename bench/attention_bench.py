@@ -161,6 +161,9 @@ def time_dispatch(dev, spec, bufs):
     return float(np.median([once(n) for _ in range(3)]))
 
 
+COMBINE_US: dict[int, float] = {}  # the last combine kernel's µs, by key chunks
+
+
 def run_config(dev, desc, x, ref, poison=True):
     """(spec, worst relative error over the outputs, µs).  Split descriptions: the partials'
     sum (dK/dV, on the host) or the combine kernel (fwd, timed too) before the check."""
@@ -193,7 +196,8 @@ def run_config(dev, desc, x, ref, poison=True):
         dev.dispatch(comb, outs + fin)
         got = [dev.read_array(b, s, f32) for b, s in zip(fin, (q[:3] + v[3:], q[:3]),
                                                         strict=True)]
-        us += time_dispatch(dev, comb, outs + fin)
+        COMBINE_US[n] = time_dispatch(dev, comb, outs + fin)
+        us += COMBINE_US[n]
     elif n > 1 or nkb:
         got = [g.reshape((nkb if i == 2 else n, -1) + g.shape[1:]).sum(0)
                for i, g in enumerate(got)]
@@ -326,7 +330,7 @@ def fast_rows(dev, x, a, sname, shape):
 # the tensor-core forward's switches (kernels/attention_fast.py), by name; the layouts measured
 # before them (halves, il, il4, pf+blk, pf+pack, pf+reread): docs/benchmarks.md
 _MAIN = {"AF.SF_PAD": 2, "AF.PREFETCH": True, "AF.ROW_BLOCKS": 2, "AF.GROUP_KEYS": 512,
-         "AF.ABLATE": frozenset(), "AF.LEAN": True, "AF.ROLLED_EDGE": True, "AF.PV_GROUP": 0}
+         "AF.ABLATE": frozenset(), "AF.LEAN": True, "AF.ROLLED_EDGE": False, "AF.PV_GROUP": 0}
 FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": False}),
                  "pad4": dict(_MAIN, **{"AF.SF_PAD": 4}),
                  "rows1": dict(_MAIN, **{"AF.ROW_BLOCKS": 1}),
@@ -334,7 +338,7 @@ FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": Fal
                  "nogroup": dict(_MAIN, **{"AF.GROUP_KEYS": 0}),
                  "rows1-nogroup": dict(_MAIN, **{"AF.ROW_BLOCKS": 1, "AF.GROUP_KEYS": 0}),
                  "lean-off": dict(_MAIN, **{"AF.LEAN": False}),
-                 "edge-unrolled": dict(_MAIN, **{"AF.ROLLED_EDGE": False}),
+                 "edge-rolled": dict(_MAIN, **{"AF.ROLLED_EDGE": True}),
                  "pvg1": dict(_MAIN, **{"AF.PV_GROUP": 1}),
                  "pvg2": dict(_MAIN, **{"AF.PV_GROUP": 2}),
                  "pvg2-noprefetch": dict(_MAIN, **{"AF.PV_GROUP": 2, "AF.PREFETCH": False})}
@@ -374,6 +378,8 @@ def fast_ab(dev, names, shapes=("whisper", "smollm2"), rounds=2, smoke=False):
                         continue
                 got.setdefault((name, cfg, n), []).append((us, err))
         fl = 4 * shape[0] * shape[1] * shape[3] ** 2 * shape[4] * (0.5 if shape[5] else 1)
+        print(f"{sname:8} combine µs by chunks: " + ", ".join(
+            f"x{n} {us:.1f}" for n, us in sorted(COMBINE_US.items())), flush=True)
         for (name, cfg, n), rs in got.items():
             us = float(np.median([r[0] for r in rs]))
             rows.append({"shape": sname, "kind": "fwd_fast_ab", "variant": name,

@@ -84,7 +84,7 @@ def attention_desc(kind: str, Hq: int, Hkv: int, S: int, D: int = 64, splits: in
 # layout switches of kernels/attention_fast.py (the default first)
 VARIANTS = {"default": {}, "no_prefetch": {"PREFETCH": False}, "pad4": {"SF_PAD": 4},
             "rows1": {"ROW_BLOCKS": 1}, "rows3": {"ROW_BLOCKS": 3}, "lean_off": {"LEAN": False},
-            "edge_unrolled": {"ROLLED_EDGE": False}, "pv_group1": {"PV_GROUP": 1},
+            "edge_rolled": {"ROLLED_EDGE": True}, "pv_group1": {"PV_GROUP": 1},
             "pv_group2": {"PV_GROUP": 2}}
 
 
