@@ -13,6 +13,7 @@ from ..kernels.common import Target
 from ..program import Program
 from .emit import emit_stream
 from .executable import Executable, GroupBuffer, PinnedTensor
+from .fast_attention import fast_attention_chunks
 from .memory import NO_GROUPS, LeafGroups, find_leaf_groups, make_plan
 from .passes import run_pipeline
 from .tune import Timer, TuneReport, TuningCache, tune_plan
@@ -63,6 +64,7 @@ def compile_program(program: Program, target: Target, options: CompileOptions,
     """Every stage after the Program, in order.  ``shares_tensors``: the session shares
     persistent tensors with another one, so parameters keep their own buffers (no groups)."""
     t0 = time.perf_counter()
+    program = fast_attention_chunks(program, target, options.precision)
     lowered = run_pipeline(program, debug="graph" in _DEBUG)
     _check_leaf_sizes(lowered, target)
     use_groups = options.group_params and not shares_tensors

@@ -118,9 +118,28 @@ FAST_MIN_ROWS = 64
 def pays(k) -> bool:
     """Under ``precision="fast"``: whether forward ``k`` should ask for the tensor-core kernel
     (long key loops over enough query rows; short ones are faster on the strict kernel)."""
-    rows = k.q.shape[2] * (k.q.shape[1] // k.k.shape[1])
-    return (k.kind == "fwd" and k.k.shape[2] >= FAST_MIN_KEYS and rows >= FAST_MIN_ROWS
-            and k.q.shape[3] % 16 == 0 and k.v.shape[3] % 16 == 0)
+    return k.kind == "fwd" and pays_dims(k.q.shape[1], k.k.shape[1], k.q.shape[2],
+                                         k.k.shape[2], k.q.shape[3], k.v.shape[3])
+
+
+def pays_dims(Hq: int, Hkv: int, Sq: int, Skv: int, D: int, Dv: int) -> bool:
+    """``pays`` from the problem's dimensions."""
+    return (Skv >= FAST_MIN_KEYS and Sq * (Hq // Hkv) >= FAST_MIN_ROWS and D % 16 == 0
+            and Dv % 16 == 0)
+
+
+# key chunks of the tensor-core forward: as many as keep its workgroups within about one wave
+# (H200: two resident workgroups per SM, 132 SMs; Whisper (1, 6, 1500, 64) at 3 chunks (216
+# workgroups) 106.1 µs, at the strict kernel's 6 (walked in pairs) 127.4, at 4 (288) 127.3)
+FAST_WAVE_WGS = 256
+
+
+def fast_chunks(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, n_strict: int) -> int:
+    """Key chunks the tensor-core forward wants (at most the strict kernel's ``n_strict``):
+    the most that keep ``FAST_WAVE_WGS`` workgroups of the first fast configuration."""
+    blocks = -(-Sq * (Hq // Hkv) // (16 * FAST_CONFIGS[0][0] * ROW_BLOCKS))
+    per_chunk = B * Hkv * blocks
+    return max(1, min(n_strict, FAST_WAVE_WGS // max(1, per_chunk)))
 
 
 def fast_words(cfg, D: int, Dv: int) -> int:

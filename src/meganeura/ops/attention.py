@@ -588,12 +588,16 @@ def fwd_splits(B: int, Hq: int, Hkv: int, Sq: int, Skv: int) -> int:
 
 
 def _expand_fwd(graph, node):
+    """The forward kernel (split into key chunks where ``fwd_splits`` says so, or as many as
+    the ``fwd_chunks`` attribute asks: compile sets it where the tensor-core forward of
+    precision "fast" wants fewer chunks than the strict kernel) and the chunks' combine."""
     q, k, v = node.inputs[:3]
     B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
-    n = fwd_splits(B, Hq, Hkv, Sq, Skv)
+    attrs = {a: x for a, x in node.attrs.items() if a != "fwd_chunks"}
+    n = node.attrs.get("fwd_chunks") or fwd_splits(B, Hq, Hkv, Sq, Skv)
     if n == 1:
-        return list(graph.apply("attention_fwd", *node.inputs, **node.attrs))
-    po, pl = graph.apply("attention_fwd", *node.inputs, **node.attrs, splits=n)
+        return list(graph.apply("attention_fwd", *node.inputs, **attrs))
+    po, pl = graph.apply("attention_fwd", *node.inputs, **attrs, splits=n)
     return list(graph.apply("attention_combine", po, pl, splits=n))
 
 

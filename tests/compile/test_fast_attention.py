@@ -1,0 +1,92 @@
+"""compile/fast_attention.py: the key-chunk count of attention forwards under precision "fast"
+on tensor-core targets (fewer chunks than the strict kernel's), and nothing anywhere else."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import meganeura as mn
+from meganeura import ops, optim
+from meganeura.compile import fast_attention as FA
+from meganeura.compile.passes import run_pipeline
+from meganeura.kernels import attention_fast as AF
+from meganeura.kernels.common import make_target
+from meganeura.ops.attention import fwd_splits
+from meganeura.program import build_program
+
+TC = make_target(None, {AF.SG_FEATURE, "subgroups", "shader-f16"})
+PLAIN = make_target(None, {"subgroups", "shader-f16"})
+
+
+def _program(B, H, Sq, Skv, D, train=True):
+    g = mn.Graph("att")
+    q = g.input("q", (B, H, Sq, D))
+    k, v = g.param("k", (B, H, Skv, D)), g.param("v", (B, H, Skv, D))
+    out = ops.attention(q, k, v)
+    if not train:
+        return build_program(g, None, {"out": out}, None)
+    return build_program(g, (out * out).mean(), {}, optim.SGD(lr=0.1))
+
+
+def _splits(program) -> dict[str, set]:
+    """The ``splits`` of the lowered attention_fwd / attention_combine nodes."""
+    got: dict[str, set] = {}
+    for n in run_pipeline(program).graph.nodes:
+        if n.op in ("attention_fwd", "attention_combine"):
+            got.setdefault(n.op, set()).add(n.attrs.get("splits", 1))
+    return got
+
+
+def test_whisper_gets_three_chunks_on_tensor_cores():
+    """Whisper-tiny's (1, 6, 1500, 64): the strict kernel's 6 chunks, 3 for the tensor-core
+    forward (216 workgroups: one wave on the H200); forward and combine agree."""
+    assert fwd_splits(1, 6, 6, 1500, 1500) == 6
+    assert AF.fast_chunks(1, 6, 6, 1500, 1500, 6) == 3
+    prog = _program(1, 6, 1500, 1500, 64)
+    fast = FA.fast_attention_chunks(prog, TC, "fast")
+    hints = [n.attrs.get("fwd_chunks") for n in fast.graph.nodes if n.op == "attention"]
+    assert hints == [3]
+    assert _splits(fast) == {"attention_fwd": {3}, "attention_combine": {3}}
+    assert _splits(prog) == {"attention_fwd": {6}, "attention_combine": {6}}
+
+
+@pytest.mark.parametrize("precision,target", [("strict", TC), ("fast", PLAIN)])
+def test_strict_and_plain_targets_keep_the_op_choice(precision, target):
+    prog = _program(1, 6, 1500, 1500, 64)
+    assert FA.fast_attention_chunks(prog, target, precision) is prog
+
+
+def test_attention_the_fast_kernel_skips_is_untouched():
+    """Short key loops (SmolLM2's 128 keys) stay on the strict kernel, with its chunks; a
+    large batch gets one chunk (no combine) where the strict kernel would split."""
+    prog = _program(1, 9, 128, 128, 64, train=False)
+    assert FA.fast_attention_chunks(prog, TC, "fast") is prog
+    assert AF.fast_chunks(8, 6, 6, 1500, 1500, fwd_splits(8, 6, 6, 1500, 1500)) == 1
+
+
+def test_fewer_chunks_compute_the_same(gpu, monkeypatch):
+    """Through a real session: with the hint (a small wave budget forces 2 chunks instead of
+    the op's 8 at this shape) the forward matches float64.  On lavapipe the fast kernel is
+    not there, so this is the strict kernel at 2 chunks: the pass's plumbing, not the tensor
+    cores, is under test."""
+    monkeypatch.setattr(FA, "has_tensor_cores", lambda target: True)
+    monkeypatch.setattr(AF, "FAST_WAVE_WGS", 2)
+    B, H, S, D = 1, 1, 512, 32
+    assert fwd_splits(B, H, H, 64, S) == 8
+    rng = np.random.default_rng(0)
+    qv = rng.standard_normal((B, H, 64, D)).astype(np.float32)
+    kv, vv = (rng.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(2))
+    g = mn.Graph("att")
+    q = g.input("q", (B, H, 64, D))
+    k, v = g.param("k", (B, H, S, D)), g.param("v", (B, H, S, D))
+    out = ops.attention(q, k, v)
+    sess = mn.compile(g, outputs={"out": out}, device=gpu, precision="fast")
+    labels = [d.label for _, s in sess._streams() for d in s.stream.dispatches]
+    assert any(lb.startswith("attention_fwd (2,") for lb in labels), labels
+    sess.set_params({"k": kv, "v": vv})
+    got = sess.run(q=qv)["out"]
+    s = np.einsum("bhqd,bhkd->bhqk", qv.astype(np.float64), kv) / np.sqrt(D)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), vv)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-5
