@@ -67,9 +67,9 @@ def test_attention_the_fast_kernel_skips_is_untouched():
 
 def test_fewer_chunks_compute_the_same(gpu, monkeypatch):
     """Through a real session: with the hint (a small wave budget forces 2 chunks instead of
-    the op's 8 at this shape) the forward matches float64.  On lavapipe the fast kernel is
-    not there, so this is the strict kernel at 2 chunks: the pass's plumbing, not the tensor
-    cores, is under test."""
+    the op's 8 at this shape) the forward matches float64: to 1e-5 on lavapipe, where the fast
+    kernel is not there (the strict kernel at 2 chunks: the pass's plumbing is under test),
+    to the fast gate (1e-2) where the tensor cores run it (f16 operands)."""
     monkeypatch.setattr(FA, "has_tensor_cores", lambda target: True)
     monkeypatch.setattr(AF, "FAST_WAVE_WGS", 2)
     B, H, S, D = 1, 1, 512, 32
@@ -89,4 +89,5 @@ def test_fewer_chunks_compute_the_same(gpu, monkeypatch):
     s = np.einsum("bhqd,bhkd->bhqk", qv.astype(np.float64), kv) / np.sqrt(D)
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), vv)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-5
+    tol = 1e-2 if AF.SG_FEATURE in gpu.features else 1e-5
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= tol
