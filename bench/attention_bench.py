@@ -330,7 +330,7 @@ def fast_rows(dev, x, a, sname, shape):
 # the tensor-core forward's switches (kernels/attention_fast.py), by name; the layouts measured
 # before them (halves, il, il4, pf+blk, pf+pack, pf+reread): docs/benchmarks.md
 _MAIN = {"AF.SF_PAD": 2, "AF.PREFETCH": True, "AF.ROW_BLOCKS": 2, "AF.GROUP_KEYS": 512,
-         "AF.ABLATE": frozenset(), "AF.LEAN": True, "AF.ROLLED_EDGE": False, "AF.PV_GROUP": 0}
+         "AF.ABLATE": frozenset(), "AF.LEAN": True, "AF.O_SHARED": False}
 FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": False}),
                  "pad4": dict(_MAIN, **{"AF.SF_PAD": 4}),
                  "rows1": dict(_MAIN, **{"AF.ROW_BLOCKS": 1}),
@@ -338,10 +338,7 @@ FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": Fal
                  "nogroup": dict(_MAIN, **{"AF.GROUP_KEYS": 0}),
                  "rows1-nogroup": dict(_MAIN, **{"AF.ROW_BLOCKS": 1, "AF.GROUP_KEYS": 0}),
                  "lean-off": dict(_MAIN, **{"AF.LEAN": False}),
-                 "edge-rolled": dict(_MAIN, **{"AF.ROLLED_EDGE": True}),
-                 "pvg1": dict(_MAIN, **{"AF.PV_GROUP": 1}),
-                 "pvg2": dict(_MAIN, **{"AF.PV_GROUP": 2}),
-                 "pvg2-noprefetch": dict(_MAIN, **{"AF.PV_GROUP": 2, "AF.PREFETCH": False})}
+                 "oshared": dict(_MAIN, **{"AF.O_SHARED": True})}
 # timing only (wrong results): each phase of the key loop left out (attention_fast.ABLATE)
 FAST_VARIANTS.update({f"no-{a}": dict(_MAIN, **{"AF.ABLATE": frozenset({a})})
                       for a in sorted(AF.ABLATE_PHASES)})

@@ -38,12 +38,17 @@ def _stubbed(src: str) -> str:
     src = src.replace("subgroupMatrixMultiplyAccumulate(", "smma(")
     src = src.replace("subgroup_matrix_result<f32, 16, 16>()", "f32()")
     src = src.replace("subgroupMatrixStore(&Sf, ", "sms(")
+    src = src.replace("subgroupMatrixStore(&Of, ", "smso(")
+    src = src.replace("subgroupAny(", "sga(")
     src = src.replace("subgroupShuffleXor(", "sgx(")  # Dawn wants "enable subgroups;" for it
     stubs = [f"fn sml_{a}(o: u32, c: bool, s: u32) -> f32 {{ return f32({a}[o + s]); }}"
-             for a in ("Kh", "Vh", "Ph")]
+             for a in ("Kh", "Vh", "Ph") + (("Of",) if "var<workgroup> Of" in src else ())]
     stubs += ["fn smma(a: f32, b: f32, c: f32) -> f32 { return a * b + c; }",
               "fn sms(o: u32, v: f32, c: bool, s: u32) { Sf[o + s] = v; }",
-              "fn sgx(x: f32, m: u32) -> f32 { return x + f32(m); }"]
+              "fn sgx(x: f32, m: u32) -> f32 { return x + f32(m); }",
+              "fn sga(b: bool) -> bool { return b; }"]
+    if "var<workgroup> Of" in src:
+        stubs.append("fn smso(o: u32, v: f32, c: bool, s: u32) { Of[o + s] = v; }")
     return src.replace("\n@compute", "\n" + "\n".join(stubs) + "\n@compute", 1)
 
 
@@ -84,8 +89,7 @@ def attention_desc(kind: str, Hq: int, Hkv: int, S: int, D: int = 64, splits: in
 # layout switches of kernels/attention_fast.py (the default first)
 VARIANTS = {"default": {}, "no_prefetch": {"PREFETCH": False}, "pad4": {"SF_PAD": 4},
             "rows1": {"ROW_BLOCKS": 1}, "rows3": {"ROW_BLOCKS": 3}, "lean_off": {"LEAN": False},
-            "edge_rolled": {"ROLLED_EDGE": True}, "pv_group1": {"PV_GROUP": 1},
-            "pv_group2": {"PV_GROUP": 2}}
+            "o_shared": {"O_SHARED": True}}
 
 
 @pytest.fixture(params=sorted(VARIANTS))

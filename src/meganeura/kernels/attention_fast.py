@@ -71,22 +71,34 @@ SF_PAD = 2  # f32 words after each ``Sf`` row (every access conflict-free)
 # causal/window bound and no added mask); scores are kept in log2 units (Q pre-scaled by
 # log2 e, exp2 in the softmax)
 LEAN = True
-# the masked copy (a chunk's last tile) as rolled loops (H200: 109.6 against 106.1 µs unrolled)
-ROLLED_EDGE = False
-# P·V result fragments held at once (0: all Dv/16; 2: P fragments loaded twice, 110.1 µs)
-PV_GROUP = 0
+# O in workgroup memory instead of registers (one row block per subgroup; each tile's P·V
+# loads O's result fragments, accumulates and stores them back; the row max is refreshed only
+# when it grows by more than ``O_TAU`` (log2 units: P <= 2^8 in f16), O then rescaled in place
+# by its lanes).  64 fewer registers than two row blocks in registers; not measured yet.
+O_SHARED = False
+O_TAU = 8.0
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 def _strides(bk: int, Dv: int) -> tuple[int, int]:
-    """(``Sf`` row stride in f32, ``Ph`` row stride in f16)."""
-    return max(bk, Dv) + SF_PAD, bk + PAD
+    """(``Sf`` row stride in f32, ``Ph`` row stride in f16).  ``Sf`` holds S, and the P·V
+    tile too unless O lives in workgroup memory (``O_SHARED``)."""
+    return (bk if O_SHARED else max(bk, Dv)) + SF_PAD, bk + PAD
+
+
+def row_blocks() -> int:
+    """16-row blocks per subgroup (``ROW_BLOCKS``; one with ``O_SHARED``)."""
+    return 1 if O_SHARED else ROW_BLOCKS
 
 
 def _at(name: str, j: int) -> str:
-    """This lane's ``j``-th element of its row of scratch ``name`` (``Sf`` or ``Ph``; the row
-    base ``sfb`` / ``phb`` holds the subgroup's block, the row and the lane's parity)."""
-    return f"{name}[{'sfb' if name == 'Sf' else 'phb'} + {u(2 * j)}]"
+    """This lane's ``j``-th element of its row of scratch ``name`` (``Sf``, ``Ph`` or ``Of``;
+    the row base ``sfb`` / ``phb`` / ``ofb`` holds the subgroup's block, the row and the lane's
+    parity)."""
+    return f"{name}[{_BASES[name]} + {u(2 * j)}]"
+
+
+_BASES = {"Sf": "sfb", "Ph": "phb", "Of": "ofb"}
 
 
 def _ptr(name: str, n: int, off: int) -> str:
@@ -137,7 +149,7 @@ FAST_WAVE_WGS = 256
 def fast_chunks(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, n_strict: int) -> int:
     """Key chunks the tensor-core forward wants (at most the strict kernel's ``n_strict``):
     the most that keep ``FAST_WAVE_WGS`` workgroups of the first fast configuration."""
-    blocks = -(-Sq * (Hq // Hkv) // (16 * FAST_CONFIGS[0][0] * ROW_BLOCKS))
+    blocks = -(-Sq * (Hq // Hkv) // (16 * FAST_CONFIGS[0][0] * row_blocks()))
     per_chunk = B * Hkv * blocks
     return max(1, min(n_strict, FAST_WAVE_WGS // max(1, per_chunk)))
 
@@ -148,7 +160,8 @@ def fast_words(cfg, D: int, Dv: int) -> int:
     bq = 16 * nsg  # Q is staged 16 * nsg rows at a time (ROW_BLOCKS passes)
     sst, pst = _strides(bk, Dv)
     f16_elems = max(bq, bk) * (D + PAD) + bk * (Dv + PAD) + nsg * 16 * pst
-    return -(-f16_elems // 2) + nsg * 16 * sst
+    o_words = nsg * 16 * (Dv + SF_PAD) if O_SHARED else 0
+    return -(-f16_elems // 2) + nsg * 16 * sst + o_words
 
 
 def fast_config(k, t) -> tuple[int, int]:
@@ -167,7 +180,7 @@ def fast_config(k, t) -> tuple[int, int]:
     B, Hq, Sq, _ = k.q.shape
     rows, items = Sq * (Hq // k.k.shape[1]), B * k.k.shape[1] * max(1, k.splits)
     for c in fits:
-        if items * -(-rows // (16 * c[0] * ROW_BLOCKS)) >= 128:
+        if items * -(-rows // (16 * c[0] * row_blocks())) >= 128:
             return c
     return min(fits, key=lambda c: (c[0], -c[1]))
 
@@ -187,7 +200,7 @@ def fast_body(g, t) -> list[str]:
 
     k = g.k
     nsg, bk = g.fast = fast_config(k, t)
-    nrb = ROW_BLOCKS
+    nrb = row_blocks()
     sq, bq, D, Dv = 16 * nsg, 16 * nsg * nrb, g.D, g.Dv  # rows staged at once / per workgroup
     qs, vs = D + PAD, Dv + PAD
     sw, pst = _strides(bk, Dv)
@@ -196,6 +209,8 @@ def fast_body(g, t) -> list[str]:
                  f"var<workgroup> Vh: array<f16, {bk * vs}>;",
                  f"var<workgroup> Ph: array<f16, {nsg * 16 * pst}>;",
                  f"var<workgroup> Sf: array<f32, {nsg * 16 * sw}>;"]
+    if O_SHARED:
+        g.shared.append(f"var<workgroup> Of: array<f32, {nsg * 16 * (Dv + SF_PAD)}>;")
     g.words = fast_words((nsg, bk), D, Dv)
     cpw = chunk_group(k)
     total = -(-g.rows // bq) * g.B * g.Hkv * (g.ns // cpw)
@@ -212,6 +227,7 @@ def fast_body(g, t) -> list[str]:
           f"{ind}let hh = lane % 2u;", f"{ind}let R0 = blk * {u(bq)};",
           f"{ind}let sfb = sid * {u(16 * sw)} + lane / 2u * {u(sw)} + hh;",
           f"{ind}let phb = sid * {u(16 * pst)} + lane / 2u * {u(pst)} + hh;",
+          f"{ind}let ofb = sid * {u(16 * (Dv + SF_PAD))} + lane / 2u * {u(Dv + SF_PAD)} + hh;",
           f"{ind}let Rn = min(R0 + {u(bq)}, {u(g.rows)});",
           f"{ind}let i_first = i32(R0 / {u(g.G)});",
           f"{ind}let i_last = i32((Rn - 1u) / {u(g.G)});"]
@@ -244,7 +260,7 @@ def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
     loop, the stores."""
     from .attention import _i
 
-    k, nrb, i2 = g.k, ROW_BLOCKS, ind + "    "
+    k, nrb, i2 = g.k, row_blocks(), ind + "    "
     L += [f"{ind}var kv_lo: i32 = 0i;", f"{ind}var kv_hi: i32 = {_i(g.Skv)};"]
     if k.causal:
         L.append(f"{ind}kv_hi = min(kv_hi, {_i(k.q_offset)} + i_last + 1i);")
@@ -256,7 +272,10 @@ def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
         L.append(f"{ind}kv_hi = min(kv_hi, i32(sc) * {_i(ch)} + {_i(ch)});")
     for rb in range(nrb):
         L += [f"{ind}var m{rb}: f32 = -{FLT_MAX};", f"{ind}var l{rb}: f32 = 0.0;"]
-        L += [f"{ind}var o{rb}_{c}: f32 = 0.0;" for c in range(Dv // 2)]
+        if O_SHARED:  # this lane's half row of O, zeroed (its own words: no barrier)
+            L += [f"{ind}{_at('Of', c)} = 0.0;" for c in range(Dv // 2)]
+        else:
+            L += [f"{ind}var o{rb}_{c}: f32 = 0.0;" for c in range(Dv // 2)]
     kv = (("Kh", "k", qs), ("Vh", "v", vs))
     kpre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
     if PREFETCH:  # tile kv_lo staged before the loop, tile t + 1 loaded into registers in it
@@ -379,8 +398,7 @@ def _softmax(g, L, ind, bk, sw, pst, rb) -> None:
         L.append(f"{ind}if (kt + {_i(bk)} <= kv_hi) {{")
         _softmax_body(g, L, ind + "    ", bk, sw, pst, rb, masked=False)
         L.append(f"{ind}}} else {{")
-        body = _softmax_rolled if ROLLED_EDGE else _softmax_body
-        body(g, L, ind + "    ", bk, sw, pst, rb, masked=True)
+        _softmax_body(g, L, ind + "    ", bk, sw, pst, rb, masked=True)
         L.append(f"{ind}}}")
     else:
         _softmax_body(g, L, ind, bk, sw, pst, rb, masked=True)
@@ -395,8 +413,7 @@ def _softmax_body(g, L, ind, bk, sw, pst, rb, masked: bool) -> None:
     for jj in range(bk // 2):  # unrolled: the half row stays in registers
         L += _score(g, ind, jj, sw, rb) if masked else [f"{ind}let x{jj} = {_at('Sf', jj)};"]
         L.append(f"{ind}mx = max(mx, x{jj});")
-    L.append(f"{ind}let mt = max(m{rb}, max(mx, subgroupShuffleXor(mx, 1u)));")
-    L.append(f"{ind}alpha = {ex}(m{rb} - mt);")
+    L += _row_max(ind, rb, ex)
     L.append(f"{ind}var ps: f32 = 0.0;")
     for jj in range(bk // 2):
         e = f"{ex}(x{jj} - mt)"
@@ -406,32 +423,39 @@ def _softmax_body(g, L, ind, bk, sw, pst, rb, masked: bool) -> None:
         L.append(f"{ind}    ps = ps + f32(p);")
         L.append(f"{ind}    {_at('Ph', jj)} = p;")
         L.append(f"{ind}}}")
-    L += [f"{ind}l{rb} = l{rb} * alpha + ps;", f"{ind}m{rb} = mt;"]
+    L += [f"{ind}l{rb} = l{rb} * alpha + ps;", f"{ind}m{rb} = mt;"] + _rescale_o(g, ind)
 
 
-def _softmax_rolled(g, L, ind, bk, sw, pst, rb, masked: bool = True) -> None:
-    """``_softmax_body`` (masked) as two rolled loops over the lane's scores (the second
-    recomputes them from ``Sf``): for the rare edge tile, so its code holds no registers."""
+def _row_max(ind, rb, ex) -> list[str]:
+    """``mt`` (the row's max used from this tile on) and ``alpha`` (the old state's factor).
+    With ``O_SHARED`` the max moves only when it grows by more than ``O_TAU``, so O (in
+    workgroup memory) is rarely rescaled."""
+    out = [f"{ind}let mn = max(m{rb}, max(mx, subgroupShuffleXor(mx, 1u)));"]
+    if O_SHARED:
+        tau = O_TAU if LEAN else O_TAU * LN2
+        out += [f"{ind}let grow = mn > m{rb} + {tau};", f"{ind}let mt = select(m{rb}, mn, grow);"]
+    else:
+        out.append(f"{ind}let mt = mn;")
+    return out + [f"{ind}alpha = {ex}(m{rb} - mt);"]
+
+
+def _rescale_o(g, ind) -> list[str]:
+    """``O_SHARED``: when a row of the subgroup moved its max, every lane scales its half row
+    of O in workgroup memory by its ``alpha`` (1 where its row did not move)."""
+    if not O_SHARED:
+        return []
     i2 = ind + "    "
-    loop = f"for (var jj: u32 = 0u; jj < {u(bk // 2)}; jj = jj + 1u) {{"
-    L += [f"{ind}var mx: f32 = -{FLT_MAX};", ind + loop]
-    L += _score(g, i2, "jj", sw, rb) + [f"{i2}mx = max(mx, xjj);", f"{ind}}}"]
-    L += [f"{ind}let mt = max(m{rb}, max(mx, subgroupShuffleXor(mx, 1u)));",
-          f"{ind}alpha = exp2(m{rb} - mt);", f"{ind}var ps: f32 = 0.0;", ind + loop]
-    L += _score(g, i2, "jj", sw, rb)
-    L += [f"{i2}let p = f16(select(exp2(xjj - mt), 0.0, xjj < -{FLT_MAX}));",
-          f"{i2}ps = ps + f32(p);", f"{i2}Ph[phb + 2u * jj] = p;", f"{ind}}}"]
-    L += [f"{ind}l{rb} = l{rb} * alpha + ps;", f"{ind}m{rb} = mt;"]
+    return ([f"{ind}if (subgroupAny(grow)) {{"]
+            + [f"{i2}{_at('Of', c)} = {_at('Of', c)} * alpha;" for c in range(g.Dv // 2)]
+            + [f"{ind}}}"])
 
 
 def _score(g, ind, jj, sw, rb) -> list[str]:
     """Lines defining ``x{jj}``: this lane's ``jj``-th score of the tile, masked (added mask,
-    causal/window visibility, keys past the chunk at -inf); ``jj`` an int, or the name of a
-    loop variable (the names then end in it: ``xjj``)."""
+    causal/window visibility, keys past the chunk at -inf)."""
     k, i2 = g.k, ind + "    "
-    sf, col = (_at("Sf", jj), _col(jj)) if isinstance(jj, int) else (
-        f"Sf[sfb + 2u * {jj}]", f"2u * {jj} + hh")
-    out = [f"{ind}let kj{jj} = kt + i32({col});",
+    sf = _at("Sf", jj)
+    out = [f"{ind}let kj{jj} = kt + i32({_col(jj)});",
            f"{ind}let inb{jj} = rok{rb} && kj{jj} < kv_hi;"]
     terms = [f"inb{jj}"] + g.vis_terms(f"kj{jj}", f"pos{rb}")
     if k.mask is not None:
@@ -446,9 +470,11 @@ def _score(g, ind, jj, sw, rb) -> list[str]:
 
 def _pv(g, L, ind, bk, vs, sw, pst, Dv, rb) -> None:
     """O_tile = P·V into ``Sf``; barrier; each lane rescales and adds its half row of row
-    block ``rb``."""
+    block ``rb``.  With ``O_SHARED``: each of O's result fragments is loaded from ``Of``,
+    accumulated and stored back (a fresh fragment variable each time); barrier."""
     left, right = "subgroup_matrix_left<f16, 16, 16>", "subgroup_matrix_right<f16, 16, 16>"
     res = "subgroup_matrix_result<f32, 16, 16>"
+    ow = Dv + SF_PAD
 
     def pload(kk: int) -> str:
         return (f"let pf{kk} = subgroupMatrixLoad<{left}>({_ptr('Ph', 16 * pst, 16 * kk)}, "
@@ -459,26 +485,31 @@ def _pv(g, L, ind, bk, vs, sw, pst, Dv, rb) -> None:
                 f"{u(16 * kk * vs + 16 * c)}, false, {u(vs)});",
                 f"{acc} = subgroupMatrixMultiplyAccumulate(pf{kk}, vf{kk}_{c}, {acc});"]
 
-    def store(c: int, acc: str) -> str:
-        return f"subgroupMatrixStore({_ptr('Sf', 16 * sw, 16 * c)}, {acc}, false, {u(sw)});"
-
-    nf = Dv // 16
-    grp = PV_GROUP or nf  # each P fragment loaded once per group of result fragments
-    body = []
-    for c0 in range(0, nf, grp):
-        cs = range(c0, min(nf, c0 + grp))
-        body += ["{"] + [f"var acc{c} = {res}();" for c in cs]
-        for kk in range(bk // 16):
+    nf, nk = Dv // 16, bk // 16
+    if O_SHARED:
+        body = [pload(kk) for kk in range(nk)]
+        for c in range(nf):
+            at = f"{_ptr('Of', 16 * ow, 16 * c)}"
+            body += ["{", f"var acc = subgroupMatrixLoad<{res}>({at}, false, {u(ow)});"]
+            for kk in range(nk):
+                body += mma(c, kk, "acc")
+            body += [f"subgroupMatrixStore({at}, acc, false, {u(ow)});", "}"]
+    else:
+        body = [f"var acc{c} = {res}();" for c in range(nf)]  # each P fragment loaded once
+        for kk in range(nk):
             body.append(pload(kk))
-            for c in cs:
+            for c in range(nf):
                 body += mma(c, kk, f"acc{c}")
-        body += [store(c, f"acc{c}") for c in cs] + ["}"]
+        body += [f"subgroupMatrixStore({_ptr('Sf', 16 * sw, 16 * c)}, acc{c}, false, "
+                 f"{u(sw)});" for c in range(nf)]
     if "pv" in ABLATE:
         body = []
     L.append(f"{ind}{{")
     L += [f"{ind}    {x}" for x in body]
     L.append(f"{ind}}}")
     L.append(f"{ind}{_barrier()}")
+    if O_SHARED:
+        return
     for c in range(Dv // 2):
         sf = _at("Sf", c)
         L.append(f"{ind}o{rb}_{c} = o{rb}_{c} * alpha + {'0.0' if 'pv' in ABLATE else sf};")
@@ -501,6 +532,6 @@ def _store(g, L, ind, Dv, rb) -> None:
     if k.out_bshd:
         row = f"((b * {u(g.Sq)} + {qi}) * {u(g.Hq)} + {qh})"
     for c in range(Dv // 2):
-        L.append(f"{ind}    {g.bind['out']}[{row} * {u(Dv)} + {_col(c)}] = "
-                 f"o{rb}_{c} * inv;")
+        o = _at("Of", c) if O_SHARED else f"o{rb}_{c}"
+        L.append(f"{ind}    {g.bind['out']}[{row} * {u(Dv)} + {_col(c)}] = {o} * inv;")
     L.append(f"{ind}}}")
