@@ -133,6 +133,28 @@ def mm_specs(dev):
     return out
 
 
+def smoke_specs(dev):
+    """(label, spec) of a small training step's kernels (matmuls, pointwise, reductions): the
+    set the test runs on lavapipe."""
+    import meganeura as mn
+    from meganeura import optim
+
+    g = mn.Graph("smoke")
+    x, w = g.input("x", (64, 32)), g.param("w", (32, 16))
+    loss = ((x @ w).relu() * 0.5).mean()
+    sess = mn.compile(g, loss=loss, optimizer=optim.SGD(lr=0.1), device=dev)
+    return _session_specs(sess)
+
+
+def _session_specs(sess) -> list[tuple]:
+    """(label, spec) of every distinct kernel (by WGSL) of a compiled session."""
+    seen: dict[str, tuple] = {}
+    for _, s in sess._streams():
+        for d in s.stream.dispatches:
+            seen.setdefault(d.spec.wgsl, (d.label, d.spec))
+    return list(seen.values())
+
+
 def whisper_specs(dev):
     """(label, spec) of every kernel of Whisper-tiny's fast inference step."""
     from workloads import WORKLOADS
@@ -141,11 +163,7 @@ def whisper_specs(dev):
 
     w = WORKLOADS["whisper"](quick=False, variant="main")
     sess = mn.compile(w.graph, outputs=w.outputs, precision="fast", device=dev)
-    seen: dict[str, tuple] = {}
-    for _, s in sess._streams():
-        for d in s.stream.dispatches:
-            seen.setdefault(d.spec.wgsl, (d.label, d.spec))
-    return list(seen.values())
+    return _session_specs(sess)
 
 
 def disassemble(code: bytes, tool: str) -> str:
@@ -180,6 +198,8 @@ def entry_point(code: bytes) -> str:
 
 def collect(dev, cap, vk, specs, out_dir: str, dis: str) -> list[dict]:
     """Create each spec's pipeline on Dawn, take its SPIR-V, measure it on ``vk``."""
+    from vk_stats import spirv_bindings
+
     rows = []
     for label, spec in specs:
         spec = dataclasses.replace(spec, name=label)
@@ -189,8 +209,11 @@ def collect(dev, cap, vk, specs, out_dir: str, dis: str) -> list[dict]:
             code = cap.take(spec)
             if code is None:
                 raise RuntimeError("no SPIR-V dumped for it (is the layer loaded?)")
+            open(os.path.join(out_dir, _safe(label) + ".spv"), "wb").write(code)
             open(os.path.join(out_dir, _safe(label) + ".spvasm"), "w").write(
                 disassemble(code, dis))
+            row["n_bindings"] = spec.n_bindings
+            row["spirv_bindings"] = [list(b) for b in spirv_bindings(code)[0]]
             os.environ.pop("MN_SPIRV_DUMP", None)  # our own modules are not Dawn's
             try:
                 pipe = vk.pipeline(code, entry_point(code))
@@ -211,7 +234,8 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
-    ap.add_argument("sets", nargs="?", default="attn,mm", help="attn, mm, whisper (commas)")
+    ap.add_argument("sets", nargs="?", default="attn,mm",
+                    help="attn, mm, whisper, smoke (commas)")
     ap.add_argument("--layer", help="a directory with the built layer (default: build it "
                     "into OUT/layer with gcc)")
     ap.add_argument("--spirv-dis", default=os.environ.get("SPIRV_DIS", "spirv-dis"))
@@ -233,7 +257,7 @@ def main(argv=None) -> None:
     vk = VulkanStats()
     os.environ["MN_SPIRV_DUMP"] = dump
     print(f"vulkan device {vk.name}; extensions {vk.extensions}", flush=True)
-    make = {"attn": attn_specs, "mm": mm_specs, "whisper": whisper_specs}
+    make = {"attn": attn_specs, "mm": mm_specs, "whisper": whisper_specs, "smoke": smoke_specs}
     rows = []
     for s in a.sets.split(","):
         rows += collect(dev, cap, vk, make[s](dev), a.out, a.spirv_dis)

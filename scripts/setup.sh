@@ -40,6 +40,20 @@ if [ $want_test = 1 ] && ! command -v chromium >/dev/null; then
   fi
 fi
 
+# bench/pipeline_stats.py builds a small Vulkan layer (its test runs it on lavapipe): gcc and
+# the Vulkan headers
+if [ $want_test = 1 ] && [ ! -e /usr/include/vulkan/vk_layer.h ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing the Vulkan headers and gcc (pipeline_stats layer) via apt"
+    apt-get update -qq >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      libvulkan-dev gcc libc6-dev >/dev/null
+  else
+    echo "[setup] no Vulkan headers: tests/bench/test_pipeline_stats.py will fail. Install" >&2
+    echo "        them, e.g.: sudo apt-get install -y libvulkan-dev gcc" >&2
+  fi
+fi
+
 py=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
