@@ -227,10 +227,12 @@ def fast_body(g, t) -> list[str]:
           f"{ind}let hh = lane % 2u;", f"{ind}let R0 = blk * {u(bq)};",
           f"{ind}let sfb = sid * {u(16 * sw)} + lane / 2u * {u(sw)} + hh;",
           f"{ind}let phb = sid * {u(16 * pst)} + lane / 2u * {u(pst)} + hh;",
-          f"{ind}let ofb = sid * {u(16 * (Dv + SF_PAD))} + lane / 2u * {u(Dv + SF_PAD)} + hh;",
           f"{ind}let Rn = min(R0 + {u(bq)}, {u(g.rows)});",
           f"{ind}let i_first = i32(R0 / {u(g.G)});",
           f"{ind}let i_last = i32((Rn - 1u) / {u(g.G)});"]
+    if O_SHARED:
+        L.append(f"{ind}let ofb = sid * {u(16 * (Dv + SF_PAD))} + lane / 2u * {u(Dv + SF_PAD)} "
+                 f"+ hh;")
     left = "subgroup_matrix_left<f16, 16, 16>"
     for rb in range(nrb):  # this lane's row of block rb, its Q fragments (staged 16·nsg rows)
         L += [f"{ind}let rw{rb} = R0 + {u(rb * sq)} + sid * 16u + lane / 2u;",
@@ -430,12 +432,13 @@ def _row_max(ind, rb, ex) -> list[str]:
     """``mt`` (the row's max used from this tile on) and ``alpha`` (the old state's factor).
     With ``O_SHARED`` the max moves only when it grows by more than ``O_TAU``, so O (in
     workgroup memory) is rarely rescaled."""
-    out = [f"{ind}let mn = max(m{rb}, max(mx, subgroupShuffleXor(mx, 1u)));"]
+    mx = f"max(m{rb}, max(mx, subgroupShuffleXor(mx, 1u)))"
     if O_SHARED:
         tau = O_TAU if LEAN else O_TAU * LN2
-        out += [f"{ind}let grow = mn > m{rb} + {tau};", f"{ind}let mt = select(m{rb}, mn, grow);"]
+        out = [f"{ind}let mn = {mx};", f"{ind}let grow = mn > m{rb} + {tau};",
+               f"{ind}let mt = select(m{rb}, mn, grow);"]
     else:
-        out.append(f"{ind}let mt = mn;")
+        out = [f"{ind}let mt = {mx};"]
     return out + [f"{ind}alpha = {ex}(m{rb} - mt);"]
 
 
