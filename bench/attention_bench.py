@@ -330,7 +330,8 @@ def fast_rows(dev, x, a, sname, shape):
 # the tensor-core forward's switches (kernels/attention_fast.py), by name; the layouts measured
 # before them (halves, il, il4, pf+blk, pf+pack, pf+reread): docs/benchmarks.md
 _MAIN = {"AF.SF_PAD": 2, "AF.PREFETCH": True, "AF.ROW_BLOCKS": 2, "AF.GROUP_KEYS": 512,
-         "AF.ABLATE": frozenset(), "AF.LEAN": True, "AF.O_SHARED": False}
+         "AF.ABLATE": frozenset(), "AF.LEAN": True, "AF.O_SHARED": False,
+         "AF.SPLIT_PREFETCH": False}
 FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": False}),
                  "pad4": dict(_MAIN, **{"AF.SF_PAD": 4}),
                  "rows1": dict(_MAIN, **{"AF.ROW_BLOCKS": 1}),
@@ -338,7 +339,11 @@ FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": Fal
                  "nogroup": dict(_MAIN, **{"AF.GROUP_KEYS": 0}),
                  "rows1-nogroup": dict(_MAIN, **{"AF.ROW_BLOCKS": 1, "AF.GROUP_KEYS": 0}),
                  "lean-off": dict(_MAIN, **{"AF.LEAN": False}),
-                 "oshared": dict(_MAIN, **{"AF.O_SHARED": True})}
+                 "oshared": dict(_MAIN, **{"AF.O_SHARED": True}),
+                 "splitpf": dict(_MAIN, **{"AF.SPLIT_PREFETCH": True}),
+                 "oshared-splitpf": dict(_MAIN, **{"AF.O_SHARED": True,
+                                                   "AF.SPLIT_PREFETCH": True}),
+                 "rows1-splitpf": dict(_MAIN, **{"AF.ROW_BLOCKS": 1, "AF.SPLIT_PREFETCH": True})}
 # timing only (wrong results): each phase of the key loop left out (attention_fast.ABLATE)
 FAST_VARIANTS.update({f"no-{a}": dict(_MAIN, **{"AF.ABLATE": frozenset({a})})
                       for a in sorted(AF.ABLATE_PHASES)})

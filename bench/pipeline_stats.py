@@ -100,7 +100,8 @@ def attn_specs(dev):
     base = ab.describe("fwd", x, a)
     out = [("strict-x6", kernels.emit(dataclasses.replace(base, splits=6), dev.limits,
                                       dev.features))]
-    for name in ("main", "lean-off", "oshared", "rows1", "no-prefetch", "no-softmax", "no-pv"):
+    for name in ("main", "oshared", "splitpf", "oshared-splitpf", "rows1", "rows1-splitpf",
+                 "no-prefetch", "no-softmax"):
         for n, cfg in ((3, (4, 64)), (6, (4, 64)), (3, (4, 32))):
             d = dataclasses.replace(base, splits=n, config=cfg, precision="fast")
             with ab.variant(ab.FAST_VARIANTS[name]):

@@ -89,7 +89,9 @@ def attention_desc(kind: str, Hq: int, Hkv: int, S: int, D: int = 64, splits: in
 # layout switches of kernels/attention_fast.py (the default first)
 VARIANTS = {"default": {}, "no_prefetch": {"PREFETCH": False}, "pad4": {"SF_PAD": 4},
             "rows1": {"ROW_BLOCKS": 1}, "rows3": {"ROW_BLOCKS": 3}, "lean_off": {"LEAN": False},
-            "o_shared": {"O_SHARED": True}}
+            "o_shared": {"O_SHARED": True}, "split_prefetch": {"SPLIT_PREFETCH": True},
+            "o_shared_split": {"O_SHARED": True, "SPLIT_PREFETCH": True},
+            "rows1_split": {"ROW_BLOCKS": 1, "SPLIT_PREFETCH": True}}
 
 
 @pytest.fixture(params=sorted(VARIANTS))

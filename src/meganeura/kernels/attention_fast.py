@@ -62,6 +62,10 @@ ROW_BLOCKS = 2  # 16-row blocks per subgroup: each staged K/V tile serves ROW_BL
 # covers about this many keys (the op's chunk count is the strict kernel's: ops/attention.py)
 GROUP_KEYS = 512
 PREFETCH = True  # K/V of tile t + 1 loaded into registers during tile t (stored after it)
+# K of tile t + 1 stored as soon as the tile's scores are done, V of t + 1 loaded only then:
+# the two sets of prefetch registers are never live together (16 fewer at the peak for
+# (4, 32)); not measured yet
+SPLIT_PREFETCH = False
 # timing only (wrong results): phases of the key loop left out, to see what each one costs
 # (bench/attention_bench.py --fast-ab no-<phase>)
 ABLATE_PHASES = frozenset({"stage", "scores", "softmax", "pv", "barriers"})
@@ -287,12 +291,16 @@ def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
                        lambda c: ["b", "hkv", "u32(jj)", c])
         L += [f"{ind}}}", f"{ind}workgroupBarrier();"]
     L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(bk)}) {{")
-    if PREFETCH:
-        npre = lambda rr: [f"let jj = kt + {_i(bk)} + i32({rr});"]  # noqa: E731
-        for arr, which, _ in (kv if "stage" not in ABLATE else ()):
-            _prefetch(g, L, i2, arr, bk, which, npre, "jj < kv_hi",
-                      lambda c: ["b", "hkv", "u32(jj)", c])
-    else:
+    npre = lambda rr: [f"let jj = kt + {_i(bk)} + i32({rr});"]  # noqa: E731
+    nco = lambda c: ["b", "hkv", "u32(jj)", c]  # noqa: E731
+    pf = kv if PREFETCH and "stage" not in ABLATE else ()
+    split = bool(pf) and SPLIT_PREFETCH
+    for arr, which, _ in pf:
+        if split and arr == "Vh":
+            _prefetch_decl(g, L, i2, arr, bk, which)
+        else:
+            _prefetch(g, L, i2, arr, bk, which, npre, "jj < kv_hi", nco)
+    if not PREFETCH:
         for arr, which, st in kv:
             _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi",
                        lambda c: ["b", "hkv", "u32(jj)", c])
@@ -301,14 +309,18 @@ def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
         i3 = i2 + "    "
         L.append(f"{i2}{{")
         _scores(g, L, i3, bk, qs, sw, D, rb)
+        if split and rb + 1 == nrb:  # every subgroup is past its last use of Kh this tile
+            _prefetch(g, L, i3, "Kh", bk, "k", None, None, None, stride=qs)
+            _prefetch(g, L, i3, "Vh", bk, "v", npre, "jj < kv_hi", nco, declared=True)
         _softmax(g, L, i3, bk, sw, pst, rb)
         _pv(g, L, i3, bk, vs, sw, pst, Dv, rb)
         if rb + 1 < nrb:  # its O reads before the next block's S overwrites the scratch
             L.append(f"{i3}{_barrier()}")
         L.append(f"{i2}}}")
     if PREFETCH:  # every subgroup is past its P·V (the barrier in _pv): K/V may be replaced
-        for arr, which, st in (kv if "stage" not in ABLATE else ()):
-            _prefetch(g, L, i2, arr, bk, which, None, None, None, stride=st)
+        for arr, which, st in pf:
+            if not (split and arr == "Kh"):
+                _prefetch(g, L, i2, arr, bk, which, None, None, None, stride=st)
         L.append(f"{i2}{_barrier()}")
     L.append(f"{ind}}}")
     for rb in range(nrb):
@@ -337,9 +349,11 @@ def _stage_f16(g, L, ind, arr, nrows, which, stride, pre, valid, coords, scale=N
     L.append(f"{ind}}}")
 
 
-def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0) -> None:
+def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0,
+              declared=False) -> None:
     """``PREFETCH``: the loads of ``nrows`` rows of k/v into registers ``r{arr}{i}`` (``pre``
-    given; unrolled, zeros past ``valid``), or (``pre`` None) their f16 stores into ``arr``."""
+    given; unrolled, zeros past ``valid``; ``declared``: the registers exist already, see
+    ``_prefetch_decl``), or (``pre`` None) their f16 stores into ``arr``."""
     dim = g.Dv if which == "v" else g.D
     w = 4 if dim % 4 == 0 else 1
     units = dim // w
@@ -356,11 +370,20 @@ def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0) -> Non
                 L.append(f"{i2}{arr}[rr * {u(stride)} + uu * {u(w)} + {u(c)}] = f16({xc});")
             L.append(f"{ind}}}")
             continue
-        L += [f"{ind}var {r}: {vt} = {vt}(0.0);", f"{ind}{{", f"{i2}let rr = {e} / {u(units)};",
-              f"{i2}let uu = {e} % {u(units)};"]
+        L += [f"{ind}{r} = {vt}(0.0);" if declared else f"{ind}var {r}: {vt} = {vt}(0.0);",
+              f"{ind}{{", f"{i2}let rr = {e} / {u(units)};", f"{i2}let uu = {e} % {u(units)};"]
         L += [i2 + x for x in pre("rr")]
         L += [f"{i2}if ({guard} && {valid}) {{",
               f"{i2}    {r} = {g.unit_value(which, w, coords)};", f"{i2}}}", f"{ind}}}"]
+
+
+def _prefetch_decl(g, L, ind, arr, nrows, which) -> None:
+    """The prefetch registers of ``_prefetch`` declared without a value (``SPLIT_PREFETCH``:
+    V's are loaded inside the last row block, after the scores, and stored after the loop)."""
+    dim = g.Dv if which == "v" else g.D
+    w = 4 if dim % 4 == 0 else 1
+    vt = "f32" if w == 1 else f"vec{w}<f32>"
+    L += [f"{ind}var r{arr}{i}: {vt};" for i in range(-(-nrows * (dim // w) // g.wg))]
 
 
 def _barrier() -> str:
