@@ -145,8 +145,9 @@ def pays_dims(Hq: int, Hkv: int, Sq: int, Skv: int, D: int, Dv: int) -> bool:
 
 
 # key chunks of the tensor-core forward: as many as keep its workgroups within about one wave
-# (H200: two resident workgroups per SM, 132 SMs; Whisper (1, 6, 1500, 64) at 3 chunks (216
-# workgroups) 106.1 µs, at the strict kernel's 6 (walked in pairs) 127.4, at 4 (288) 127.3)
+# (H200: two resident workgroups per SM at 255 registers, 132 SMs; Whisper (1, 6, 1500, 64) at
+# 3 chunks (216 workgroups) 106.1 µs, at the strict kernel's 6 (walked in pairs) 127.4, at 4
+# (288) 127.3).  A layout with fewer registers (more resident workgroups) wants a larger wave.
 FAST_WAVE_WGS = 256
 
 
