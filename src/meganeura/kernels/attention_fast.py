@@ -267,7 +267,7 @@ def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
     loop, the stores."""
     from .attention import _i
 
-    k, nrb, i2 = g.k, row_blocks(), ind + "    "
+    k, nrb = g.k, row_blocks()
     L += [f"{ind}var kv_lo: i32 = 0i;", f"{ind}var kv_hi: i32 = {_i(g.Skv)};"]
     if k.causal:
         L.append(f"{ind}kv_hi = min(kv_hi, {_i(k.q_offset)} + i_last + 1i);")
@@ -283,6 +283,20 @@ def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
             L += [f"{ind}{_at('Of', c)} = 0.0;" for c in range(Dv // 2)]
         else:
             L += [f"{ind}var o{rb}_{c}: f32 = 0.0;" for c in range(Dv // 2)]
+    _key_loop(g, L, ind, bk, qs, vs, sw, pst, D, Dv)
+    for rb in range(nrb):
+        L.append(f"{ind}{{")
+        _store(g, L, ind + "    ", Dv, rb)
+        L.append(f"{ind}}}")
+
+
+def _key_loop(g, L, ind, bk, qs, vs, sw, pst, D, Dv) -> None:
+    """The chunk's key tiles: the first staged before the loop (``PREFETCH``; the next one's
+    K/V loaded into registers during each tile and stored after it), then per tile and row
+    block the scores, the softmax and P·V."""
+    from .attention import _i
+
+    nrb, i2 = row_blocks(), ind + "    "
     kv = (("Kh", "k", qs), ("Vh", "v", vs))
     kpre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
     if PREFETCH:  # tile kv_lo staged before the loop, tile t + 1 loaded into registers in it
@@ -324,10 +338,6 @@ def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
                 _prefetch(g, L, i2, arr, bk, which, None, None, None, stride=st)
         L.append(f"{i2}{_barrier()}")
     L.append(f"{ind}}}")
-    for rb in range(nrb):
-        L.append(f"{ind}{{")
-        _store(g, L, ind + "    ", Dv, rb)
-        L.append(f"{ind}}}")
 
 
 def _stage_f16(g, L, ind, arr, nrows, which, stride, pre, valid, coords, scale=None) -> None:
