@@ -51,6 +51,13 @@ def test_whisper_gets_three_chunks_on_tensor_cores():
     assert _splits(prog) == {"attention_fwd": {6}, "attention_combine": {6}}
 
 
+def test_o_shared_layout_keeps_one_wave(monkeypatch):
+    """With O in workgroup memory (one row block: twice the workgroups per chunk) the wave
+    budget doubles, so Whisper still gets 3 chunks (432 workgroups), not 1."""
+    monkeypatch.setattr(AF, "O_SHARED", True)
+    assert AF.fast_chunks(1, 6, 6, 1500, 1500, 6) == 3
+
+
 @pytest.mark.parametrize("precision,target", [("strict", TC), ("fast", PLAIN)])
 def test_strict_and_plain_targets_keep_the_op_choice(precision, target):
     prog = _program(1, 6, 1500, 1500, 64)

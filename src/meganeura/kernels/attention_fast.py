@@ -147,8 +147,10 @@ def pays_dims(Hq: int, Hkv: int, Sq: int, Skv: int, D: int, Dv: int) -> bool:
 # key chunks of the tensor-core forward: as many as keep its workgroups within about one wave
 # (H200: two resident workgroups per SM at 255 registers, 132 SMs; Whisper (1, 6, 1500, 64) at
 # 3 chunks (216 workgroups) 106.1 µs, at the strict kernel's 6 (walked in pairs) 127.4, at 4
-# (288) 127.3).  A layout with fewer registers (more resident workgroups) wants a larger wave.
+# (288) 127.3).  A layout with fewer registers (more resident workgroups) wants a larger wave:
+# ``O_SHARED`` assumes 4 per SM (<= 128 registers, 44.5 KiB; not measured yet).
 FAST_WAVE_WGS = 256
+FAST_WAVE_WGS_O_SHARED = 512
 
 
 def fast_chunks(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, n_strict: int) -> int:
@@ -156,7 +158,8 @@ def fast_chunks(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, n_strict: int) -> 
     the most that keep ``FAST_WAVE_WGS`` workgroups of the first fast configuration."""
     blocks = -(-Sq * (Hq // Hkv) // (16 * FAST_CONFIGS[0][0] * row_blocks()))
     per_chunk = B * Hkv * blocks
-    return max(1, min(n_strict, FAST_WAVE_WGS // max(1, per_chunk)))
+    wave = FAST_WAVE_WGS_O_SHARED if O_SHARED else FAST_WAVE_WGS
+    return max(1, min(n_strict, wave // max(1, per_chunk)))
 
 
 def fast_words(cfg, D: int, Dv: int) -> int:
