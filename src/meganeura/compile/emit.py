@@ -4,7 +4,7 @@ Each description is emitted for the target device (its limits and features); pre
 applied here, once: under ``precision="fast"`` matmul descriptions ask for the tensor-core
 variant (the emitter falls back to f32 kernels where the device has none), and so do attention
 forwards over long key loops (``attention_fast.pays``: H200, Whisper's (1, 6, 1500, 64) in the
-model 142.9 µs against 203.0 strict); short ones, whose tensor-core kernel is slower, and the
+model 118.2 µs against 203.0 strict); short ones, whose tensor-core kernel is slower, and the
 attention backward stay strict."""
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ take keep the op's choice, so their plans are unchanged."""
 
 from __future__ import annotations
 
+from ..dtypes import f32
 from ..kernels import attention_fast
 from ..kernels.common import Target
 from ..ops.attention import fwd_splits
@@ -30,7 +31,7 @@ def chunks_for(node) -> int | None:
     q, k, v = (x.type for x in node.inputs[:3])
     B, Hq, Sq, D = q.shape
     Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    if q.dtype.name != "f32" or not attention_fast.pays_dims(Hq, Hkv, Sq, Skv, D, Dv):
+    if q.dtype is not f32 or not attention_fast.pays_dims(Hq, Hkv, Sq, Skv, D, Dv):
         return None
     n = fwd_splits(B, Hq, Hkv, Sq, Skv)
     want = attention_fast.fast_chunks(B, Hq, Hkv, Sq, Skv, n)

@@ -34,15 +34,22 @@ serve 128 rows instead of 64 (the staging was the largest cost); a workgroup als
 of the description's key chunks in turn (``chunk_group``: Q staged once for all of them), since
 the op picks its chunk count for the strict kernel.
 
-H200 (Dawn, (1, 6, 1500, 64), key chunks + combine): 290.0 µs before this design, 132.7 with
-the layout, prefetch and single P loads (3 chunks), 117.6 with two row blocks and 32-key tiles
-(1.65x the strict 193.7); in Whisper's model (6 chunks) 142.9 against 203.0 strict.  Where the
-time goes, per phase: docs/benchmarks.md ("Tensor-core attention forward, second design").
+``LEAN``: tiles wholly inside the key range take an unmasked copy of the softmax, and scores
+are in log2 units (log2 e folded into Q's scale, ``exp2``).  ``O_SHARED`` and
+``SPLIT_PREFETCH`` (off, not yet measured) are layouts with fewer registers: the kernel uses
+all 255 of a 128-invocation workgroup (``bench/pipeline_stats.py``), so 2 workgroups fit on
+an SM.
 
-The stores (out = o / l, lse = m + log l), causal/window tile bounds, masks, GQA packing and
-split-K chunks are those of the strict kernel.  Workgroup memory: K (max(16·NSG, BK) rows; it
-holds Q while the fragments are loaded) and V as f16, one f32 and one f16 scratch of 16 rows
-per subgroup."""
+H200 (Dawn, (1, 6, 1500, 64), key chunks + combine): 290.0 µs before this design, 132.7 with
+the layout, prefetch and single P loads (3 chunks), 117.6 with two row blocks and 32-key tiles,
+106.1 with the lean softmax and 64-key tiles (1.83x the strict 193.7); in Whisper's model,
+at the 3 chunks compile gives it (``compile/fast_attention.py``), 118.2 against 203.0 strict.
+Where the time goes: docs/benchmarks.md (sixth and seventh sessions).
+
+The stores (out = o / l, lse = (m + log2 l)·ln 2), causal/window tile bounds, masks, GQA
+packing and split-K chunks are those of the strict kernel.  Workgroup memory: K (max(16·NSG,
+BK) rows; it holds Q while the fragments are loaded) and V as f16, one f32 and one f16 scratch
+of 16 rows per subgroup (and O, f32, with ``O_SHARED``)."""
 
 from __future__ import annotations
 
@@ -126,7 +133,7 @@ def usable(k, t) -> bool:
 
 
 # the fast forward pays from this many keys and packed query rows up (H200, Dawn: Whisper's
-# (1, 6, 1500, 64) 117.6-135.7 µs against 193.7 strict; SmolLM2's 128 keys 12.9 against 10.0)
+# (1, 6, 1500, 64) 106.1 µs against 193.7 strict; SmolLM2's 128 keys 12.9 against 10.0)
 FAST_MIN_KEYS = 512
 FAST_MIN_ROWS = 64
 
@@ -368,10 +375,7 @@ def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0,
     """``PREFETCH``: the loads of ``nrows`` rows of k/v into registers ``r{arr}{i}`` (``pre``
     given; unrolled, zeros past ``valid``; ``declared``: the registers exist already, see
     ``_prefetch_decl``), or (``pre`` None) their f16 stores into ``arr``."""
-    dim = g.Dv if which == "v" else g.D
-    w = 4 if dim % 4 == 0 else 1
-    units = dim // w
-    n, vt = nrows * units, ("f32" if w == 1 else f"vec{w}<f32>")
+    w, units, n, vt = _pf_units(g, nrows, which)
     i2 = ind + "    "
     for i in range(-(-n // g.wg)):
         e, r = f"(lid + {u(i * g.wg)})", f"r{arr}{i}"
@@ -394,10 +398,16 @@ def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0,
 def _prefetch_decl(g, L, ind, arr, nrows, which) -> None:
     """The prefetch registers of ``_prefetch`` declared without a value (``SPLIT_PREFETCH``:
     V's are loaded inside the last row block, after the scores, and stored after the loop)."""
+    _, _, n, vt = _pf_units(g, nrows, which)
+    L += [f"{ind}var r{arr}{i}: {vt};" for i in range(-(-n // g.wg))]
+
+
+def _pf_units(g, nrows: int, which: str) -> tuple[int, int, int, str]:
+    """(vec width, units per row, units of the tile, register type) of a prefetched k/v
+    tile of ``nrows`` rows."""
     dim = g.Dv if which == "v" else g.D
     w = 4 if dim % 4 == 0 else 1
-    vt = "f32" if w == 1 else f"vec{w}<f32>"
-    L += [f"{ind}var r{arr}{i}: {vt};" for i in range(-(-nrows * (dim // w) // g.wg))]
+    return w, dim // w, nrows * (dim // w), ("f32" if w == 1 else f"vec{w}<f32>")
 
 
 def _barrier() -> str:
