@@ -501,12 +501,63 @@ def sweep(dev, timer, rng, before, out_dir: str | None, warm: float) -> None:
             f.write("\n".join(lines + ["", head] + table) + "\n")
 
 
+# --packed-ab: packed staging (matmul_sgmat.PACKED, one vec2<u32> store per four f16 through
+# buffer views) against four f16 stores, interleaved rounds, at 4096³ f32 / f16 and Whisper's fc1
+PACKED_CFGS = [None] + [Cfg("sgmat", *x) for x in (
+    (128, 256, 2, 4, 32, 8), (128, 128, 2, 4, 64, 2), (256, 128, 4, 2, 32, 0),
+    (128, 256, 2, 4, 16, 1), (128, 256, 2, 4, 32, 1), (256, 256, 4, 8, 16, 1))]
+
+
+def packed_ab(dev, timer, rng, rounds: int = 2) -> None:
+    """``PACKED_CFGS`` (None: the heuristic) with packed staging on and off, ``rounds``
+    interleaved rounds per shape; one line per configuration: µs, TFLOP/s, error."""
+    from dataclasses import replace
+
+    from meganeura.kernels import matmul_sgmat
+
+    for M, N, K, B, dt in TC_SHAPES[:3]:
+        desc, bufs, ref, rows = _tc_problem(dev, rng, M, N, K, B, dt)
+        flops, label = 2 * B * M * N * K, f"{B}x{M}x{N}x{K}{' f16' if dt is f16 else ''}"
+        specs = {}
+        for g in PACKED_CFGS:
+            d = desc if g is None else replace(desc, config=tuple(g))
+            for pk in (True, False):
+                matmul_sgmat.PACKED = pk
+                try:
+                    specs[(g, pk)] = codegen.emit(d, dev)
+                except Exception as e:  # noqa: BLE001 - report, go on
+                    print(f"  {label} {g} packed={pk} FAILED {str(e)[:200]}", flush=True)
+        matmul_sgmat.PACKED = True
+        timer.warm([(next(iter(specs.values())), bufs)], 0.3)
+        times: dict = {key: [] for key in specs}
+        errs = {}
+        for _ in range(rounds):
+            for key, spec in specs.items():
+                try:
+                    times[key].append(timer([(spec, bufs)]))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {label} {key} FAILED {str(e)[:200]}", flush=True)
+                    continue
+                y = dev.read_array(bufs[-1], (B, M, N), f32)[:, rows].astype(np.float64)
+                errs[key] = float(np.abs(y - ref).max() / np.abs(ref).max())
+        for (g, pk), ts in times.items():
+            if not ts:
+                continue
+            t = min(ts)
+            print(f"{label:22} {specs[(g, pk)].meta['variant']:26} packed={int(pk)} "
+                  f"{t * 1e6:9.1f} us {flops / t / 1e12:7.1f} TFLOP/s rounds "
+                  f"{', '.join(f'{x * 1e6:.1f}' for x in ts)} err {errs.get((g, pk), -1):.1e}",
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("impl", nargs="?", default="dawn")
     ap.add_argument("--before")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tc-sweep", action="store_true")
+    ap.add_argument("--packed-ab", action="store_true",
+                    help="tensor-core configurations with packed staging on and off")
     ap.add_argument("--sweep", action="store_true",
                     help="strict configurations at the workload GEMMs (WORKLOAD_GEMMS)")
     ap.add_argument("--out")
@@ -538,6 +589,8 @@ def main() -> None:
     timer, rng = Timer(dev), np.random.default_rng(0)
     if args.tc_sweep:
         return tc_sweep(dev, timer, rng, args.out)
+    if args.packed_ab:
+        return packed_ab(dev, timer, rng)
     before = _load_before(args.before) if args.before else None
     if args.sweep:
         if args.quick:  # a dry run: the first GEMM of each model, a few configurations

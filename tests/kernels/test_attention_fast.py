@@ -14,12 +14,13 @@ import pytest
 import meganeura as mn
 from meganeura import kernels, ops, reference
 from meganeura.kernels import attention_fast as AF
+from meganeura.kernels.common import BUFFER_VIEW_FEATURE
 
 from .test_attention import _desc, _problem, _run
 
 H200_LIMITS = {"max_compute_workgroup_storage_size": 49152,
                "max_compute_invocations_per_workgroup": 1024}
-TC_FEATURES = {"shader-f16", "subgroups", AF.SG_FEATURE}
+TC_FEATURES = {"shader-f16", "subgroups", AF.SG_FEATURE, BUFFER_VIEW_FEATURE}
 
 
 def _rel(a, b):
@@ -33,8 +34,14 @@ def _stubbed(src: str) -> str:
     """The fast WGSL with subgroup-matrix builtins as scalar functions (syntax and types of
     everything else checkable by a compiler without the extension)."""
     src = "\n".join(ln for ln in src.splitlines()
-                    if not ln.startswith(("enable subgroups", "enable chromium", "diagnostic")))
-    src = re.sub(r"subgroupMatrixLoad<[^>]*>>\(&(\w+), ", r"sml_\1(", src)
+                    if not ln.startswith(("enable subgroups", "enable chromium", "diagnostic",
+                                          "requires buffer_view"))
+                    and "= bufferView<" not in ln)
+    # a packed staging buffer (attention_fast.PACKED) as its two views, separate arrays here
+    src = re.sub(r"var<workgroup> (\w)hB: buffer<(\d+)>;",
+                 lambda m: (f"var<workgroup> {m[1]}h: array<f16, {int(m[2]) // 2}>;\n"
+                            f"var<workgroup> {m[1]}w: array<vec2<u32>, {int(m[2]) // 8}>;"), src)
+    src = re.sub(r"subgroupMatrixLoad<[^>]*>>\(&?(\w+), ", r"sml_\1(", src)
     src = src.replace("subgroupMatrixMultiplyAccumulate(", "smma(")
     src = src.replace("subgroup_matrix_result<f32, 16, 16>()", "f32()")
     src = src.replace("subgroupMatrixStore(&Sf, ", "sms(")
@@ -87,7 +94,8 @@ def attention_desc(kind: str, Hq: int, Hkv: int, S: int, D: int = 64, splits: in
 
 
 # layout switches of kernels/attention_fast.py (the default first)
-VARIANTS = {"default": {}, "no_prefetch": {"PREFETCH": False}, "pad4": {"SF_PAD": 4},
+VARIANTS = {"default": {}, "unpacked": {"PACKED": False}, "no_prefetch": {"PREFETCH": False},
+            "pad4": {"SF_PAD": 4},
             "rows1": {"ROW_BLOCKS": 1}, "rows3": {"ROW_BLOCKS": 3}, "lean_off": {"LEAN": False},
             "o_shared": {"O_SHARED": True}, "split_prefetch": {"SPLIT_PREFETCH": True},
             "o_shared_split": {"O_SHARED": True, "SPLIT_PREFETCH": True},
@@ -112,6 +120,19 @@ def test_fast_wgsl_is_valid(dev, rng, case, layout):
         assert spec.meta["variant"].startswith("sgmat_attention_fwd")
         assert "subgroupMatrixMultiplyAccumulate" in spec.wgsl
         dev.device.create_shader_module(code=_stubbed(spec.wgsl))
+
+
+def test_packed_staging_needs_buffer_views(rng):
+    """Packed staging (one ``vec2<u32>`` store per four f16) only where the device's WGSL has
+    ``buffer_view``; without it the same kernel stages with f16 stores."""
+    x, a, _ = _problem(rng, CASES["cross_mask"][0], CASES["cross_mask"][1],
+                       mask_shape=CASES["cross_mask"][2])
+    desc = dataclasses.replace(_desc("fwd", x, a), precision="fast")
+    packed = kernels.emit(desc, H200_LIMITS, TC_FEATURES).wgsl
+    plain = kernels.emit(desc, H200_LIMITS, TC_FEATURES - {BUFFER_VIEW_FEATURE}).wgsl
+    assert packed.startswith("requires buffer_view;") and "pack2x16float" in packed
+    assert "bufferView" not in plain and "buffer_view" not in plain
+    assert "Kh[rr * " in plain and "Kw[rr * " in packed
 
 
 @pytest.mark.parametrize("phase", sorted(AF.ABLATE_PHASES))
@@ -143,6 +164,8 @@ def test_fast_forward(run, dev, rng, case, layout):
     else:
         assert spec.meta["precision"] == "fast"
         assert spec.meta["variant"].startswith("sgmat")  # reports count it on tensor cores
+        # the packed staging runs wherever the device's WGSL has buffer views
+        assert ("bufferView" in spec.wgsl) == (AF.PACKED and BUFFER_VIEW_FEATURE in dev.features)
     assert _rel(out, ref["out"]) <= 1e-2
     assert _rel(lse, ref["lse"]) <= 1e-2
 

@@ -222,6 +222,31 @@ def test_global_fragments():
                          TC_FEATURES)
 
 
+@pytest.mark.parametrize("bk, vr", [(32, 0), (32, 8), (16, 3)])
+def test_packed_staging_through_buffer_views(bk, vr):
+    """Where the device's WGSL has ``buffer_view``, the flat layouts stage every vec4 register
+    with one ``vec2<u32>`` store through a packed view (f32 registers: ``pack2x16float``, f16
+    registers with option bit 8: a bitcast) and load fragments from the f16 view; without the
+    feature, and for constant-offset layouts, the f16 arrays and their element stores stay."""
+    from meganeura.kernels.common import BUFFER_VIEW_FEATURE as BV
+
+    g = Cfg("sgmat", 128, 256, 2, 4, bk, vr)
+    desc = _desc(1, 1024, 1024, 256, config=g)
+    packed = codegen.emit(desc, TC_LIMITS, TC_FEATURES | {BV})
+    plain = codegen.emit(desc, TC_LIMITS, TC_FEATURES)
+    w = packed.wgsl
+    assert w.startswith("requires buffer_view;") and "buffer_view" not in plain.wgsl
+    assert "var<workgroup> AsB: buffer<" in w and "= f16(" not in _loop_body(w)
+    assert ("bitcast<vec2<u32>>(ar0)" in w) == bool(vr & 8)
+    assert ("pack2x16float(ar0.xy)" in w) == (not vr & 8)
+    assert "subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>>(As, " in w
+    assert "(&As, " in plain.wgsl and "= f16(" in _loop_body(plain.wgsl)
+    assert packed.meta["workgroup_storage"] == plain.meta["workgroup_storage"]
+    blocks = codegen.emit(_desc(1, 1024, 1024, 256, config=g._replace(vr=32)), TC_LIMITS,
+                          TC_FEATURES | {BV})
+    assert "buffer_view" not in blocks.wgsl
+
+
 def test_half_staging_registers():
     """Option bit 8: f32 operands rounded to f16 as they are loaded (registers vec4<f16>, the
     binding still vec4<f32>); scalar loads keep f32 registers."""

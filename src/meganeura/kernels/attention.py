@@ -1254,6 +1254,8 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
         head[-1:-1] = ["enable subgroups;", "enable chromium_experimental_subgroup_matrix;",
                        "diagnostic(off, chromium.subgroup_matrix_uniformity);",
                        "diagnostic(off, subgroup_uniformity);"]
+        if g.fast_packed:  # staging through buffer views (attention_fast.PACKED)
+            head.insert(0, "requires buffer_view;")
     src = module_source(head + g.bd.decls() + g.shared, {"mn_inf"}, g.wg, lines)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)

@@ -56,7 +56,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ..dtypes import f32
-from .common import CodegenError, make_grid, u
+from .common import BUFFER_VIEW_FEATURE, CodegenError, make_grid, u
 
 SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
 PAD = 8  # f16 elements of padding per staged row (rows stay 16-byte aligned)
@@ -88,6 +88,10 @@ LEAN = True
 # by its lanes).  64 fewer registers than two row blocks in registers; not measured yet.
 O_SHARED = False
 O_TAU = 8.0
+# K, V and Q staged with one packed 8-byte store per four values (``vec2<u32>`` of
+# ``pack2x16float``) through a buffer view of the workgroup memory, where the device's WGSL
+# has ``buffer_view`` (``BUFFER_VIEW_FEATURE``); four 2-byte stores otherwise
+PACKED = True
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
@@ -220,9 +224,11 @@ def fast_body(g, t) -> list[str]:
     qs, vs = D + PAD, Dv + PAD
     sw, pst = _strides(bk, Dv)
     g.wg, g.fast_rows = 32 * nsg, bq
-    g.shared += [f"var<workgroup> Kh: array<f16, {max(sq, bk) * qs}>;",
-                 f"var<workgroup> Vh: array<f16, {bk * vs}>;",
-                 f"var<workgroup> Ph: array<f16, {nsg * 16 * pst}>;",
+    g.fast_packed = PACKED and BUFFER_VIEW_FEATURE in t.features and D % 4 == 0 == Dv % 4
+    L: list[str] = []
+    for name, n in (("Kh", max(sq, bk) * qs), ("Vh", bk * vs)):
+        g.shared += _staging_decl(g, name, n, L)
+    g.shared += [f"var<workgroup> Ph: array<f16, {nsg * 16 * pst}>;",
                  f"var<workgroup> Sf: array<f32, {nsg * 16 * sw}>;"]
     if O_SHARED:
         g.shared.append(f"var<workgroup> Of: array<f32, {nsg * 16 * (Dv + SF_PAD)}>;")
@@ -231,7 +237,6 @@ def fast_body(g, t) -> list[str]:
     total = -(-g.rows // bq) * g.B * g.Hkv * (g.ns // cpw)
     grid = g.grid = make_grid(k.name, total, t)
     ind, i2 = "    ", "        "
-    L: list[str] = []
     head: list[str] = []  # the chunk index ``sc`` of the strict head is this workgroup's group
     _grid_head(head, ind, grid, total, "blk", -(-g.rows // bq), "hkv", g.Hkv,
                SimpleNamespace(ns=g.ns // cpw, B=g.B))
@@ -259,7 +264,7 @@ def fast_body(g, t) -> list[str]:
                    lambda c: ["b", "sh", "si", c], k.scale * (LOG2E if LEAN else 1.0))
         L.append(f"{ind}workgroupBarrier();")
         for kk in range(D // 16):
-            L.append(f"{ind}let qf{rb}_{kk} = subgroupMatrixLoad<{left}>(&Kh, sid * "
+            L.append(f"{ind}let qf{rb}_{kk} = subgroupMatrixLoad<{left}>({_ref(g, 'Kh')}, sid * "
                      f"{u(16 * qs)} + {u(16 * kk)}, false, {u(qs)});")
         L.append(f"{ind}workgroupBarrier();")
     if g.ns > 1:
@@ -364,9 +369,7 @@ def _stage_f16(g, L, ind, arr, nrows, which, stride, pre, valid, coords, scale=N
     L.append(f"{i2}if ({valid}) {{")
     L.append(f"{i3}x = {g.unit_value(which, w, coords, scale)};")
     L.append(f"{i2}}}")
-    for c in range(w):
-        xc = "x" if w == 1 else f"x[{c}]"
-        L.append(f"{i2}{arr}[rr * {u(stride)} + uu * {u(w)} + {u(c)}] = f16({xc});")
+    L += _f16_stores(g, i2, arr, stride, w, "x")
     L.append(f"{ind}}}")
 
 
@@ -383,9 +386,7 @@ def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0,
         if pre is None:
             L += [f"{ind}if ({guard}) {{", f"{i2}let rr = {e} / {u(units)};",
                   f"{i2}let uu = {e} % {u(units)};"]
-            for c in range(w):
-                xc = r if w == 1 else f"{r}[{c}]"
-                L.append(f"{i2}{arr}[rr * {u(stride)} + uu * {u(w)} + {u(c)}] = f16({xc});")
+            L += _f16_stores(g, i2, arr, stride, w, r)
             L.append(f"{ind}}}")
             continue
         L += [f"{ind}{r} = {vt}(0.0);" if declared else f"{ind}var {r}: {vt} = {vt}(0.0);",
@@ -393,6 +394,34 @@ def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0,
         L += [i2 + x for x in pre("rr")]
         L += [f"{i2}if ({guard} && {valid}) {{",
               f"{i2}    {r} = {g.unit_value(which, w, coords)};", f"{i2}}}", f"{ind}}}"]
+
+
+def _staging_decl(g, name: str, n: int, lets: list[str]) -> list[str]:
+    """The workgroup declaration of f16 staging array ``name`` of ``n`` elements.  Packed
+    (``g.fast_packed``): a ``buffer`` with two views made at the top of the body (appended to
+    ``lets``): ``name`` as ``array<f16>`` (fragment loads) and ``name`` with ``w`` for ``h``
+    as ``array<vec2<u32>>`` (the staging stores)."""
+    if not g.fast_packed:
+        return [f"var<workgroup> {name}: array<f16, {n}>;"]
+    lets += [f"    let {name} = bufferView<array<f16, {n}>>(&{name}B, 0u);",
+             f"    let {name[0]}w = bufferView<array<vec2<u32>, {n // 4}>>(&{name}B, 0u);"]
+    return [f"var<workgroup> {name}B: buffer<{2 * n}>;"]
+
+
+def _ref(g, name: str) -> str:
+    """The pointer argument of a fragment load from staging array ``name`` (with buffer views
+    the name already is a pointer)."""
+    return name if g.fast_packed else f"&{name}"
+
+
+def _f16_stores(g, ind, arr, stride, w, r) -> list[str]:
+    """Row ``rr``, unit ``uu`` (``w`` values of register ``r``) rounded to f16 into staging
+    array ``arr`` of row stride ``stride``: one packed store with buffer views, else ``w``."""
+    if g.fast_packed and w == 4:
+        pk = f"vec2<u32>(pack2x16float({r}.xy), pack2x16float({r}.zw))"
+        return [f"{ind}{arr[0]}w[rr * {u(stride // 4)} + uu] = {pk};"]
+    return [f"{ind}{arr}[rr * {u(stride)} + uu * {u(w)} + {u(c)}] = "
+            f"f16({r if w == 1 else f'{r}[{c}]'});" for c in range(w)]
 
 
 def _prefetch_decl(g, L, ind, arr, nrows, which) -> None:
@@ -422,7 +451,7 @@ def _scores(g, L, ind, bk, qs, sw, D, rb) -> None:
         L.append(f"{ind}{{")
         L.append(f"{ind}    var acc = {res}();")
         for kk in range(D // 16):
-            L.append(f"{ind}    let kf{kk} = subgroupMatrixLoad<{right}>(&Kh, "
+            L.append(f"{ind}    let kf{kk} = subgroupMatrixLoad<{right}>({_ref(g, 'Kh')}, "
                      f"{u(16 * f * qs + 16 * kk)}, true, {u(qs)});")
             L.append(f"{ind}    acc = subgroupMatrixMultiplyAccumulate(qf{rb}_{kk}, kf{kk}, acc);")
         L.append(f"{ind}    subgroupMatrixStore({_ptr('Sf', 16 * sw, 16 * f)}, acc, false, "
@@ -531,7 +560,7 @@ def _pv(g, L, ind, bk, vs, sw, pst, Dv, rb) -> None:
                 f"false, {u(pst)});")
 
     def mma(c: int, kk: int, acc: str) -> list[str]:
-        return [f"let vf{kk}_{c} = subgroupMatrixLoad<{right}>(&Vh, "
+        return [f"let vf{kk}_{c} = subgroupMatrixLoad<{right}>({_ref(g, 'Vh')}, "
                 f"{u(16 * kk * vs + 16 * c)}, false, {u(vs)});",
                 f"{acc} = subgroupMatrixMultiplyAccumulate(pf{kk}, vf{kk}_{c}, {acc});"]
 

@@ -36,6 +36,13 @@ DEFAULT_LIMITS = {
 WG = 256  # invocations per workgroup of the one-invocation-per-element kernels
 
 
+# Pseudo-feature: the device's WGSL has the ``buffer_view`` language extension (Dawn from
+# Chrome 153 on), so a workgroup ``buffer`` can be written through a packed ``vec2<u32>`` view
+# and read as ``array<f16>`` (subgroup-matrix loads included): one 8-byte store per four f16
+# instead of four 2-byte stores.  Detected by compiling a probe module (runtime/device.py).
+BUFFER_VIEW_FEATURE = "meganeura-wgsl-buffer-view"
+
+
 class CodegenError(MeganeuraError, ValueError):
     """A kernel description is inconsistent (a bug in the planner or an op's lowering)."""
 

@@ -242,6 +242,8 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
         # per-subgroup fragment offsets (lid / 32) are not uniform across the workgroup
         lines[-1:-1] = ["enable chromium_experimental_subgroup_matrix;",
                         "diagnostic(off, chromium.subgroup_matrix_uniformity);"]
+        if any("buffer<" in d for d in shared[0]):  # packed staging (matmul_sgmat.PACKED)
+            lines.insert(0, "requires buffer_view;")
     lines += _decls(bd, ops, acc_t)
     lines += shared[0]
     return KernelSpec(
@@ -545,14 +547,21 @@ def _load_items(c: _Ctx, out: list[str], ii: str, o: _Operand, check_mn: bool, c
         out.append(f"{ii[:-4]}}}")
 
 
-def _store_items(out: list[str], ii: str, o: _Operand, sh, conv) -> None:
+def _store_items(out: list[str], ii: str, o: _Operand, sh, conv, packed=None) -> None:
     """The registers of operand ``o`` into workgroup memory (``sh(arr, k, x, vec)``: the
-    element, or with ``vec`` the aligned vec4 at x, when the layout has one; else None)."""
+    element, or with ``vec`` the aligned vec4 at x, when the layout has one; else None).
+    ``packed(arr, k, x)``: where the layout has an f16 tile's packed view, the ``vec2<u32>``
+    holding elements x..x+3 (or k..k+3): each vec4 register rounded to f16 in one store."""
     if o.part:
         out.append(f"{ii}if (lid < {u(o.items)}) {{")
         ii += "    "
     for l in range(o.n):
         x, kx, r = f"{o.p}x{l}", f"{o.p}k{l}", f"{o.p}r{l}"
+        if packed is not None and o.w == 4:
+            pk = (f"bitcast<vec2<u32>>({r})" if o.rt == "f16" else
+                  f"vec2<u32>(pack2x16float({r}.xy), pack2x16float({r}.zw))")
+            out.append(f"{ii}{packed(o.arr, kx, x)} = {pk};")
+            continue
         whole = sh(o.arr, kx, x, True) if o.w > 1 and not o.k_fast else None
         if whole is not None and conv is None:
             out.append(f"{ii}{whole} = {r};")

@@ -44,13 +44,17 @@ shape, stride and epilogue works).
 from __future__ import annotations
 
 from ..dtypes import f16
-from .common import CodegenError, make_grid, u
+from .common import BUFFER_VIEW_FEATURE, CodegenError, make_grid, u
 
 DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL = 1, 2, 4, 8, 16, 32, 64, 128  # Cfg.vr bits
 SWZ_ROWS = 8  # tile rows per rasterization group
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 BS_ROW = 16 + SG_PAD  # ``CONST`` B strips: row stride (rows of a fragment on distinct banks)
 BS_PAD = 16  # ``CONST`` B strips: padding after each strip (strips start on different banks)
+# flat layouts stage each vec4 register with one packed 8-byte store (``vec2<u32>``) through a
+# buffer view of the workgroup tiles where the device's WGSL has ``buffer_view``
+# (``BUFFER_VIEW_FEATURE``); four 2-byte f16 stores otherwise
+PACKED = True
 FRAG_L = "subgroup_matrix_left<f16, 16, 16>"
 FRAG_R = "subgroup_matrix_right<f16, 16, 16>"
 FRAG_C = "subgroup_matrix_result<f32, 16, 16>"
@@ -66,9 +70,10 @@ def sgmat(c, t, g):
     TM, TN, BK, nsg = g.tm, g.tn, g.bk, g.rm * g.rn
     nthreads, db = 32 * nsg, bool(g.vr & DB)
     FM, FN = TM // g.rm // 16, TN // g.rn // 16  # fragments per subgroup
-    lay = _Layout(g, FM, FN)
+    lay = _Layout(g, FM, FN, PACKED and BUFFER_VIEW_FEATURE in t.features)
     ind = "    "
-    L: list[str] = [f"{ind}let sid = lid / 32u;", f"{ind}let lane = lid % 32u;",
+    L: list[str] = lay.view_lets(2 if db else 1) + [
+                    f"{ind}let sid = lid / 32u;", f"{ind}let lane = lid % 32u;",
                     f"{ind}let fr = sid / {u(g.rn)} * {u(FM * 16)};",  # first row in the tile
                     f"{ind}let fc = sid % {u(g.rn)} * {u(FN * 16)};"]
     if lay.blk:  # the first A / B fragment block of this subgroup
@@ -81,10 +86,9 @@ def sgmat(c, t, g):
 
     edges = not (full_m and full_n) or live_check
     if db:
-        _k_loop_db(c, L, ind, BK, edges, live_check, ops, lay.sh, lay.compute, lay.units,
-                   bool(g.vr & UNROLL))
+        _k_loop_db(c, L, ind, BK, edges, live_check, ops, lay, bool(g.vr & UNROLL))
     else:
-        _k_loop_single(c, L, ind, BK, edges, live_check, ops, lay.sh, lay.compute, lay.units)
+        _k_loop_single(c, L, ind, BK, edges, live_check, ops, lay)
     helpers: set[str] = set()
     direct = _direct_ok(c)
     scratch = _stores(c, L, g, FM, FN, (full_m, full_n, live_check), direct, helpers)
@@ -158,11 +162,15 @@ class _Layout:
     """Where the staged tiles live in workgroup memory and how fragments load from them: flat
     padded rows (A: TM rows of BK + pad, B: BK rows of TN + pad) or, with ``CONST``, arrays of
     fragment blocks so every matrix load has a constant offset (module docstring).  ``units``:
-    one buffer's size in what a buffer offset counts (elements, or blocks with ``CONST``)."""
+    one buffer's size in what a buffer offset counts (elements, or blocks with ``CONST``).
+    ``packed`` (flat layouts only): the tiles are workgroup ``buffer``s read through
+    ``array<f16>`` views ``As`` / ``Bs`` and written through ``vec2<u32>`` views ``Aw`` / ``Bw``."""
 
-    def __init__(self, g, FM: int, FN: int):
+    def __init__(self, g, FM: int, FN: int, packed: bool = False):
         self.g, self.FM, self.FN = g, FM, FN
         self.blk, self.bt = bool(g.vr & CONST), bool(g.vr & BT)
+        self.packed = packed and not self.blk
+        self.amp = "" if self.packed else "&"  # views already are pointers
         self.astr = g.bk + SG_PAD  # A's row stride (and transposed B's), f16 elements
         if not self.blk:
             self.bstr = g.tn + SG_PAD
@@ -171,8 +179,23 @@ class _Layout:
             self.bsz = 16 * self.astr if self.bt else g.bk * BS_ROW + BS_PAD  # one B block
             self.units = (g.tm // 16, g.tn // 16)
 
+    def view_lets(self, nb: int) -> list[str]:
+        """``packed``: the body's first lines, the f16 and packed views of the ``nb``-buffer
+        tiles."""
+        if not self.packed:
+            return []
+        out = []
+        for arr, n in (("As", nb * self.units[0]), ("Bs", nb * self.units[1])):
+            out += [f"    let {arr} = bufferView<array<f16, {n}>>(&{arr}B, 0u);",
+                    f"    let {arr[0]}w = bufferView<array<vec2<u32>, {n // 4}>>(&{arr}B, 0u);"]
+        return out
+
     def decls(self, nb: int) -> tuple[list[str], int]:
         """The workgroup arrays for ``nb`` buffers and their bytes."""
+        if self.packed:
+            a, b = nb * self.units[0], nb * self.units[1]
+            return ([f"var<workgroup> AsB: buffer<{2 * a}>;",
+                     f"var<workgroup> BsB: buffer<{2 * b}>;"], 2 * (a + b))
         if not self.blk:
             a, b = nb * self.units[0], nb * self.units[1]
             return ([f"var<workgroup> As: array<f16, {a}>;",
@@ -198,15 +221,28 @@ class _Layout:
             return f"Bs[{off}({x}) / 16u][{kx} * {u(BS_ROW)} + ({x}) % 16u]"
         return f
 
+    def pk(self, off: str):
+        """``packed``: the ``vec2<u32>`` of four staged elements from (``x``, ``kx``) on (the
+        first element's index / 4; rows are multiples of four long), like ``sh``; else None."""
+        if not self.packed:
+            return None
+
+        def f(arr, kx, x):
+            if arr == "As":
+                return f"Aw[({off}({x}) * {u(self.astr)} + {kx}) / 4u]"
+            return f"Bw[({off}({kx}) * {u(self.bstr)} + {x}) / 4u]"
+        return f
+
     def _frag(self, which: str, off: str, i: int, kk: int) -> str:
         """The arguments of one fragment load (pointer, offset, column-major, stride)."""
         astr = self.astr
         if which == "a":
             if not self.blk:
-                return f"&As, {off}(fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, {u(astr)}"
+                return (f"{self.amp}As, {off}(fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, "
+                        f"{u(astr)}")
             return f"&As[{off}fb + {u(i)}], {u(kk)}, false, {u(astr)}"
         if not self.blk:
-            return (f"&Bs, {off}{u(kk * self.bstr)} + fc + {u(16 * i)}, false, "
+            return (f"{self.amp}Bs, {off}{u(kk * self.bstr)} + fc + {u(16 * i)}, false, "
                     f"{u(self.bstr)}")
         if self.bt:
             return f"&Bs[{off}fcb + {u(i)}], {u(kk)}, true, {u(astr)}"
@@ -293,35 +329,34 @@ def _next_loads(c, L: list[str], ii: str, bk: int, load) -> None:
         L.append(f"{ii}}}")
 
 
-def _k_loop_single(c, L, ind, bk, edges, live_check, ops, sh, compute, sizes) -> None:
+def _k_loop_single(c, L, ind, bk, edges, live_check, ops, lay) -> None:
     """One workgroup buffer per operand: store step k's registers, barrier, issue step
     k + 1's loads, multiply step k, barrier."""
     from .matmul import _store_items
 
-    i2 = ind + "    "
+    i2, compute = ind + "    ", lay.compute
     load = _loader(c, L, edges, live_check, ops)
     ks = -(-c.K // bk) * bk
     L += [f"{ind}{{", f"{i2}let kb = 0u;"]
     load(i2, c.K < bk)
     L += [f"{ind}}}", f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(bk)}) {{"]
     for o in ops:
-        _store_items(L, i2, o, sh(""), lambda v: f"f16({v})")
+        _store_items(L, i2, o, lay.sh(""), lambda v: f"f16({v})", lay.pk(""))
     L += [f"{i2}workgroupBarrier();", f"{i2}let kb = k0 + {u(bk)};"]
     _next_loads(c, L, i2, bk, load)
     compute(L, i2, "", "")
     L += [f"{i2}workgroupBarrier();", f"{ind}}}"]
 
 
-def _k_loop_db(c, L, ind, bk, edges, live_check, ops, sh, compute, sizes,
-               unroll: bool = False) -> None:
+def _k_loop_db(c, L, ind, bk, edges, live_check, ops, lay, unroll: bool = False) -> None:
     """Two workgroup buffers per operand, one barrier per K step: step k stores the registers
     (step k + 1's tiles) into the other buffer, issues step k + 2's loads, multiplies step k.
     The other buffer was last read before the previous step's barrier, so no second one.
     ``unroll``: two steps per iteration, so every buffer offset is a constant."""
     from .matmul import _store_items
 
-    i2 = ind + "    "
-    asz, bsz = sizes
+    i2, sh, compute = ind + "    ", lay.sh, lay.compute
+    asz, bsz = lay.units
     conv = lambda v: f"f16({v})"  # noqa: E731
     load = _loader(c, L, edges, live_check, ops)
     nsteps = -(-c.K // bk)
@@ -329,7 +364,7 @@ def _k_loop_db(c, L, ind, bk, edges, live_check, ops, sh, compute, sizes,
     L += [f"{ind}{{", f"{i2}let kb = 0u;"]
     load(i2, c.K < bk)
     for o in ops:
-        _store_items(L, i2, o, sh(""), conv)
+        _store_items(L, i2, o, sh(""), conv, lay.pk(""))
     L += [f"{ind}}}", f"{ind}{{", f"{i2}let kb = {u(bk)};"]
     _next_loads(c, L, i2, bk, load)
     L += [f"{ind}}}", f"{ind}workgroupBarrier();"]
@@ -345,7 +380,8 @@ def _k_loop_db(c, L, ind, bk, edges, live_check, ops, sh, compute, sizes,
             offs = ["ca", "cb", "na", "nb"]
         L.append(f"{ii}if ({k} + {u(bk)} < {u(ks)}) {{")
         for o in ops:
-            _store_items(L, i3, o, sh(f"{offs[2] if o.which == 'a' else offs[3]} + "), conv)
+            off = f"{offs[2] if o.which == 'a' else offs[3]} + "
+            _store_items(L, i3, o, sh(off), conv, lay.pk(off))
         L.extend([f"{ii}}}", f"{ii}let kb = {k} + {u(2 * bk)};"])
         _next_loads(c, L, ii, bk, load)
         compute(L, ii, f"{offs[0]} + ", f"{offs[1]} + ")

@@ -44,7 +44,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import DeviceError, LimitError
-from ..kernels.common import DEFAULT_LIMITS  # noqa: F401  (re-exported)
+from ..kernels.common import (
+    BUFFER_VIEW_FEATURE,
+    DEFAULT_LIMITS,  # noqa: F401  (re-exported)
+)
 from ..kernels.matmul import SG_FEATURE
 
 IMPLEMENTATIONS = ("wgpu", "dawn", "auto")
@@ -773,6 +776,8 @@ def _describe_device(module, adapter, device, implementation: str,
         dev_features = frozenset()
     if _has_f16_subgroup_matrix(module, adapter, dev_features):
         dev_features = dev_features | {SUBGROUP_MATRIX_F16}
+        if _has_buffer_view(device):
+            dev_features = dev_features | {BUFFER_VIEW_FEATURE}
     try:
         limits = {_norm_key(k): v for k, v in dict(device.limits).items()}
     except Exception:  # pragma: no cover
@@ -813,6 +818,27 @@ def _has_f16_subgroup_matrix(module, adapter, features) -> bool:
         and c.get("min_subgroup_size") == 32 == c.get("max_subgroup_size")
         for c in configs
     )
+
+
+_BUFFER_VIEW_PROBE = """requires buffer_view;
+var<workgroup> wb: buffer<64>;
+@compute @workgroup_size(1)
+fn main() {
+    let w = bufferView<array<vec2<u32>, 8>>(&wb, 0u);
+    (*w)[0] = vec2<u32>(1u, 2u);
+}
+"""
+
+
+def _has_buffer_view(device) -> bool:
+    """Whether the device compiles WGSL's ``buffer_view`` language extension (asked only of
+    Dawn devices with subgroup matrices, the packed f16 staging's users; Dawn reports no
+    language features through wgpu-py, so a probe module is compiled instead)."""
+    try:
+        device.create_shader_module(code=_BUFFER_VIEW_PROBE)
+    except Exception:
+        return False
+    return True
 
 
 # Wrappers of devices the host application created, by id() of the raw device (the entry goes
