@@ -506,20 +506,25 @@ def sweep(dev, timer, rng, before, out_dir: str | None, warm: float) -> None:
 PACKED_CFGS = [None] + [Cfg("sgmat", *x) for x in (
     (128, 256, 2, 4, 32, 8), (128, 128, 2, 4, 64, 2), (256, 128, 4, 2, 32, 0),
     (128, 256, 2, 4, 16, 1), (128, 256, 2, 4, 32, 1), (256, 256, 4, 8, 16, 1))]
+# --packed-ab --set f16: f16 operands at 4096³, where packed staging pays: the neighbours
+PACKED_F16 = [None] + [Cfg("sgmat", *x) for x in (
+    (128, 256, 2, 4, 48, 0), (128, 256, 2, 4, 16, 3), (128, 256, 2, 4, 16, 7),
+    (256, 128, 4, 2, 16, 3), (256, 128, 4, 2, 32, 2), (128, 256, 2, 4, 32, 2),
+    (128, 256, 2, 4, 32, 16), (256, 256, 4, 8, 16, 0), (128, 128, 2, 4, 32, 3))]
 
 
-def packed_ab(dev, timer, rng, rounds: int = 2) -> None:
+def packed_ab(dev, timer, rng, rounds: int = 2, shapes=None, cfgs=None) -> None:
     """``PACKED_CFGS`` (None: the heuristic) with packed staging on and off, ``rounds``
     interleaved rounds per shape; one line per configuration: µs, TFLOP/s, error."""
     from dataclasses import replace
 
     from meganeura.kernels import matmul_sgmat
 
-    for M, N, K, B, dt in TC_SHAPES[:3]:
+    for M, N, K, B, dt in shapes or TC_SHAPES[:3]:
         desc, bufs, ref, rows = _tc_problem(dev, rng, M, N, K, B, dt)
         flops, label = 2 * B * M * N * K, f"{B}x{M}x{N}x{K}{' f16' if dt is f16 else ''}"
         specs = {}
-        for g in PACKED_CFGS:
+        for g in cfgs or PACKED_CFGS:
             d = desc if g is None else replace(desc, config=tuple(g))
             for pk in (True, False):
                 matmul_sgmat.PACKED = pk
@@ -563,7 +568,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--warm", type=float, default=0.1,
                     help="--sweep: seconds of warm-up work before each try")
-    ap.add_argument("--set", choices=("full", "final", "const", "const2"), default="full",
+    ap.add_argument("--set", choices=("full", "final", "const", "const2", "f16"), default="full",
                     help="tensor-core sweep: the full exploration, the short final list or the "
                          "constant-offset configurations (TC_CONST, round 2: TC_CONST2)")
     ap.add_argument("--toggles", default="",
@@ -590,6 +595,8 @@ def main() -> None:
     if args.tc_sweep:
         return tc_sweep(dev, timer, rng, args.out)
     if args.packed_ab:
+        if args.set == "f16":
+            return packed_ab(dev, timer, rng, shapes=TC_SHAPES[1:2], cfgs=PACKED_F16)
         return packed_ab(dev, timer, rng)
     before = _load_before(args.before) if args.before else None
     if args.sweep:

@@ -245,6 +245,14 @@ def test_packed_staging_through_buffer_views(bk, vr):
     blocks = codegen.emit(_desc(1, 1024, 1024, 256, config=g._replace(vr=32)), TC_LIMITS,
                           TC_FEATURES | {BV})
     assert "buffer_view" not in blocks.wgsl
+    # transposed operands: A's vec4 registers run along M, B's along K, so neither is four
+    # adjacent staged elements and both keep their element stores
+    rng = np.random.default_rng(0)
+    _, _, sa = _operand(rng, 1, 256, 128, True)
+    _, _, sb = _operand(rng, 1, 128, 256, True)
+    t = codegen.emit(MatmulKernel(1, 256, 256, 128, sa, sb, precision="fast", config=g),
+                     TC_LIMITS, TC_FEATURES | {BV}).wgsl
+    assert "Aw[" not in t and "Bw[" not in t and "As[" in t and "Bs[" in t
 
 
 def test_half_staging_registers():

@@ -550,17 +550,20 @@ def _load_items(c: _Ctx, out: list[str], ii: str, o: _Operand, check_mn: bool, c
 def _store_items(out: list[str], ii: str, o: _Operand, sh, conv, packed=None) -> None:
     """The registers of operand ``o`` into workgroup memory (``sh(arr, k, x, vec)``: the
     element, or with ``vec`` the aligned vec4 at x, when the layout has one; else None).
-    ``packed(arr, k, x)``: where the layout has an f16 tile's packed view, the ``vec2<u32>``
-    holding elements x..x+3 (or k..k+3): each vec4 register rounded to f16 in one store."""
+    ``packed(arr, k, x, along_k)``: where the layout has an f16 tile's packed view, the
+    ``vec2<u32>`` holding the register's four elements (k..k+3 with ``along_k``, else
+    x..x+3) when they are adjacent there, else None: each vec4 register rounded to f16 in
+    one store."""
     if o.part:
         out.append(f"{ii}if (lid < {u(o.items)}) {{")
         ii += "    "
     for l in range(o.n):
         x, kx, r = f"{o.p}x{l}", f"{o.p}k{l}", f"{o.p}r{l}"
-        if packed is not None and o.w == 4:
+        dst = packed(o.arr, kx, x, o.k_fast) if packed is not None and o.w == 4 else None
+        if dst is not None:
             pk = (f"bitcast<vec2<u32>>({r})" if o.rt == "f16" else
                   f"vec2<u32>(pack2x16float({r}.xy), pack2x16float({r}.zw))")
-            out.append(f"{ii}{packed(o.arr, kx, x)} = {pk};")
+            out.append(f"{ii}{dst} = {pk};")
             continue
         whole = sh(o.arr, kx, x, True) if o.w > 1 and not o.k_fast else None
         if whole is not None and conv is None:

@@ -222,15 +222,16 @@ class _Layout:
         return f
 
     def pk(self, off: str):
-        """``packed``: the ``vec2<u32>`` of four staged elements from (``x``, ``kx``) on (the
-        first element's index / 4; rows are multiples of four long), like ``sh``; else None."""
+        """``packed``: the ``vec2<u32>`` of four staged elements from (``x``, ``kx``) on along
+        K (``along_k``) or the tile's rows/columns, where they are adjacent (A along K, B along
+        N; the first element's index / 4: rows are multiples of four long); else None."""
         if not self.packed:
             return None
 
-        def f(arr, kx, x):
-            if arr == "As":
-                return f"Aw[({off}({x}) * {u(self.astr)} + {kx}) / 4u]"
-            return f"Bw[({off}({kx}) * {u(self.bstr)} + {x}) / 4u]"
+        def f(arr, kx, x, along_k: bool):
+            if arr == "As":  # rows of A are K-contiguous
+                return f"Aw[({off}({x}) * {u(self.astr)} + {kx}) / 4u]" if along_k else None
+            return None if along_k else f"Bw[({off}({kx}) * {u(self.bstr)} + {x}) / 4u]"
         return f
 
     def _frag(self, which: str, off: str, i: int, kk: int) -> str:
