@@ -526,13 +526,13 @@ def packed_ab(dev, timer, rng, rounds: int = 2, shapes=None, cfgs=None) -> None:
         specs = {}
         for g in cfgs or PACKED_CFGS:
             d = desc if g is None else replace(desc, config=tuple(g))
-            for pk in (True, False):
-                matmul_sgmat.PACKED = pk
+            for pk in (2, 1, 0):  # packed + eight-f16 loads, packed, four f16 stores
+                matmul_sgmat.PACKED, matmul_sgmat.WIDE = pk > 0, pk > 1
                 try:
                     specs[(g, pk)] = codegen.emit(d, dev)
                 except Exception as e:  # noqa: BLE001 - report, go on
                     print(f"  {label} {g} packed={pk} FAILED {str(e)[:200]}", flush=True)
-        matmul_sgmat.PACKED = True
+        matmul_sgmat.PACKED = matmul_sgmat.WIDE = True
         timer.warm([(next(iter(specs.values())), bufs)], 0.3)
         times: dict = {key: [] for key in specs}
         errs = {}
@@ -549,7 +549,7 @@ def packed_ab(dev, timer, rng, rounds: int = 2, shapes=None, cfgs=None) -> None:
             if not ts:
                 continue
             t = min(ts)
-            print(f"{label:22} {specs[(g, pk)].meta['variant']:26} packed={int(pk)} "
+            print(f"{label:22} {specs[(g, pk)].meta['variant']:26} packed={pk} "
                   f"{t * 1e6:9.1f} us {flops / t / 1e12:7.1f} TFLOP/s rounds "
                   f"{', '.join(f'{x * 1e6:.1f}' for x in ts)} err {errs.get((g, pk), -1):.1e}",
                   flush=True)

@@ -255,6 +255,27 @@ def test_packed_staging_through_buffer_views(bk, vr):
     assert "Aw[" not in t and "Bw[" not in t and "As[" in t and "Bs[" in t
 
 
+
+def test_f16_operands_load_eight_at_once_with_packed_staging():
+    """f16 operands with packed staging: eight elements per 16-byte ``vec4<u32>`` load (A along
+    K, B along N), stored as they are into the ``vec4<u32>`` view; a transposed operand keeps
+    four per load and element stores."""
+    from meganeura.kernels.common import BUFFER_VIEW_FEATURE as BV
+
+    def emit(ta: bool):
+        rng = np.random.default_rng(0)
+        _, _, sa = _operand(rng, 1, 512, 256, ta, dtype=np.float16)
+        _, _, sb = _operand(rng, 1, 256, 512, False, dtype=np.float16)
+        return codegen.emit(MatmulKernel(1, 512, 512, 256, sa, sb, precision="fast",
+                                         out_dtype=f32), TC_LIMITS, TC_FEATURES | {BV}).wgsl
+
+    w = emit(False)
+    assert w.count("array<vec4<u32>>;") == 2 and "Aq[" in w and "Bq[" in w
+    assert re.search(r"ar0 = b0\[\(.*\) / 8u\];", w)
+    t = emit(True)
+    assert "Aq[" not in t and "Bq[" in t and "var ar0: vec4<f16>;" in t
+
+
 def test_half_staging_registers():
     """Option bit 8: f32 operands rounded to f16 as they are loaded (registers vec4<f16>, the
     binding still vec4<f32>); scalar loads keep f32 registers."""

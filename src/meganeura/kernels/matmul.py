@@ -262,7 +262,7 @@ def _decls(bd: Bindings, ops, acc_t) -> list[str]:
     for o in ops:
         if o.w > 1:
             var = bd.name(o.slot)
-            lines = [ln.replace(f"{var}: array<{o.bt}>", f"{var}: array<vec4<{o.bt}>>")
+            lines = [ln.replace(f"{var}: array<{o.elem}>", f"{var}: array<vec4<{o.bt}>>")
                      for ln in lines]
     return lines
 
@@ -471,7 +471,7 @@ class _Operand:
     (``k_fast``: along K), so neighbouring invocations read neighbouring addresses."""
 
     def __init__(self, c: _Ctx, which: str, T: int, bk: int, nthreads: int, want_vec: bool,
-                 f16_vec: bool = False, rt16: bool = False):
+                 f16_vec: bool = False, rt16: bool = False, wide: bool = False):
         self.which, self.T, self.bk = which, T, bk
         self.arr, self.p = ("As", "a") if which == "a" else ("Bs", "b")
         _, s_x, s_k = (c.sa if which == "a" else (c.sb[0], c.sb[2], c.sb[1]))
@@ -479,12 +479,18 @@ class _Operand:
         self.k_fast = not (s_x == 1 and s_k != 1)
         self.dim = c.M if which == "a" else c.N
         self.slot = 0 if which == "a" else 1
-        self.w = 4 if want_vec and _vec_ok(c, which, self, f16_vec) and (
-            T * bk // 4) % nthreads in (0, T * bk // 4) else 1
+        self.w = 1
+        for w in ((8, 4) if wide and c.op_dt is f16 and (which == "a") == self.k_fast else (4,)):
+            if want_vec and _vec_ok(c, which, self, f16_vec, w) and (
+                    T * bk // w) % nthreads in (0, T * bk // w):
+                self.w = w
+                break
         # element types of vec4 loads in the binding (bt) and the registers (rt): f16 operands
-        # stay f16 (``f16_vec``); ``rt16`` rounds f32 operands to f16 as they are loaded
-        self.bt = c.op_dt.wgsl if self.w > 1 else c.acc_t.wgsl
-        self.rt = "f16" if rt16 and self.w > 1 else self.bt
+        # stay f16 (``f16_vec``); ``rt16`` rounds f32 operands to f16 as they are loaded;
+        # ``wide`` (w = 8): eight f16 as one vec4<u32> (16-byte loads, staged as they are)
+        self.elem = c.op_dt.wgsl if self.w > 1 else c.acc_t.wgsl  # the binding's scalar
+        self.bt = "u32" if self.w == 8 else self.elem
+        self.rt = "f16" if rt16 and self.w == 4 else self.bt
         self.items = T * bk // self.w  # loads per step; fewer than invocations: some idle
         self.n = max(1, self.items // nthreads)
         self.part = self.items < nthreads
@@ -501,10 +507,11 @@ class _Operand:
             L += [f"{ind}let {self.p}x{l} = {x};", f"{ind}let {self.p}k{l} = {kx};"]
 
 
-def _vec_ok(c: _Ctx, which: str, o: _Operand, f16_vec: bool = False) -> bool:
-    """vec4 loads need f32 elements (or f16 with ``f16_vec``), the contiguous axis of stride 1
-    and every other stride, the offset, the bound range and the contiguous extent multiples of
-    4, and a binding no other slot shares (its declared element type changes)."""
+def _vec_ok(c: _Ctx, which: str, o: _Operand, f16_vec: bool = False, m: int = 4) -> bool:
+    """vec4 loads (of ``m`` elements) need f32 elements (or f16 with ``f16_vec``), the
+    contiguous axis of stride 1 and every other stride, the offset, the bound range and the
+    contiguous extent multiples of ``m``, and a binding no other slot shares (its declared
+    element type changes)."""
     v = c.a if which == "a" else c.b
     sbatch = (c.sa if which == "a" else c.sb)[0]
     other = o.s_x if o.k_fast else o.s_k
@@ -514,8 +521,8 @@ def _vec_ok(c: _Ctx, which: str, o: _Operand, f16_vec: bool = False) -> bool:
     alias = c.bd.alias
     shared = any(alias[i] == alias[slot] for i in range(len(alias)) if i != slot)
     elem_ok = c.op_dt is f32 or (f16_vec and c.op_dt is f16)
-    return (elem_ok and contig == 1 and other % 4 == 0 and sbatch % 4 == 0
-            and v.offset % 4 == 0 and v.extent % 4 == 0 and ext % 4 == 0 and not shared)
+    return (elem_ok and contig == 1 and other % m == 0 and sbatch % m == 0
+            and v.offset % m == 0 and v.extent % m == 0 and ext % m == 0 and not shared)
 
 
 def _load_items(c: _Ctx, out: list[str], ii: str, o: _Operand, check_mn: bool, check_k: bool,
@@ -531,7 +538,7 @@ def _load_items(c: _Ctx, out: list[str], ii: str, o: _Operand, check_mn: bool, c
         x, kx = f"{o.p}x{l}", f"{o.p}k{l}"
         idx = f"{o.p}base + " + index_code([f"({origin} + {x})", f"(kb + {kx})"],
                                            [o.s_x, o.s_k])
-        val = (f"{c.bd.name(o.slot)}[({idx}) / 4u]" if o.w > 1 else c.read(o.which, idx))
+        val = (f"{c.bd.name(o.slot)}[({idx}) / {u(o.w)}]" if o.w > 1 else c.read(o.which, idx))
         if o.w > 1 and o.rt != o.bt:
             val = f"vec4<{o.rt}>({val})"
         conds = [f"{origin} + {x} < {u(o.dim)}"] if check_mn and not full else []
@@ -559,9 +566,11 @@ def _store_items(out: list[str], ii: str, o: _Operand, sh, conv, packed=None) ->
         ii += "    "
     for l in range(o.n):
         x, kx, r = f"{o.p}x{l}", f"{o.p}k{l}", f"{o.p}r{l}"
-        dst = packed(o.arr, kx, x, o.k_fast) if packed is not None and o.w == 4 else None
+        dst = packed(o.arr, kx, x, o.k_fast, o.w) if packed is not None and o.w > 1 else None
+        if dst is None and o.w == 8:
+            raise CodegenError("eight-f16 loads need a packed staging layout")
         if dst is not None:
-            pk = (f"bitcast<vec2<u32>>({r})" if o.rt == "f16" else
+            pk = (r if o.w == 8 else f"bitcast<vec2<u32>>({r})" if o.rt == "f16" else
                   f"vec2<u32>(pack2x16float({r}.xy), pack2x16float({r}.zw))")
             out.append(f"{ii}{dst} = {pk};")
             continue
@@ -622,9 +631,9 @@ def _k_loop(c: _Ctx, L: list[str], ind: str, bk: int, edges: bool, live_check: b
 
 
 def _operands(c: _Ctx, L: list[str], ind: str, TM: int, TN: int, bk: int, nthreads: int,
-              vec: bool, f16_vec: bool = False, rt16: bool = False):
+              vec: bool, f16_vec: bool = False, rt16: bool = False, wide: bool = False):
     """Both operands' staging plans, their per-invocation coordinates and registers."""
-    ops = [_Operand(c, w, T, bk, nthreads, vec, f16_vec, rt16)
+    ops = [_Operand(c, w, T, bk, nthreads, vec, f16_vec, rt16, wide)
            for w, T in (("a", TM), ("b", TN))]
     for o in ops:
         if o.items > nthreads and o.items % nthreads:

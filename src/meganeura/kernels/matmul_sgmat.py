@@ -55,6 +55,9 @@ BS_PAD = 16  # ``CONST`` B strips: padding after each strip (strips start on dif
 # buffer view of the workgroup tiles where the device's WGSL has ``buffer_view``
 # (``BUFFER_VIEW_FEATURE``); four 2-byte f16 stores otherwise
 PACKED = True
+# with packed staging, f16 operands load eight elements at once (one 16-byte ``vec4<u32>``,
+# A along K, B along N) and store them as they are (one 16-byte store)
+WIDE = True
 FRAG_L = "subgroup_matrix_left<f16, 16, 16>"
 FRAG_R = "subgroup_matrix_right<f16, 16, 16>"
 FRAG_C = "subgroup_matrix_result<f32, 16, 16>"
@@ -82,7 +85,7 @@ def sgmat(c, t, g):
     grid, live_check, full_m, full_n = _tile_start(c, t, g, L, ind)
     L += [f"{ind}var c{i}_{j} = {FRAG_C}();" for i in range(FM) for j in range(FN)]
     ops = _operands(c, L, ind, TM, TN, BK, nthreads, bool(g.vl), f16_vec=True,
-                    rt16=bool(g.vr & HALF))
+                    rt16=bool(g.vr & HALF), wide=WIDE and lay.packed)
 
     edges = not (full_m and full_n) or live_check
     if db:
@@ -187,7 +190,8 @@ class _Layout:
         out = []
         for arr, n in (("As", nb * self.units[0]), ("Bs", nb * self.units[1])):
             out += [f"    let {arr} = bufferView<array<f16, {n}>>(&{arr}B, 0u);",
-                    f"    let {arr[0]}w = bufferView<array<vec2<u32>, {n // 4}>>(&{arr}B, 0u);"]
+                    f"    let {arr[0]}w = bufferView<array<vec2<u32>, {n // 4}>>(&{arr}B, 0u);",
+                    f"    let {arr[0]}q = bufferView<array<vec4<u32>, {n // 8}>>(&{arr}B, 0u);"]
         return out
 
     def decls(self, nb: int) -> tuple[list[str], int]:
@@ -228,10 +232,13 @@ class _Layout:
         if not self.packed:
             return None
 
-        def f(arr, kx, x, along_k: bool):
+        def f(arr, kx, x, along_k: bool, w: int = 4):
+            view = f"{arr[0]}{'q' if w == 8 else 'w'}"  # vec4<u32> / vec2<u32> elements
             if arr == "As":  # rows of A are K-contiguous
-                return f"Aw[({off}({x}) * {u(self.astr)} + {kx}) / 4u]" if along_k else None
-            return None if along_k else f"Bw[({off}({kx}) * {u(self.bstr)} + {x}) / 4u]"
+                return (f"{view}[({off}({x}) * {u(self.astr)} + {kx}) / {u(w)}]" if along_k
+                        else None)
+            return (None if along_k else
+                    f"{view}[({off}({kx}) * {u(self.bstr)} + {x}) / {u(w)}]")
         return f
 
     def _frag(self, which: str, off: str, i: int, kk: int) -> str:
