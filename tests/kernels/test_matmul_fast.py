@@ -256,11 +256,15 @@ def test_packed_staging_through_buffer_views(bk, vr):
 
 
 
-def test_f16_operands_load_eight_at_once_with_packed_staging():
-    """f16 operands with packed staging: eight elements per 16-byte ``vec4<u32>`` load (A along
-    K, B along N), stored as they are into the ``vec4<u32>`` view; a transposed operand keeps
-    four per load and element stores."""
+def test_f16_operands_load_eight_at_once_with_packed_staging(monkeypatch):
+    """``matmul_sgmat.WIDE`` (off by default: slower on the H200) with f16 operands and packed
+    staging: eight elements per 16-byte ``vec4<u32>`` load (A along K, B along N), stored as
+    they are into the ``vec4<u32>`` view; a transposed operand keeps four per load and element
+    stores."""
+    from meganeura.kernels import matmul_sgmat
     from meganeura.kernels.common import BUFFER_VIEW_FEATURE as BV
+
+    monkeypatch.setattr(matmul_sgmat, "WIDE", True)
 
     def emit(ta: bool):
         rng = np.random.default_rng(0)

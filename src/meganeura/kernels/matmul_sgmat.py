@@ -56,8 +56,10 @@ BS_PAD = 16  # ``CONST`` B strips: padding after each strip (strips start on dif
 # (``BUFFER_VIEW_FEATURE``); four 2-byte f16 stores otherwise
 PACKED = True
 # with packed staging, f16 operands load eight elements at once (one 16-byte ``vec4<u32>``,
-# A along K, B along N) and store them as they are (one 16-byte store)
-WIDE = True
+# A along K, B along N) and store them as they are (one 16-byte store).  Off: slower on the
+# H200 (4096³ f16, 128x256 k32: 230.4 TFLOP/s against 243.0 with four per load;
+# docs/rejected-optimizations.md); kept selectable for re-measurement
+WIDE = False
 FRAG_L = "subgroup_matrix_left<f16, 16, 16>"
 FRAG_R = "subgroup_matrix_right<f16, 16, 16>"
 FRAG_C = "subgroup_matrix_result<f32, 16, 16>"
@@ -190,8 +192,10 @@ class _Layout:
         out = []
         for arr, n in (("As", nb * self.units[0]), ("Bs", nb * self.units[1])):
             out += [f"    let {arr} = bufferView<array<f16, {n}>>(&{arr}B, 0u);",
-                    f"    let {arr[0]}w = bufferView<array<vec2<u32>, {n // 4}>>(&{arr}B, 0u);",
-                    f"    let {arr[0]}q = bufferView<array<vec4<u32>, {n // 8}>>(&{arr}B, 0u);"]
+                    f"    let {arr[0]}w = bufferView<array<vec2<u32>, {n // 4}>>(&{arr}B, 0u);"]
+            if WIDE:
+                out.append(f"    let {arr[0]}q = bufferView<array<vec4<u32>, {n // 8}>>"
+                           f"(&{arr}B, 0u);")
         return out
 
     def decls(self, nb: int) -> tuple[list[str], int]:
