@@ -13,11 +13,13 @@ from meganeura.dtypes import f16, f32
 from meganeura.errors import LimitError
 from meganeura.kernels import CodegenError, Instr, MatmulKernel, Strided
 from meganeura.kernels.matmul import (
+    NAMED,
     SG_FEATURE,
     SGMAT,
     TC_EXTRAS,
     TC_LADDER,
     Cfg,
+    choose_config,
     choose_variant,
     config_name,
 )
@@ -56,6 +58,21 @@ def test_fast_picks_tensor_cores_only_where_the_device_has_them():
     assert s.meta["variant"].startswith("tiled")
     # gemv shapes stay gemv (memory-bound; tensor cores do not help)
     assert codegen.emit(_desc(1, 1, 512, 64), TC_LIMITS, TC_FEATURES).meta["variant"] == "gemv"
+
+
+def test_short_k_keeps_big_gemms_strict():
+    """K of at most TC_SHORT_K on a tensor-core tile bigger than 64x64 takes the strict tiles
+    (SmolLM2's LM-head weight gradient); short-K GEMMs on the small tensor-core tiles and
+    long-K ones keep tensor cores."""
+    from meganeura.kernels.matmul import TC_SHORT_K
+
+    assert choose_config(1, 49152, 576, 128, tensor_cores=True).kind == "tiled"
+    assert choose_config(1, 4096, 720, 50, tensor_cores=True).kind == "tiled"
+    assert choose_config(1, 720, 2048, 50, tensor_cores=True) == NAMED["sgmat64"]
+    assert choose_config(1, 49152, 576, TC_SHORT_K + 1, tensor_cores=True).kind == "sgmat"
+    assert choose_config(1, 4096, 4096, 4096, tensor_cores=True).tm == 128
+    spec = codegen.emit(_desc(1, 4096, 720, 50), TC_LIMITS, TC_FEATURES)
+    assert spec.meta["variant"].startswith("tiled")
 
 
 def test_variant_choice_and_errors():

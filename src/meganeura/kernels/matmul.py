@@ -148,6 +148,12 @@ LONG_K = 384
 # smaller ones run faster on the strict kernels, which split K (H200: 1x128x576x960 62 µs on
 # tensor cores against 13.5–17 µs strict)
 TC_MIN_TILES = 64
+# ... and not with K this short on a tensor-core tile bigger than 64x64: a few K steps cannot
+# pay for the f16 staging and the result scratch (H200, Dawn, in the training steps,
+# bench/fast_vs_strict.py: SmolLM2's LM-head weight gradient 1x49152x576x128 +add 654.5 µs on
+# 128x256 against 227.5 strict; SmolVLA's 1x4096x720x50 490.3 on 128x64 against 424.9; the
+# 64x64 / 32x64 tiles at K 50 win: 1x720x2048x50 270.5 against 316.5)
+TC_SHORT_K = 128
 GEMV_MAX = 4  # M or N up to this use the gemv variant
 # the device's pseudo-feature for that (runtime.device derives it from Dawn's configs)
 SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
@@ -348,8 +354,12 @@ def choose_config(B: int, M: int, N: int, K: int, tensor_cores: bool = False) ->
     for g in ladder:
         fill = FILL_WORKGROUPS_LONG_K if long_k and g.tm * g.tn > 64 * 64 else FILL_WORKGROUPS
         if B * -(-M // g.tm) * -(-N // g.tn) >= fill:
-            return g
-    return ladder[-1]
+            break
+    else:
+        g = ladder[-1]
+    if tensor_cores and K <= TC_SHORT_K and g.tm * g.tn > 64 * 64:
+        return choose_config(B, M, N, K, tensor_cores=False)
+    return g
 
 
 def choose_variant(B: int, M: int, N: int, K: int, forced: str = "", name: str = "",
