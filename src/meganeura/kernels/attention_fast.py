@@ -36,9 +36,12 @@ the op picks its chunk count for the strict kernel.
 
 ``LEAN``: tiles wholly inside the key range take an unmasked copy of the softmax, and scores
 are in log2 units (log2 e folded into Q's scale, ``exp2``).  ``O_SHARED`` and
-``SPLIT_PREFETCH`` (off, not yet measured) are layouts with fewer registers: the kernel uses
-all 255 of a 128-invocation workgroup (``bench/pipeline_stats.py``), so 2 workgroups fit on
-an SM.
+``SPLIT_PREFETCH`` (off) are layouts with fewer registers: the kernel uses all 255 of a
+128-invocation workgroup (``bench/pipeline_stats.py``), so 2 workgroups fit on an SM.  On the
+H200 neither paid: O in workgroup memory got (4, 32) down to 114 registers (97 with the split
+prefetch) but ran 153.3 µs against 106.1; the split prefetch alone 248 registers, 105.7 µs
+(docs/rejected-optimizations.md).  ``PACKED`` (on where the device has buffer views) stages
+Q/K/V with one 8-byte store per four values: 105.8 against 106.2 µs, neutral.
 
 H200 (Dawn, (1, 6, 1500, 64), key chunks + combine): 290.0 µs before this design, 132.7 with
 the layout, prefetch and single P loads (3 chunks), 117.6 with two row blocks and 32-key tiles,
@@ -70,8 +73,8 @@ ROW_BLOCKS = 2  # 16-row blocks per subgroup: each staged K/V tile serves ROW_BL
 GROUP_KEYS = 512
 PREFETCH = True  # K/V of tile t + 1 loaded into registers during tile t (stored after it)
 # K of tile t + 1 stored as soon as the tile's scores are done, V of t + 1 loaded only then:
-# the two sets of prefetch registers are never live together (16 fewer at the peak for
-# (4, 32)); not measured yet
+# the two sets of prefetch registers are never live together.  H200: 248 registers at (4, 64)
+# (255 without), 105.7 µs against 106.2: neutral, off
 SPLIT_PREFETCH = False
 # timing only (wrong results): phases of the key loop left out, to see what each one costs
 # (bench/attention_bench.py --fast-ab no-<phase>)
@@ -85,7 +88,8 @@ LEAN = True
 # O in workgroup memory instead of registers (one row block per subgroup; each tile's P·V
 # loads O's result fragments, accumulates and stores them back; the row max is refreshed only
 # when it grows by more than ``O_TAU`` (log2 units: P <= 2^8 in f16), O then rescaled in place
-# by its lanes).  64 fewer registers than two row blocks in registers; not measured yet.
+# by its lanes).  H200: 114 registers at (4, 32) but 153.3 µs against 106.1 (the O round trip
+# through workgroup memory lengthens every tile more than the extra warps hide); off.
 O_SHARED = False
 O_TAU = 8.0
 # K, V and Q staged with one packed 8-byte store per four values (``vec2<u32>`` of
@@ -159,7 +163,8 @@ def pays_dims(Hq: int, Hkv: int, Sq: int, Skv: int, D: int, Dv: int) -> bool:
 # (H200: two resident workgroups per SM at 255 registers, 132 SMs; Whisper (1, 6, 1500, 64) at
 # 3 chunks (216 workgroups) 106.1 µs, at the strict kernel's 6 (walked in pairs) 127.4, at 4
 # (288) 127.3).  A layout with fewer registers (more resident workgroups) wants a larger wave:
-# ``O_SHARED`` assumes 4 per SM (<= 128 registers, 44.5 KiB; not measured yet).
+# ``O_SHARED`` (114 registers measured: 4 per SM) 512; it ran 153.3 / 153.5 / 179.7 µs at
+# 3 / 4 / 6 chunks.
 FAST_WAVE_WGS = 256
 FAST_WAVE_WGS_O_SHARED = 512
 
