@@ -29,7 +29,9 @@ def _profile(w, dev, precision: str, inference: bool, steps: int) -> dict:
         sess = mn.compile(w.graph, loss=w.loss, outputs={}, optimizer=optim.SGD(lr=1e-4),
                           device=dev, precision=precision)
     sess.set_params(w.params)
-    prof = sess.profile(steps=steps, inference=inference, **w.feeds)
+    wanted = sess.infer_feeds if inference else sess.train_feeds  # inference: no labels
+    prof = sess.profile(steps=steps, inference=inference,
+                        **{k: v for k, v in w.feeds.items() if k in wanted})
     ex = sess.infer if inference else sess.train
     variants = {d.label: d.spec.meta.get("variant", "") for d in ex.stream.dispatches}
     out = {k.label: (k.total_ns / 1e3 / steps, variants.get(k.label, "")) for k in prof.kernels}

@@ -342,3 +342,24 @@ else:
     msg = out.stdout.strip().splitlines()[-1]
     assert msg.startswith("DeviceError:"), msg
     assert "no Vulkan, Metal or D3D12 adapter" in msg and "mesa-vulkan-drivers" in msg, msg
+
+
+def test_buffer_view_probe(dev):
+    """The WGSL ``buffer_view`` probe: a device whose compiler rejects the module (wgpu-native's
+    naga has no buffer views) reports no feature and raises nothing; one that compiles it does.
+    Only Dawn devices with subgroup matrices are asked (the packed staging's only users)."""
+    from meganeura.kernels.common import BUFFER_VIEW_FEATURE
+
+    class Accepts:
+        def create_shader_module(self, code):
+            assert code.startswith("requires buffer_view;")
+
+    class Rejects:
+        def create_shader_module(self, code):
+            raise RuntimeError("unknown language extension 'buffer_view'")
+
+    assert devmod._has_buffer_view(Accepts()) and not devmod._has_buffer_view(Rejects())
+    if dev.implementation == "wgpu":
+        assert not devmod._has_buffer_view(dev.device)
+    if devmod.SUBGROUP_MATRIX_F16 not in dev.features:
+        assert BUFFER_VIEW_FEATURE not in dev.features
