@@ -321,7 +321,7 @@ def _ablated(spec, what: str):
 
     head, loop = spec.wgsl.split("for (var k0", 1)
     pat = r"^\s+[ab]r\d+ = b[01]\[.*$" if what == "noload" else \
-        r"^\s+([ab]r\d+ = b[01]\[|[AB]s\[).*$"
+        r"^\s+([ab]r\d+ = b[01]\[|[AB][swq]\[).*$"  # element or packed stores
     loop = re.sub(pat, "", loop, flags=re.M)
     return dataclasses.replace(spec, wgsl=head + "for (var k0" + loop)
 
