@@ -59,9 +59,16 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ..dtypes import f32
-from .common import BUFFER_VIEW_FEATURE, CodegenError, make_grid, u
+from .common import (
+    BUFFER_VIEW_FEATURE,
+    SG_FEATURE,
+    CodegenError,
+    make_grid,
+    pack_f16x4,
+    packed_staging,
+    u,
+)
 
-SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
 PAD = 8  # f16 elements of padding per staged row (rows stay 16-byte aligned)
 # (subgroups per workgroup, keys per tile), heuristic first (H200, Whisper, lean softmax:
 # (4, 64) 106.1 µs at 3 chunks, 127.3 at 6; (4, 32) 116.7 / 134.0)
@@ -229,7 +236,7 @@ def fast_body(g, t) -> list[str]:
     qs, vs = D + PAD, Dv + PAD
     sw, pst = _strides(bk, Dv)
     g.wg, g.fast_rows = 32 * nsg, bq
-    g.fast_packed = PACKED and BUFFER_VIEW_FEATURE in t.features and D % 4 == 0 == Dv % 4
+    g.fast_packed = PACKED and BUFFER_VIEW_FEATURE in t.features
     L: list[str] = []
     for name, n in (("Kh", max(sq, bk) * qs), ("Vh", bk * vs)):
         g.shared += _staging_decl(g, name, n, L)
@@ -402,15 +409,14 @@ def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0,
 
 
 def _staging_decl(g, name: str, n: int, lets: list[str]) -> list[str]:
-    """The workgroup declaration of f16 staging array ``name`` of ``n`` elements.  Packed
-    (``g.fast_packed``): a ``buffer`` with two views made at the top of the body (appended to
-    ``lets``): ``name`` as ``array<f16>`` (fragment loads) and ``name`` with ``w`` for ``h``
-    as ``array<vec2<u32>>`` (the staging stores)."""
+    """The workgroup declaration of f16 staging array ``name`` of ``n`` elements; packed
+    (``g.fast_packed``): ``common.packed_staging``, its views' lines appended to ``lets``
+    (``name`` for the fragment loads, ``Kw`` / ``Vw`` for the stores)."""
     if not g.fast_packed:
         return [f"var<workgroup> {name}: array<f16, {n}>;"]
-    lets += [f"    let {name} = bufferView<array<f16, {n}>>(&{name}B, 0u);",
-             f"    let {name[0]}w = bufferView<array<vec2<u32>, {n // 4}>>(&{name}B, 0u);"]
-    return [f"var<workgroup> {name}B: buffer<{2 * n}>;"]
+    decl, views = packed_staging(name, n)
+    lets += views
+    return [decl]
 
 
 def _ref(g, name: str) -> str:
@@ -423,8 +429,7 @@ def _f16_stores(g, ind, arr, stride, w, r) -> list[str]:
     """Row ``rr``, unit ``uu`` (``w`` values of register ``r``) rounded to f16 into staging
     array ``arr`` of row stride ``stride``: one packed store with buffer views, else ``w``."""
     if g.fast_packed and w == 4:
-        pk = f"vec2<u32>(pack2x16float({r}.xy), pack2x16float({r}.zw))"
-        return [f"{ind}{arr[0]}w[rr * {u(stride // 4)} + uu] = {pk};"]
+        return [f"{ind}{arr[0]}w[rr * {u(stride // 4)} + uu] = {pack_f16x4(r)};"]
     return [f"{ind}{arr}[rr * {u(stride)} + uu * {u(w)} + {u(c)}] = "
             f"f16({r if w == 1 else f'{r}[{c}]'});" for c in range(w)]
 

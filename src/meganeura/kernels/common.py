@@ -41,6 +41,32 @@ WG = 256  # invocations per workgroup of the one-invocation-per-element kernels
 # and read as ``array<f16>`` (subgroup-matrix loads included): one 8-byte store per four f16
 # instead of four 2-byte stores.  Detected by compiling a probe module (runtime/device.py).
 BUFFER_VIEW_FEATURE = "meganeura-wgsl-buffer-view"
+# Pseudo-feature the tensor-core kernels key on: 16x16x16 f16 subgroup matrices with f32
+# accumulation at subgroup size 32 (runtime/device.py derives it from Dawn's adapter configs)
+SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
+# packed views of a staging buffer: suffix -> (element type, f16 elements per element)
+_PACKED_VIEWS = {"w": ("vec2<u32>", 4), "q": ("vec4<u32>", 8)}
+
+
+def packed_staging(name: str, n: int, views: Sequence[str] = ("w",),
+                   ind: str = "    ") -> tuple[str, list[str]]:
+    """An f16 staging array ``name`` of ``n`` elements written packed (``BUFFER_VIEW_FEATURE``):
+    its workgroup ``buffer`` declaration and the body's first lines, the views ``name``
+    (``array<f16, n>``, what fragment loads take: already a pointer) and, per suffix of
+    ``views``, ``name[0] + suffix`` (``w``: ``vec2<u32>``, four f16 each; ``q``:
+    ``vec4<u32>``, eight)."""
+    lets = [f"{ind}let {name} = bufferView<array<f16, {n}>>(&{name}B, 0u);"]
+    for v in views:
+        t, per = _PACKED_VIEWS[v]
+        lets.append(f"{ind}let {name[0]}{v} = bufferView<array<{t}, {n // per}>>(&{name}B, 0u);")
+    return f"var<workgroup> {name}B: buffer<{2 * n}>;", lets
+
+
+def pack_f16x4(reg: str, f16_reg: bool = False) -> str:
+    """The ``vec2<u32>`` of vec4 register ``reg`` rounded to f16 (a bitcast if it holds f16)."""
+    if f16_reg:
+        return f"bitcast<vec2<u32>>({reg})"
+    return f"vec2<u32>(pack2x16float({reg}.xy), pack2x16float({reg}.zw))"
 
 
 class CodegenError(MeganeuraError, ValueError):

@@ -35,6 +35,7 @@ from ..dtypes import DType, f16, f32
 from ..errors import LimitError
 from .archetypes import kernel_family
 from .common import (
+    SG_FEATURE,  # noqa: F401  (re-exported: the tensor-core tiles' feature)
     Bindings,
     CodegenError,
     bcast_strides,
@@ -51,6 +52,7 @@ from .common import (
     make_target,
     module_header,
     module_source,
+    pack_f16x4,
     pow2ceil,
     store_value,
     u,
@@ -155,8 +157,6 @@ TC_MIN_TILES = 64
 # 64x64 / 32x64 tiles at K 50 win: 1x720x2048x50 270.5 against 316.5)
 TC_SHORT_K = 128
 GEMV_MAX = 4  # M or N up to this use the gemv variant
-# the device's pseudo-feature for that (runtime.device derives it from Dawn's configs)
-SG_FEATURE = "meganeura-subgroup-matrix-f16-16x16x16-sg32"
 GEMV_THREADS = 256
 GEMV_UNROLL = 4
 MAX_CANDIDATES = 10
@@ -580,9 +580,7 @@ def _store_items(out: list[str], ii: str, o: _Operand, sh, conv, packed=None) ->
         if dst is None and o.w == 8:
             raise CodegenError("eight-f16 loads need a packed staging layout")
         if dst is not None:
-            pk = (r if o.w == 8 else f"bitcast<vec2<u32>>({r})" if o.rt == "f16" else
-                  f"vec2<u32>(pack2x16float({r}.xy), pack2x16float({r}.zw))")
-            out.append(f"{ii}{dst} = {pk};")
+            out.append(f"{ii}{dst} = {r if o.w == 8 else pack_f16x4(r, o.rt == 'f16')};")
             continue
         whole = sh(o.arr, kx, x, True) if o.w > 1 and not o.k_fast else None
         if whole is not None and conv is None:

@@ -47,7 +47,7 @@ shape, stride and epilogue works).
 from __future__ import annotations
 
 from ..dtypes import f16
-from .common import BUFFER_VIEW_FEATURE, CodegenError, make_grid, u
+from .common import BUFFER_VIEW_FEATURE, CodegenError, make_grid, packed_staging, u
 
 DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL = 1, 2, 4, 8, 16, 32, 64, 128  # Cfg.vr bits
 SWZ_ROWS = 8  # tile rows per rasterization group
@@ -192,21 +192,18 @@ class _Layout:
         tiles."""
         if not self.packed:
             return []
-        out = []
-        for arr, n in (("As", nb * self.units[0]), ("Bs", nb * self.units[1])):
-            out += [f"    let {arr} = bufferView<array<f16, {n}>>(&{arr}B, 0u);",
-                    f"    let {arr[0]}w = bufferView<array<vec2<u32>, {n // 4}>>(&{arr}B, 0u);"]
-            if WIDE:
-                out.append(f"    let {arr[0]}q = bufferView<array<vec4<u32>, {n // 8}>>"
-                           f"(&{arr}B, 0u);")
-        return out
+        return [ln for arr, n in self._arrays(nb)
+                for ln in packed_staging(arr, n, ("w", "q") if WIDE else ("w",))[1]]
+
+    def _arrays(self, nb: int) -> tuple[tuple[str, int], ...]:
+        """(name, f16 elements) of the flat layout's two tiles for ``nb`` buffers."""
+        return (("As", nb * self.units[0]), ("Bs", nb * self.units[1]))
 
     def decls(self, nb: int) -> tuple[list[str], int]:
         """The workgroup arrays for ``nb`` buffers and their bytes."""
         if self.packed:
-            a, b = nb * self.units[0], nb * self.units[1]
-            return ([f"var<workgroup> AsB: buffer<{2 * a}>;",
-                     f"var<workgroup> BsB: buffer<{2 * b}>;"], 2 * (a + b))
+            return ([packed_staging(arr, n)[0] for arr, n in self._arrays(nb)],
+                    2 * sum(n for _, n in self._arrays(nb)))
         if not self.blk:
             a, b = nb * self.units[0], nb * self.units[1]
             return ([f"var<workgroup> As: array<f16, {a}>;",
