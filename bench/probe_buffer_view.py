@@ -4,7 +4,7 @@ matrices load from a workgroup ``buffer`` written through a packed (``vec4<u32>`
 That would let the tensor-core kernels stage f16 tiles with one 16-byte workgroup store per 8
 values instead of eight 2-byte stores (``array<f16>`` cannot be written packed in plain WGSL).
 
-    python3 bench/probe_buffer_view.py            # MEGANEURA_WEBGPU is ignored: Dawn only
+    python3 bench/probe_buffer_view.py [dawn|wgpu]      (default dawn)
 
 Prints one line per probe (ok / the error's first line) and exits 0 either way.
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+
+from meganeura.dtypes import f32
 
 PACKED = """
 requires buffer_view;
@@ -64,32 +66,21 @@ fn main(@builtin(local_invocation_index) i: u32) {
 
 
 def _run(dev, src: str, inputs: list[np.ndarray], n_out: int) -> np.ndarray:
-    """Compile ``src``, bind ``inputs`` then one f32 output of ``n_out``, run one workgroup."""
-    wgpu = dev.module
-    d = dev.device
-    mod = d.create_shader_module(code=src)
-    pipe = d.create_compute_pipeline(layout="auto", compute={"module": mod, "entry_point": "main"})
-    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-    bufs = [d.create_buffer_with_data(data=a.astype(np.float32).tobytes(), usage=usage)
-            for a in inputs]
-    bufs.append(d.create_buffer(size=4 * n_out, usage=usage))
-    bg = d.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
-        {"binding": k, "resource": {"buffer": b, "offset": 0, "size": b.size}}
-        for k, b in enumerate(bufs)])
-    enc = d.create_command_encoder()
-    p = enc.begin_compute_pass()
-    p.set_pipeline(pipe)
-    p.set_bind_group(0, bg)
-    p.dispatch_workgroups(1, 1, 1)
-    p.end()
-    d.queue.submit([enc.finish()])
-    return np.frombuffer(d.queue.read_buffer(bufs[-1]), np.float32).copy()
+    """Compile ``src``, bind ``inputs`` (f32) then one f32 output of ``n_out``, run one
+    workgroup (the device's own dispatch helpers)."""
+    from meganeura.kernels import KernelSpec
+
+    spec = KernelSpec("probe", src, len(inputs) + 1, (1, 1, 1))
+    bufs = [dev.upload(np.ascontiguousarray(a, np.float32)) for a in inputs]
+    bufs.append(dev.create_buffer(4 * n_out))
+    dev.dispatch(spec, bufs)
+    return dev.read_array(bufs[-1], (n_out,), f32)
 
 
-def main() -> int:
+def main(backend: str = "dawn") -> int:
     from meganeura.runtime.device import get_device
 
-    dev = get_device("dawn")
+    dev = get_device(backend)
     print(f"device: {dev.adapter_name} ({dev.backend_type})")
     try:
         feats = sorted(dev.module.gpu.wgsl_language_features)
@@ -116,4 +107,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:2]))
