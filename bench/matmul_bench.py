@@ -513,6 +513,73 @@ PACKED_F16 = [None] + [Cfg("sgmat", *x) for x in (
     (128, 256, 2, 4, 32, 16), (256, 256, 4, 8, 16, 0), (128, 128, 2, 4, 32, 3))]
 
 
+def _interleaved(dev, timer, label, specs: dict, bufs, ref, rows, shape, rounds: int):
+    """Time every spec of ``specs`` (key -> KernelSpec) ``rounds`` times, interleaved (one
+    round over all, then the next: clock drift hits all alike); prints a line per spec
+    (best µs, TFLOP/s, every round, error against ``ref``) and returns {key: best seconds}."""
+    B, M, N, K = shape
+    flops = 2 * B * M * N * K
+    if not specs:
+        return {}
+    timer.warm([(next(iter(specs.values())), bufs)], 0.3)
+    times: dict = {key: [] for key in specs}
+    errs = {}
+    for _ in range(rounds):
+        for key, spec in specs.items():
+            try:
+                times[key].append(timer([(spec, bufs)]))
+            except Exception as e:  # noqa: BLE001 - a config the device rejects: go on
+                print(f"  {label} {key} FAILED {str(e)[:200]}", flush=True)
+                continue
+            y = dev.read_array(bufs[-1], (B, M, N), f32)[:, rows].astype(np.float64)
+            errs[key] = float(np.abs(y - ref).max() / np.abs(ref).max())
+    best = {}
+    for key, ts in times.items():
+        if not ts:
+            continue
+        best[key] = t = min(ts)
+        print(f"{label:22} {specs[key].meta['variant']:26} {str(key[1:]):14} "
+              f"{t * 1e6:9.1f} us {flops / t / 1e12:7.1f} TFLOP/s rounds "
+              f"{', '.join(f'{x * 1e6:.1f}' for x in ts)} err {errs.get(key, -1):.1e}",
+              flush=True)
+    return best
+
+
+def cfg_ab(dev, timer, rng, cfgs: list, rounds: int = 2, ablate: bool = True) -> None:
+    """``cfgs`` (None: the heuristic) at 4096³ with f32 and f16 operands, interleaved rounds;
+    with ``ablate`` also the heuristic tile without its K loop's global loads ("noload") and
+    without its staging ("nostage": fragment loads and products alone; wrong values, timing
+    only), which bound what better staging could gain."""
+    from dataclasses import replace
+
+    for M, N, K, B, dt in TC_SHAPES[:2]:
+        desc, bufs, ref, rows = _tc_problem(dev, rng, M, N, K, B, dt)
+        label = f"{B}x{M}x{N}x{K}{' f16' if dt is f16 else ''}"
+        specs = {}
+        for g in cfgs:
+            d = desc if g is None else replace(desc, config=tuple(g))
+            try:
+                specs[(g, "")] = codegen.emit(d, dev)
+            except Exception as e:  # noqa: BLE001 - report, go on
+                print(f"  {label} {g} FAILED {str(e)[:200]}", flush=True)
+        if ablate and (None, "") in specs:
+            for what in ("noload", "nostage"):
+                specs[(None, what)] = _ablated(specs[(None, "")], what)
+        _interleaved(dev, timer, label, specs, bufs, ref, rows, (B, M, N, K), rounds)
+
+
+def parse_cfgs(text: str) -> list:
+    """``--cfg-ab`` text: ``;``-separated sgmat configurations ``tm,tn,rm,rn,bk,vr`` (or
+    ``heur`` for the heuristic)."""
+    out = []
+    for part in text.split(";"):
+        part = part.strip()
+        if part:
+            out.append(None if part == "heur" else
+                       Cfg("sgmat", *(int(x) for x in part.split(","))))
+    return out
+
+
 def packed_ab(dev, timer, rng, rounds: int = 2, shapes=None, cfgs=None) -> None:
     """``PACKED_CFGS`` (None: the heuristic) with packed staging on and off, ``rounds``
     interleaved rounds per shape; one line per configuration: µs, TFLOP/s, error."""
@@ -522,7 +589,7 @@ def packed_ab(dev, timer, rng, rounds: int = 2, shapes=None, cfgs=None) -> None:
 
     for M, N, K, B, dt in shapes or TC_SHAPES[:3]:
         desc, bufs, ref, rows = _tc_problem(dev, rng, M, N, K, B, dt)
-        flops, label = 2 * B * M * N * K, f"{B}x{M}x{N}x{K}{' f16' if dt is f16 else ''}"
+        label = f"{B}x{M}x{N}x{K}{' f16' if dt is f16 else ''}"
         specs = {}
         for g in cfgs or PACKED_CFGS:
             d = desc if g is None else replace(desc, config=tuple(g))
@@ -532,27 +599,9 @@ def packed_ab(dev, timer, rng, rounds: int = 2, shapes=None, cfgs=None) -> None:
                     specs[(g, pk)] = codegen.emit(d, dev)
                 except Exception as e:  # noqa: BLE001 - report, go on
                     print(f"  {label} {g} packed={pk} FAILED {str(e)[:200]}", flush=True)
-        matmul_sgmat.PACKED = matmul_sgmat.WIDE = True
-        timer.warm([(next(iter(specs.values())), bufs)], 0.3)
-        times: dict = {key: [] for key in specs}
-        errs = {}
-        for _ in range(rounds):
-            for key, spec in specs.items():
-                try:
-                    times[key].append(timer([(spec, bufs)]))
-                except Exception as e:  # noqa: BLE001
-                    print(f"  {label} {key} FAILED {str(e)[:200]}", flush=True)
-                    continue
-                y = dev.read_array(bufs[-1], (B, M, N), f32)[:, rows].astype(np.float64)
-                errs[key] = float(np.abs(y - ref).max() / np.abs(ref).max())
-        for (g, pk), ts in times.items():
-            if not ts:
-                continue
-            t = min(ts)
-            print(f"{label:22} {specs[(g, pk)].meta['variant']:26} packed={pk} "
-                  f"{t * 1e6:9.1f} us {flops / t / 1e12:7.1f} TFLOP/s rounds "
-                  f"{', '.join(f'{x * 1e6:.1f}' for x in ts)} err {errs.get((g, pk), -1):.1e}",
-                  flush=True)
+        matmul_sgmat.PACKED, matmul_sgmat.WIDE = True, False  # the defaults again
+        keyed = {(g, f"packed={pk}"): sp for (g, pk), sp in specs.items()}
+        _interleaved(dev, timer, label, keyed, bufs, ref, rows, (B, M, N, K), rounds)
 
 
 def main() -> None:
@@ -563,6 +612,10 @@ def main() -> None:
     ap.add_argument("--tc-sweep", action="store_true")
     ap.add_argument("--packed-ab", action="store_true",
                     help="tensor-core configurations with packed staging on and off")
+    ap.add_argument("--cfg-ab", metavar="CFGS",
+                    help="tensor-core configurations 'tm,tn,rm,rn,bk,vr;...' ('heur': the "
+                         "heuristic) at 4096³ f32/f16 in interleaved rounds, with the "
+                         "heuristic's noload/nostage ablations")
     ap.add_argument("--sweep", action="store_true",
                     help="strict configurations at the workload GEMMs (WORKLOAD_GEMMS)")
     ap.add_argument("--out")
@@ -594,6 +647,8 @@ def main() -> None:
     timer, rng = Timer(dev), np.random.default_rng(0)
     if args.tc_sweep:
         return tc_sweep(dev, timer, rng, args.out)
+    if args.cfg_ab:
+        return cfg_ab(dev, timer, rng, parse_cfgs(args.cfg_ab))
     if args.packed_ab:
         if args.set == "f16":
             return packed_ab(dev, timer, rng, shapes=TC_SHAPES[1:2], cfgs=PACKED_F16)

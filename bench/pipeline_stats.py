@@ -121,20 +121,26 @@ MM_TILES = {(128, 256, 2, 4, 32, 0): 219.2, (128, 256, 2, 4, 32, 8): 164.2,
             (128, 256, 2, 4, 32, 32): 82.4}
 
 
+MM_CHOICE: dict = {"tiles": None, "dtype": "f32"}  # --mm-cfgs / --mm-f16
+
+
 def mm_specs(dev):
-    """(label, spec) of the tensor-core matmul tiles of ``MM_TILES`` at 4096³."""
-    from meganeura import kernels
-    from meganeura.dtypes import f32
+    """(label, spec) of the tensor-core matmul tiles of ``MM_TILES`` (or ``--mm-cfgs``) at
+    4096³, f32 operands (or f16 with ``--mm-f16``)."""
+    from meganeura import dtypes, kernels
     from meganeura.kernels import MatmulKernel, Strided
     from meganeura.kernels.matmul import Cfg
 
-    n = 4096
-    desc = MatmulKernel(1, n, n, n, Strided.contiguous(f32, (1, n, n)),
-                        Strided.contiguous(f32, (1, n, n)), precision="fast", out_dtype=f32)
+    n, dt = 4096, getattr(dtypes, MM_CHOICE["dtype"])
+    desc = MatmulKernel(1, n, n, n, Strided.contiguous(dt, (1, n, n)),
+                        Strided.contiguous(dt, (1, n, n)), precision="fast",
+                        out_dtype=dtypes.f32)
+    tiles = MM_CHOICE["tiles"] or {Cfg("sgmat", *c): f"{tf}TF" for c, tf in MM_TILES.items()}
     out = []
-    for cfg, tf in MM_TILES.items():
-        d = dataclasses.replace(desc, config=Cfg("sgmat", *cfg))
-        out.append((f"sgmat{cfg}-{tf}TF", kernels.emit(d, dev.limits, dev.features)))
+    for cfg, note in tiles.items():
+        d = dataclasses.replace(desc, config=cfg)
+        out.append((f"sgmat{tuple(cfg)[1:]}-{dt.name}-{note}",
+                    kernels.emit(d, dev.limits, dev.features)))
     return out
 
 
@@ -247,8 +253,16 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", default="dawn", help="dawn, or wgpu (lavapipe checks)")
     ap.add_argument("--toggles", default="", help="extra Dawn toggles, comma-separated (e.g. "
                     "disable_robustness)")
+    ap.add_argument("--mm-cfgs", help="mm set: these tensor-core configurations "
+                    "('tm,tn,rm,rn,bk,vr;...') instead of MM_TILES")
+    ap.add_argument("--mm-f16", action="store_true", help="mm set: f16 operands")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    if a.mm_cfgs:
+        from matmul_bench import parse_cfgs
+
+        MM_CHOICE["tiles"] = {c: "cfg" for c in parse_cfgs(a.mm_cfgs) if c is not None}
+    MM_CHOICE["dtype"] = "f16" if a.mm_f16 else "f32"
     from vk_stats import VulkanStats
 
     dump = tempfile.mkdtemp(prefix="mn-spirv-")

@@ -105,7 +105,8 @@ OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 3
                Cfg("sgmat", 128, 128, 2, 2, 16, 3), Cfg("sgmat", 128, 256, 2, 4, 16, 5),
                Cfg("sgmat", 64, 64, 2, 2, 32, 24), Cfg("sgmat", 128, 256, 2, 4, 48, 8),
                Cfg("sgmat", 64, 64, 2, 2, 32, 32), Cfg("sgmat", 64, 64, 2, 2, 16, 37),
-               Cfg("sgmat", 64, 128, 2, 2, 32, 96), Cfg("sgmat", 128, 64, 2, 2, 16, 99)]
+               Cfg("sgmat", 64, 128, 2, 2, 32, 96), Cfg("sgmat", 128, 64, 2, 2, 16, 99),
+               Cfg("sgmat", 128, 256, 2, 4, 32, 256), Cfg("sgmat", 64, 64, 2, 2, 16, 257 | 36)]
 
 
 def _loop_body(wgsl: str) -> str:
@@ -138,6 +139,23 @@ def test_option_bits_shape_the_code(vr):
         with pytest.raises(CodegenError, match="option bits"):
             codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=bad)), TC_LIMITS,
                          TC_FEATURES)
+
+
+@pytest.mark.parametrize("vr", [256, 256 | 3, 256 | 32])
+def test_b_fragments_streamed(vr):
+    """Option bit 256: per 16-deep slice the A fragments are loaded first, then each B
+    fragment right before the products that use it, so only one B fragment is live."""
+    g = Cfg("sgmat", 128, 256, 2, 4, 16 if vr & 1 else 32, vr)
+    spec = codegen.emit(_desc(1, 2048, 512, 96, config=g), TC_LIMITS, TC_FEATURES)
+    body = [ln.strip() for ln in _loop_body(spec.wgsl).splitlines()]
+    ops = [("a" if "matrix_left" in ln else "b" if "matrix_right" in ln else "m")
+           for ln in body if "subgroupMatrix" in ln]
+    slice_ops = "aaaa" + "bmmmm" * 4  # FM = FN = 4
+    assert "".join(ops) == slice_ops * (g.bk // 16)
+    assert spec.meta["variant"] == config_name(g) and config_name(g).endswith("o")
+    with pytest.raises(CodegenError, match="option bits"):  # not with one-at-a-time A
+        codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=vr | 16)), TC_LIMITS,
+                     TC_FEATURES)
 
 
 def test_results_go_straight_to_c_only_where_they_can():

@@ -19,6 +19,9 @@ stores; with f32 operands 219 either way.
 * ``HALF`` — f32 operands are rounded to f16 as they are loaded (vec4 loads only), so the
   prefetch registers hold half the bits (register pressure binds the big tiles);
 * ``LEAN`` — each A fragment is loaded right before its row of products (one live at a time);
+* ``BSTREAM`` — a slice's A fragments are loaded, then B's one at a time, each right before
+  its column of products: FM + 1 fragments live instead of FM + FN (the register file is what
+  the 128x256 tile runs out of: 254 registers);
 * ``SWZ`` — grouped rasterization: consecutive workgroups walk ``SWZ_ROWS`` tile rows column by
   column, so the operand tiles a wave of workgroups shares stay in L2;
 * ``CONST`` — constant fragment offsets: the workgroup tiles are arrays of 16-row (A) / 16-column
@@ -49,7 +52,7 @@ from __future__ import annotations
 from ..dtypes import f16
 from .common import BUFFER_VIEW_FEATURE, CodegenError, make_grid, packed_staging, u
 
-DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL = 1, 2, 4, 8, 16, 32, 64, 128  # Cfg.vr bits
+DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL, BSTREAM = 1, 2, 4, 8, 16, 32, 64, 128, 256  # vr
 SWZ_ROWS = 8  # tile rows per rasterization group
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 BS_ROW = 16 + SG_PAD  # ``CONST`` B strips: row stride (rows of a fragment on distinct banks)
@@ -263,7 +266,7 @@ class _Layout:
     def compute(self, out: list[str], ii: str, aoff: str, boff: str) -> None:
         """One BK-deep step, per 16-deep slice: the B fragments, then the A fragments and the
         products (``LEAN``: each A fragment right before its row of products, so one is live
-        at a time)."""
+        at a time; ``BSTREAM``: the A fragments, then each B fragment before its column)."""
         g, FM, FN = self.g, self.FM, self.FN
 
         def a_load(i: int, kk: int) -> str:
@@ -274,11 +277,20 @@ class _Layout:
             return [f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, b{j}_{kk}, "
                     f"c{i}_{j});" for j in range(FN)]
 
+        def b_load(j: int, kk: int) -> str:
+            return (f"{ii}let b{j}_{kk} = subgroupMatrixLoad<{FRAG_R}>("
+                    f"{self._frag('b', boff, j, kk)});")
+
         for kk in range(0, g.bk, 16):
             if not g.vr & LEAN:
                 out += [a_load(i, kk) for i in range(FM)]
-            out += [f"{ii}let b{j}_{kk} = subgroupMatrixLoad<{FRAG_R}>("
-                    f"{self._frag('b', boff, j, kk)});" for j in range(FN)]
+            if g.vr & BSTREAM:
+                for j in range(FN):
+                    out += [b_load(j, kk)] + [
+                        f"{ii}c{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}_{kk}, "
+                        f"b{j}_{kk}, c{i}_{j});" for i in range(FM)]
+                continue
+            out += [b_load(j, kk) for j in range(FN)]
             for i in range(FM):
                 out += ([a_load(i, kk)] if g.vr & LEAN else []) + row(i, kk)
 
