@@ -106,7 +106,8 @@ OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 3
                Cfg("sgmat", 64, 64, 2, 2, 32, 24), Cfg("sgmat", 128, 256, 2, 4, 48, 8),
                Cfg("sgmat", 64, 64, 2, 2, 32, 32), Cfg("sgmat", 64, 64, 2, 2, 16, 37),
                Cfg("sgmat", 64, 128, 2, 2, 32, 96), Cfg("sgmat", 128, 64, 2, 2, 16, 99),
-               Cfg("sgmat", 128, 256, 2, 4, 32, 256), Cfg("sgmat", 64, 64, 2, 2, 16, 257 | 36)]
+               Cfg("sgmat", 128, 256, 2, 4, 32, 256), Cfg("sgmat", 64, 64, 2, 2, 16, 257 | 36),
+               Cfg("sgmat", 128, 256, 2, 4, 32, 512), Cfg("sgmat", 64, 64, 2, 2, 32, 512 | 258)]
 
 
 def _loop_body(wgsl: str) -> str:
@@ -156,6 +157,22 @@ def test_b_fragments_streamed(vr):
     with pytest.raises(CodegenError, match="option bits"):  # not with one-at-a-time A
         codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=vr | 16)), TC_LIMITS,
                      TC_FEATURES)
+
+
+@pytest.mark.parametrize("f16_ops", [False, True])
+def test_loads_before_the_barrier(f16_ops):
+    """Option bit 512: the next step's global loads come between the staging stores and the
+    first barrier (without it: after that barrier); not with double buffering."""
+    for vr in (0, 512):
+        g = Cfg("sgmat", 128, 256, 2, 4, 32, vr)
+        d = (_f16_desc(1, 2048, 512, 96, g, False, False) if f16_ops
+             else _desc(1, 2048, 512, 96, config=g))
+        body = _loop_body(codegen.emit(d, TC_LIMITS, TC_FEATURES).wgsl)
+        first_load = re.search(r"\bar0 = b0\[", body).start()
+        assert (first_load < body.index("workgroupBarrier")) == bool(vr), vr
+    with pytest.raises(CodegenError, match="option bits"):
+        codegen.emit(_desc(1, 256, 256, 64, config=Cfg("sgmat", 128, 256, 2, 4, 16, 513)),
+                     TC_LIMITS, TC_FEATURES)
 
 
 def test_results_go_straight_to_c_only_where_they_can():

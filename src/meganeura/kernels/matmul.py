@@ -67,8 +67,8 @@ class Cfg(NamedTuple):
     "sgmat": rm x rn subgroups (of 32) along rows/columns, ``vr`` option bits (1 double
     buffering, 2 grouped rasterization, 4 two K steps per iteration, 8 f16 staging registers,
     16 A fragments loaded one at a time, 32 constant fragment offsets, 64 B stored transposed,
-    128 fragments straight from global memory, 256 B fragments one at a time:
-    ``matmul_sgmat``), ``vl`` as above.  ``ks`` (tiled
+    128 fragments straight from global memory, 256 B fragments one at a time, 512 loads
+    issued before the barrier: ``matmul_sgmat``), ``vl`` as above.  ``ks`` (tiled
     only) K slices inside the workgroup: ``ks`` groups of invocations each compute every
     ``ks``-th BK step of the same tile (a staged step is ``ks``·BK long) and add their partial
     sums in slice order at the end, so a tile too few to fill the GPU gets ``ks`` times the
@@ -282,7 +282,8 @@ def config_name(g: Cfg) -> str:
             return name
     if g.kind == "sgmat":
         opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g"), (8, "h"), (16, "l"),
-                                          (32, "c"), (64, "t"), (128, "x"), (256, "o"))
+                                          (32, "c"), (64, "t"), (128, "x"), (256, "o"),
+                                          (512, "e"))
                        if g.vr & bit)
         return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{opts}{'' if g.vl else 's'}"
     ks = f"_ks{g.ks}" if g.ks != 1 else ""
@@ -305,14 +306,15 @@ def _check_config(g: Cfg, name: str) -> Cfg:
             bad = "K slices (ks) exist for the tiled kernel only"
         elif min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
             bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
-        elif (not 0 <= g.vr < 512 or g.vr & 5 == 4 or g.vr & 96 == 64 or g.vr & 272 == 272
+        elif (not 0 <= g.vr < 1024 or g.vr & 5 == 4 or g.vr & 96 == 64 or g.vr & 272 == 272
+              or g.vr & 513 == 513
               or (g.vr & 128 and (g.vr & ~130 or g.bk != 16))):
             bad = ("vr holds the option bits 1 (double buffering), 2 (grouped rasterization), "
                    "4 (two K steps per iteration, with double buffering only), 8 (f16 "
                    "staging registers), 16 (A fragments loaded one at a time), 32 (constant "
                    "fragment offsets), 64 (B transposed, with 32 only), 128 (fragments "
-                   "from global memory, BK 16, with 2 only) and 256 (B fragments one at a "
-                   "time, not with 16)")
+                   "from global memory, BK 16, with 2 only), 256 (B fragments one at a "
+                   "time, not with 16) and 512 (loads before the barrier, not with 1)")
     elif g != GEMV:
         bad = "unknown kind"
     if bad:

@@ -22,6 +22,9 @@ stores; with f32 operands 219 either way.
 * ``BSTREAM`` — a slice's A fragments are loaded, then B's one at a time, each right before
   its column of products: FM + 1 fragments live instead of FM + FN (the register file is what
   the 128x256 tile runs out of: 254 registers);
+* ``EARLY`` (single buffer) — step k + 1's global loads are issued right after step k's
+  registers are stored, before the barrier, so they are in flight while the workgroup waits
+  (a driver is free to sink loads past the products, not past a barrier);
 * ``SWZ`` — grouped rasterization: consecutive workgroups walk ``SWZ_ROWS`` tile rows column by
   column, so the operand tiles a wave of workgroups shares stay in L2;
 * ``CONST`` — constant fragment offsets: the workgroup tiles are arrays of 16-row (A) / 16-column
@@ -52,7 +55,8 @@ from __future__ import annotations
 from ..dtypes import f16
 from .common import BUFFER_VIEW_FEATURE, CodegenError, make_grid, packed_staging, u
 
-DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL, BSTREAM = 1, 2, 4, 8, 16, 32, 64, 128, 256  # vr
+DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL, BSTREAM, EARLY = (  # Cfg.vr bits
+    1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SWZ_ROWS = 8  # tile rows per rasterization group
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 BS_ROW = 16 + SG_PAD  # ``CONST`` B strips: row stride (rows of a fragment on distinct banks)
@@ -99,7 +103,7 @@ def sgmat(c, t, g):
     if db:
         _k_loop_db(c, L, ind, BK, edges, live_check, ops, lay, bool(g.vr & UNROLL))
     else:
-        _k_loop_single(c, L, ind, BK, edges, live_check, ops, lay)
+        _k_loop_single(c, L, ind, BK, edges, live_check, ops, lay, bool(g.vr & EARLY))
     helpers: set[str] = set()
     direct = _direct_ok(c)
     scratch = _stores(c, L, g, FM, FN, (full_m, full_n, live_check), direct, helpers)
@@ -353,9 +357,9 @@ def _next_loads(c, L: list[str], ii: str, bk: int, load) -> None:
         L.append(f"{ii}}}")
 
 
-def _k_loop_single(c, L, ind, bk, edges, live_check, ops, lay) -> None:
+def _k_loop_single(c, L, ind, bk, edges, live_check, ops, lay, early: bool = False) -> None:
     """One workgroup buffer per operand: store step k's registers, barrier, issue step
-    k + 1's loads, multiply step k, barrier."""
+    k + 1's loads, multiply step k, barrier (``early``: the loads before the first barrier)."""
     from .matmul import _store_items
 
     i2, compute = ind + "    ", lay.compute
@@ -366,8 +370,13 @@ def _k_loop_single(c, L, ind, bk, edges, live_check, ops, lay) -> None:
     L += [f"{ind}}}", f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(bk)}) {{"]
     for o in ops:
         _store_items(L, i2, o, lay.sh(""), lambda v: f"f16({v})", lay.pk(""))
-    L += [f"{i2}workgroupBarrier();", f"{i2}let kb = k0 + {u(bk)};"]
-    _next_loads(c, L, i2, bk, load)
+    if early:
+        L.append(f"{i2}let kb = k0 + {u(bk)};")
+        _next_loads(c, L, i2, bk, load)
+        L.append(f"{i2}workgroupBarrier();")
+    else:
+        L += [f"{i2}workgroupBarrier();", f"{i2}let kb = k0 + {u(bk)};"]
+        _next_loads(c, L, i2, bk, load)
     compute(L, i2, "", "")
     L += [f"{i2}workgroupBarrier();", f"{ind}}}"]
 
