@@ -107,7 +107,8 @@ OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 3
                Cfg("sgmat", 64, 64, 2, 2, 32, 32), Cfg("sgmat", 64, 64, 2, 2, 16, 37),
                Cfg("sgmat", 64, 128, 2, 2, 32, 96), Cfg("sgmat", 128, 64, 2, 2, 16, 99),
                Cfg("sgmat", 128, 256, 2, 4, 32, 256), Cfg("sgmat", 64, 64, 2, 2, 16, 257 | 36),
-               Cfg("sgmat", 128, 256, 2, 4, 32, 512), Cfg("sgmat", 64, 64, 2, 2, 32, 512 | 258)]
+               Cfg("sgmat", 128, 256, 2, 4, 32, 512), Cfg("sgmat", 64, 64, 2, 2, 32, 512 | 258),
+               Cfg("sgmat", 128, 256, 2, 4, 32, 1024), Cfg("sgmat", 64, 64, 2, 2, 16, 1024 | 258)]
 
 
 def _loop_body(wgsl: str) -> str:
@@ -173,6 +174,27 @@ def test_loads_before_the_barrier(f16_ops):
     with pytest.raises(CodegenError, match="option bits"):
         codegen.emit(_desc(1, 256, 256, 64, config=Cfg("sgmat", 128, 256, 2, 4, 16, 513)),
                      TC_LIMITS, TC_FEATURES)
+
+
+@pytest.mark.parametrize("k", [96, 128, 80])
+def test_two_register_sets(k):
+    """Option bit 1024: registers ``r`` serve even steps and ``q`` odd ones; each step stores
+    its set, then (after the barrier) loads step k + 2 into it; an odd step count guards the
+    second half of the unrolled pair."""
+    g = Cfg("sgmat", 128, 256, 2, 4, 32, 1024)
+    wgsl = codegen.emit(_desc(1, 2048, 512, k, config=g), TC_LIMITS, TC_FEATURES).wgsl
+    assert "var aq0: vec4<f32>;" in wgsl and "var ar0: vec4<f32>;" in wgsl
+    head, body = wgsl.split("for (var k0", 1)
+    assert "let kb = 0u;" in head and "let kb = 32u;" in head  # both sets loaded up front
+    assert "k0 = k0 + 64u" in body and "let kb = k0 + 64u;" in body
+    assert "let kb = k1 + 64u;" in body
+    assert ("if (k1 < " in body) == bool(-(-k // 32) % 2)
+    first_half, second_half = body.split("let k1 = k0 + 32u;", 1)
+    assert "aq0" not in first_half and "ar0" not in second_half.split("\n    }\n")[0]
+    for bad in (1025, 1536):
+        with pytest.raises(CodegenError, match="option bits"):
+            codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=bad)), TC_LIMITS,
+                         TC_FEATURES)
 
 
 def test_results_go_straight_to_c_only_where_they_can():

@@ -68,11 +68,11 @@ class Cfg(NamedTuple):
     buffering, 2 grouped rasterization, 4 two K steps per iteration, 8 f16 staging registers,
     16 A fragments loaded one at a time, 32 constant fragment offsets, 64 B stored transposed,
     128 fragments straight from global memory, 256 B fragments one at a time, 512 loads
-    issued before the barrier: ``matmul_sgmat``), ``vl`` as above.  ``ks`` (tiled
-    only) K slices inside the workgroup: ``ks`` groups of invocations each compute every
-    ``ks``-th BK step of the same tile (a staged step is ``ks``·BK long) and add their partial
-    sums in slice order at the end, so a tile too few to fill the GPU gets ``ks`` times the
-    invocations without a second kernel.  "gemv": no fields."""
+    issued before the barrier, 1024 loads two steps ahead: ``matmul_sgmat``), ``vl`` as
+    above.  ``ks`` (tiled only) K slices inside the workgroup: ``ks`` groups of invocations
+    each compute every ``ks``-th BK step of the same tile (a staged step is ``ks``·BK long)
+    and add their partial sums in slice order at the end, so a tile too few to fill the GPU
+    gets ``ks`` times the invocations without a second kernel.  "gemv": no fields."""
 
     kind: str
     tm: int = 0
@@ -283,7 +283,7 @@ def config_name(g: Cfg) -> str:
     if g.kind == "sgmat":
         opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g"), (8, "h"), (16, "l"),
                                           (32, "c"), (64, "t"), (128, "x"), (256, "o"),
-                                          (512, "e"))
+                                          (512, "e"), (1024, "p"))
                        if g.vr & bit)
         return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{opts}{'' if g.vl else 's'}"
     ks = f"_ks{g.ks}" if g.ks != 1 else ""
@@ -306,7 +306,8 @@ def _check_config(g: Cfg, name: str) -> Cfg:
             bad = "K slices (ks) exist for the tiled kernel only"
         elif min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
             bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
-        elif (not 0 <= g.vr < 1024 or g.vr & 5 == 4 or g.vr & 96 == 64 or g.vr & 272 == 272
+        elif (not 0 <= g.vr < 2048 or g.vr & 1025 == 1025 or g.vr & 1536 == 1536
+              or g.vr & 5 == 4 or g.vr & 96 == 64 or g.vr & 272 == 272
               or g.vr & 513 == 513
               or (g.vr & 128 and (g.vr & ~130 or g.bk != 16))):
             bad = ("vr holds the option bits 1 (double buffering), 2 (grouped rasterization), "
@@ -314,7 +315,8 @@ def _check_config(g: Cfg, name: str) -> Cfg:
                    "staging registers), 16 (A fragments loaded one at a time), 32 (constant "
                    "fragment offsets), 64 (B transposed, with 32 only), 128 (fragments "
                    "from global memory, BK 16, with 2 only), 256 (B fragments one at a "
-                   "time, not with 16) and 512 (loads before the barrier, not with 1)")
+                   "time, not with 16), 512 (loads before the barrier, not with 1) and 1024 "
+                   "(loads two steps ahead, not with 1 or 512)")
     elif g != GEMV:
         bad = "unknown kind"
     if bad:
@@ -507,6 +509,7 @@ class _Operand:
         self.bt = "u32" if self.w == 8 else self.elem
         self.rt = "f16" if rt16 and self.w == 4 else self.bt
         self.items = T * bk // self.w  # loads per step; fewer than invocations: some idle
+        self.reg = "r"  # the staging registers are <p><reg><l>; "q": a second set
         self.n = max(1, self.items // nthreads)
         self.part = self.items < nthreads
 
@@ -559,7 +562,7 @@ def _load_items(c: _Ctx, out: list[str], ii: str, o: _Operand, check_mn: bool, c
         conds = [f"{origin} + {x} < {u(o.dim)}"] if check_mn and not full else []
         conds += [f"kb + {kx} < {u(c.K)}"] if check_k else []
         conds += ["live"] if check_mn and live_check else []
-        r = f"{o.p}r{l}"
+        r = f"{o.p}{o.reg}{l}"
         if conds:
             out += [f"{ii}if ({' && '.join(conds)}) {{", f"{ii}    {r} = {val};",
                     f"{ii}}} else {{", f"{ii}    {r} = {zero};", f"{ii}}}"]
@@ -580,7 +583,7 @@ def _store_items(out: list[str], ii: str, o: _Operand, sh, conv, packed=None) ->
         out.append(f"{ii}if (lid < {u(o.items)}) {{")
         ii += "    "
     for l in range(o.n):
-        x, kx, r = f"{o.p}x{l}", f"{o.p}k{l}", f"{o.p}r{l}"
+        x, kx, r = f"{o.p}x{l}", f"{o.p}k{l}", f"{o.p}{o.reg}{l}"
         dst = packed(o.arr, kx, x, o.k_fast, o.w) if packed is not None and o.w > 1 else None
         if dst is None and o.w == 8:
             raise CodegenError("eight-f16 loads need a packed staging layout")
@@ -644,8 +647,10 @@ def _k_loop(c: _Ctx, L: list[str], ind: str, bk: int, edges: bool, live_check: b
 
 
 def _operands(c: _Ctx, L: list[str], ind: str, TM: int, TN: int, bk: int, nthreads: int,
-              vec: bool, f16_vec: bool = False, rt16: bool = False, wide: bool = False):
-    """Both operands' staging plans, their per-invocation coordinates and registers."""
+              vec: bool, f16_vec: bool = False, rt16: bool = False, wide: bool = False,
+              sets: str = "r"):
+    """Both operands' staging plans, their per-invocation coordinates and registers (one
+    set per letter of ``sets``)."""
     ops = [_Operand(c, w, T, bk, nthreads, vec, f16_vec, rt16, wide)
            for w, T in (("a", TM), ("b", TN))]
     for o in ops:
@@ -654,7 +659,7 @@ def _operands(c: _Ctx, L: list[str], ind: str, TM: int, TN: int, bk: int, nthrea
                                f"{nthreads} invocations")
         o.coords(L, ind, nthreads)
         t = f"vec4<{o.rt}>" if o.w > 1 else c.acc_t.wgsl
-        L += [f"{ind}var {o.p}r{l}: {t};" for l in range(o.n)]
+        L += [f"{ind}var {o.p}{reg}{l}: {t};" for reg in sets for l in range(o.n)]
     return ops
 
 

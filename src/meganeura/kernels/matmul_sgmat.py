@@ -25,6 +25,9 @@ stores; with f32 operands 219 either way.
 * ``EARLY`` (single buffer) — step k + 1's global loads are issued right after step k's
   registers are stored, before the barrier, so they are in flight while the workgroup waits
   (a driver is free to sink loads past the products, not past a barrier);
+* ``PF2`` (single buffer) — two sets of staging registers, used in turn (the K loop does two
+  steps per iteration): step k issues step k + 2's loads, so two steps of products cover
+  their latency instead of one (the ``noload`` ablation puts 23 % of the 4096³ time on it).
 * ``SWZ`` — grouped rasterization: consecutive workgroups walk ``SWZ_ROWS`` tile rows column by
   column, so the operand tiles a wave of workgroups shares stay in L2;
 * ``CONST`` — constant fragment offsets: the workgroup tiles are arrays of 16-row (A) / 16-column
@@ -55,8 +58,8 @@ from __future__ import annotations
 from ..dtypes import f16
 from .common import BUFFER_VIEW_FEATURE, CodegenError, make_grid, packed_staging, u
 
-DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL, BSTREAM, EARLY = (  # Cfg.vr bits
-    1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL, BSTREAM, EARLY, PF2 = (  # Cfg.vr bits
+    1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 SWZ_ROWS = 8  # tile rows per rasterization group
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 BS_ROW = 16 + SG_PAD  # ``CONST`` B strips: row stride (rows of a fragment on distinct banks)
@@ -97,10 +100,13 @@ def sgmat(c, t, g):
     grid, live_check, full_m, full_n = _tile_start(c, t, g, L, ind)
     L += [f"{ind}var c{i}_{j} = {FRAG_C}();" for i in range(FM) for j in range(FN)]
     ops = _operands(c, L, ind, TM, TN, BK, nthreads, bool(g.vl), f16_vec=True,
-                    rt16=bool(g.vr & HALF), wide=WIDE and lay.packed)
+                    rt16=bool(g.vr & HALF), wide=WIDE and lay.packed,
+                    sets="rq" if g.vr & PF2 else "r")
 
     edges = not (full_m and full_n) or live_check
-    if db:
+    if g.vr & PF2:
+        _k_loop_pf2(c, L, ind, BK, edges, live_check, ops, lay)
+    elif db:
         _k_loop_db(c, L, ind, BK, edges, live_check, ops, lay, bool(g.vr & UNROLL))
     else:
         _k_loop_single(c, L, ind, BK, edges, live_check, ops, lay, bool(g.vr & EARLY))
@@ -379,6 +385,51 @@ def _k_loop_single(c, L, ind, bk, edges, live_check, ops, lay, early: bool = Fal
         _next_loads(c, L, i2, bk, load)
     compute(L, i2, "", "")
     L += [f"{i2}workgroupBarrier();", f"{ind}}}"]
+
+
+def _with_set(ops, reg: str, emit) -> None:
+    """Run ``emit()`` with every operand's staging registers switched to set ``reg``."""
+    for o in ops:
+        o.reg = reg
+    try:
+        emit()
+    finally:
+        for o in ops:
+            o.reg = "r"
+
+
+def _k_loop_pf2(c, L, ind, bk, edges, live_check, ops, lay) -> None:
+    """``PF2``: one workgroup buffer, registers ``r`` for even steps and ``q`` for odd ones.
+    Step k stores its set, barrier, issues step k + 2's loads into the same set, multiplies,
+    barrier; two steps per iteration keep the set names constant."""
+    from .matmul import _store_items
+
+    i2, i3 = ind + "    ", ind + "        "
+    load = _loader(c, L, edges, live_check, ops)
+    nsteps = -(-c.K // bk)
+    ks = nsteps * bk
+    for reg, k in (("r", 0), ("q", bk)):
+        if k < ks:
+            L += [f"{ind}{{", f"{i2}let kb = {u(k)};"]
+            _with_set(ops, reg, lambda: load(i2, c.K < k + bk))
+            L.append(f"{ind}}}")
+
+    def step(ii: str, k: str, reg: str) -> None:
+        def body() -> None:
+            for o in ops:
+                _store_items(L, ii, o, lay.sh(""), lambda v: f"f16({v})", lay.pk(""))
+            L.extend([f"{ii}workgroupBarrier();", f"{ii}let kb = {k} + {u(2 * bk)};"])
+            _next_loads(c, L, ii, bk, load)
+        _with_set(ops, reg, body)
+        lay.compute(L, ii, "", "")
+        L.append(f"{ii}workgroupBarrier();")
+
+    L += [f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(2 * bk)}) {{", f"{i2}{{"]
+    step(i3, "k0", "r")
+    L += [f"{i2}}}", f"{i2}let k1 = k0 + {u(bk)};"]
+    L.append(f"{i2}if (k1 < {u(ks)}) {{" if nsteps % 2 else f"{i2}{{")
+    step(i3, "k1", "q")
+    L += [f"{i2}}}", f"{ind}}}"]
 
 
 def _k_loop_db(c, L, ind, bk, edges, live_check, ops, lay, unroll: bool = False) -> None:
