@@ -1,0 +1,63 @@
+"""bench/matmul_bench.py: the ``--cfg-ab`` configuration list and the interleaved timing loop
+(on this device with strict tiles; the tensor-core configurations need Dawn)."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+BENCH = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+
+
+@pytest.fixture
+def mb():
+    sys.path.insert(0, BENCH)
+    try:
+        import matmul_bench
+
+        yield matmul_bench
+    finally:
+        sys.path.remove(BENCH)
+
+
+def test_parse_cfgs(mb):
+    from meganeura.kernels.matmul import Cfg
+
+    assert mb.parse_cfgs("heur; 128,256,2,4,32,256 ;;64,64,2,2,16,1") == [
+        None, Cfg("sgmat", 128, 256, 2, 4, 32, 256), Cfg("sgmat", 64, 64, 2, 2, 16, 1)]
+    with pytest.raises(ValueError):
+        mb.parse_cfgs("128,256,x")
+
+
+def test_interleaved_times_every_spec_against_the_reference(mb, gpu, capsys):
+    """Two strict tiles on a small problem: one line per spec, both timed every round, the
+    error against float64 that of f32 arithmetic."""
+    from dataclasses import replace
+
+    from meganeura import kernels as codegen
+    from meganeura.dtypes import f32
+    from meganeura.kernels import MatmulKernel, Strided
+    from meganeura.kernels.matmul import Cfg
+
+    rng = np.random.default_rng(0)
+    B, M, N, K = 1, 64, 48, 40
+    a = rng.standard_normal((B, M, K), dtype=np.float32)
+    b = rng.standard_normal((B, K, N), dtype=np.float32)
+    rows = np.arange(0, M, 5)
+    ref = (a[:, rows].astype(np.float64) @ b.astype(np.float64))
+    desc = MatmulKernel(B, M, N, K, Strided.contiguous(f32, (B, M, K)),
+                        Strided.contiguous(f32, (B, K, N)))
+    bufs = [gpu.upload(a), gpu.upload(b), gpu.create_buffer(4 * B * M * N)]
+    specs = {(g, ""): codegen.emit(replace(desc, config=g), gpu)
+             for g in (Cfg("tiled", 64, 64, 4, 4, 16, 0), Cfg("tiled", 32, 32, 2, 2, 8, 0))}
+    timer = mb.Timer(gpu)
+    timer.warm = lambda calls, seconds=0.0: None  # lavapipe: no clocks to warm up
+    best = mb._interleaved(gpu, timer, "1x64x48x40", specs, bufs, ref, rows, (B, M, N, K), 2)
+    assert set(best) == set(specs) and all(t > 0 for t in best.values())
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "TFLOP/s" in ln]
+    assert len(lines) == 2
+    for ln in lines:
+        err = float(ln.rsplit("err ", 1)[1])
+        assert err < 1e-5, ln
+        assert len(ln.split("rounds ")[1].split(" err")[0].split(",")) == 2  # both rounds
