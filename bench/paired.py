@@ -11,7 +11,11 @@ PyTorch cell): the median over rounds and its range.  A claim "faster" needs the
 round's ratio below 1.
 
     python3 bench/paired.py --workloads whisper,resnet50 --impl dawn --rounds 5 \
-        --out $OUT/paired.json [--torch-compile] [--no-cuda-graph] [--quick]
+        --out $OUT/paired.json [--torch-compile] [--no-cuda-graph] [--quick] [--fast]
+
+``--fast`` adds our ``precision="fast"`` cells ("fast/infer", "fast/train") and the ratios
+fast ÷ strict ("fast/ours/…": below 1 = the fast program is faster) and fast ÷ each PyTorch
+cell; ``--no-torch`` leaves PyTorch out (ours only).
 
 Timing only: the gates (exactness against PyTorch) are ``harness.py``'s job.
 """
@@ -79,27 +83,32 @@ def _torch_timer(fn, sync):
     return timer
 
 
-def _ours_cells(w, impl: str) -> dict:
-    """Our inference run and SGD training step, compiled once, as timers."""
+def _ours_cells(w, impl: str, precision: str = "strict") -> dict:
+    """Our inference run and SGD training step, compiled once, as timers ("ours/…", or
+    "fast/…" for ``precision="fast"``)."""
     from meganeura.runtime.device import get_device
 
     dev = get_device(impl)
-    inf = mn.compile(w.graph, outputs=w.outputs, device=dev)
+    inf = mn.compile(w.graph, outputs=w.outputs, device=dev, precision=precision)
     inf.set_params(w.params)
-    tr = mn.compile(w.graph, loss=w.loss, outputs={}, optimizer=optim.SGD(lr=1e-4), device=dev)
+    tr = mn.compile(w.graph, loss=w.loss, outputs={}, optimizer=optim.SGD(lr=1e-4), device=dev,
+                    precision=precision)
     tr.set_params(w.params)
 
     def timer(sess, inference):
         return lambda warmup, steps: [t * 1e3 for t in ours_step_times(
             sess, inference, w.feeds, warmup, steps)]
-    return {"ours/infer": timer(inf, True), "ours/train": timer(tr, False)}
+    mine = "fast" if precision == "fast" else "ours"
+    return {f"{mine}/infer": timer(inf, True), f"{mine}/train": timer(tr, False)}
 
 
 def run_workload(name: str, args) -> dict:
     from workloads import WORKLOADS
 
     w = WORKLOADS[name](quick=args.quick, variant="main")
-    cells = {**_torch_cells(w, args), **_ours_cells(w, args.impl)}
+    cells = {**({} if args.no_torch else _torch_cells(w, args)), **_ours_cells(w, args.impl)}
+    if args.fast:
+        cells.update(_ours_cells(w, args.impl, "fast"))
     for timer in cells.values():  # first calls: torch.compile compiles, pipelines warm up
         timer(1, 1)
     names = list(cells)
@@ -116,13 +125,18 @@ def run_workload(name: str, args) -> dict:
            "median_ms": {k: float(np.median(v)) for k, v in samples.items()},
            "round_median_ms": per_round, "ratios": {}}
     for mode in ("infer", "train"):
-        ours = np.array(per_round[f"ours/{mode}"])
-        for other in ("eager", "compile", "graph"):
-            k = f"{other}/{mode}"
-            if k in per_round:
-                r = ours / np.array(per_round[k])
-                rec["ratios"][f"ours/{k}"] = {"median": float(np.median(r)),
-                                              "min": float(r.min()), "max": float(r.max())}
+        for mine, others in (("ours", ("eager", "compile", "graph")),
+                             ("fast", ("ours", "eager", "compile", "graph"))):
+            if f"{mine}/{mode}" not in per_round:
+                continue
+            ours = np.array(per_round[f"{mine}/{mode}"])
+            for other in others:
+                k = f"{other}/{mode}"
+                if k in per_round:
+                    r = ours / np.array(per_round[k])
+                    rec["ratios"][f"{mine}/{k}"] = {"median": float(np.median(r)),
+                                                    "min": float(r.min()),
+                                                    "max": float(r.max())}
     del cells
     gc.collect()
     return rec
@@ -141,9 +155,10 @@ def print_table(recs: list[dict]) -> None:
           f"{'ratio med [min, max]':>24s}  verdict")
     for rec in recs:
         for key, r in rec["ratios"].items():
+            mine, theirs = key.split("/", 1)
             mode = key.split("/")[-1]
-            theirs = key.split("/", 1)[1]
-            print(f"{rec['workload']:10s} {theirs:18s} {rec['median_ms'][f'ours/{mode}']:8.2f} "
+            cell = theirs if mine == "ours" else f"fast÷{theirs}"
+            print(f"{rec['workload']:10s} {cell:18s} {rec['median_ms'][f'{mine}/{mode}']:8.2f} "
                   f"{rec['median_ms'][theirs]:9.2f} "
                   f"{r['median']:8.2f} [{r['min']:.2f}, {r['max']:.2f}]  {verdict(r)}")
 
@@ -156,7 +171,7 @@ def plot(recs: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [r for r in recs if r.get("ratios")]
+    recs = [r for r in recs if any(k.startswith("ours/") for k in r.get("ratios", {}))]
     others = [o for o in ("eager", "compile", "graph")
               if any(f"ours/{o}/infer" in r["ratios"] for r in recs)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
@@ -191,6 +206,9 @@ def main(argv=None) -> int:
     p.add_argument("--torch-device", default=None)
     p.add_argument("--torch-compile", action="store_true")
     p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--fast", action="store_true",
+                   help="also our precision='fast' cells, ratios against strict and PyTorch")
+    p.add_argument("--no-torch", action="store_true", help="our cells only")
     p.add_argument("--quick", action="store_true", help="tiny configs (lavapipe/CPU)")
     p.add_argument("--out", required=True)
     p.add_argument("--plot", help="only draw the PNG of the --out JSON (no timing)")
@@ -199,7 +217,7 @@ def main(argv=None) -> int:
         with open(args.out) as f:
             plot(json.load(f), args.plot)
         return 0
-    if args.torch_device is None:
+    if args.torch_device is None and not args.no_torch:
         import torch
 
         args.torch_device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -167,6 +167,25 @@ def test_paired_rounds_quick(gpu, bench_path, tmp_path):
     assert png.stat().st_size > 5000  # a drawn figure (the bars of the run above)
 
 
+def test_paired_fast_against_strict(gpu, bench_path, tmp_path, capsys):
+    """bench/paired.py --fast --no-torch: our strict and fast cells in the same rounds, the
+    ratio fast ÷ strict per round, no PyTorch cell."""
+    import paired
+
+    out = tmp_path / "p.json"
+    assert paired.main(["--quick", "--workloads", "mlp", "--impl", "wgpu", "--rounds", "2",
+                        "--warmup", "1", "--steps", "2", "--fast", "--no-torch",
+                        "--out", str(out)]) == 0
+    rec = json.load(open(out))[0]
+    assert set(rec["round_median_ms"]) == {"ours/infer", "ours/train", "fast/infer",
+                                           "fast/train"}
+    assert set(rec["ratios"]) == {"fast/ours/infer", "fast/ours/train"}
+    rm = rec["round_median_ms"]
+    want = [a / b for a, b in zip(rm["fast/train"], rm["ours/train"], strict=True)]
+    assert rec["ratios"]["fast/ours/train"]["max"] == pytest.approx(max(want))
+    assert "fast÷ours/train" in capsys.readouterr().out
+
+
 def test_harness_times_resident_inputs_and_reports_the_upload(gpu, bench_path):
     """Our timed steps read feeds already on the GPU (as PyTorch's do); the upload is timed
     on its own and reported as ``feed_upload_ms``."""
