@@ -165,32 +165,35 @@ def print_table(recs: list[dict]) -> None:
 
 def plot(recs: list[dict], path: str) -> None:
     """Bars: ours ÷ each PyTorch cell (median over rounds, whiskers: the best and worst round),
-    inference and training side by side per workload; below 1 = ours faster."""
+    and with ``--fast`` our fast program ÷ our strict one, inference and training side by side
+    per workload; below 1 = ours (fast) faster."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [r for r in recs if any(k.startswith("ours/") for k in r.get("ratios", {}))]
-    others = [o for o in ("eager", "compile", "graph")
+    recs = [r for r in recs if r.get("ratios")]
+    series = [(f"ours/{o}", f"÷ {o}") for o in ("eager", "compile", "graph")
               if any(f"ours/{o}/infer" in r["ratios"] for r in recs)]
+    if any("fast/ours/infer" in r["ratios"] for r in recs):
+        series.append(("fast/ours", "fast ÷ strict (ours)"))
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
-    width = 0.8 / max(len(others), 1)
+    width = 0.8 / max(len(series), 1)
     for ax, mode in zip(axes, ("infer", "train")):
-        for j, other in enumerate(others):
+        for j, (key, label) in enumerate(series):
             xs, med, lo, hi = [], [], [], []
             for i, r in enumerate(recs):
-                q = r["ratios"].get(f"ours/{other}/{mode}")
+                q = r["ratios"].get(f"{key}/{mode}")
                 if q:
-                    xs.append(i + (j - (len(others) - 1) / 2) * width)
+                    xs.append(i + (j - (len(series) - 1) / 2) * width)
                     med.append(q["median"])
                     lo.append(q["median"] - q["min"])
                     hi.append(q["max"] - q["median"])
-            ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=f"÷ {other}")
+            ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=label)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(recs)), [r["workload"] for r in recs])
         ax.set_title({"infer": "inference", "train": "SGD training step"}[mode])
-    axes[0].set_ylabel("ours ÷ PyTorch (< 1: ours faster)")
+    axes[0].set_ylabel("ratio (< 1: ours / fast faster)")
     axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
