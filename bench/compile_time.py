@@ -12,10 +12,10 @@ On a device (each measurement in a fresh process with its own driver shader cach
 ``cold`` = empty, ``warm`` = the same directory again; NVIDIA's ``__GL_SHADER_DISK_CACHE_PATH``,
 Mesa's ``MESA_SHADER_CACHE_DIR``):
 
-  python bench/compile_time.py --pipelines OUT [--impls dawn,wgpu] [--budget 80] [workloads]
+  python bench/compile_time.py --pipelines --out OUT [--impls dawn,wgpu] [--budget 80] [workloads]
       creation of the distinct pipelines of each workload's SGD training step: sequential,
       Dawn's async creation, thread pools of 2/4/8/16 (``Device.pipelines``)
-  python bench/compile_time.py --sessions OUT [--impls dawn] [--budget 80] [workloads]
+  python bench/compile_time.py --sessions --out OUT [--impls dawn] [--budget 80] [workloads]
       whole ``mn.compile`` (graph → ready session), inference and SGD training, with
       ``MEGANEURA_PIPELINE_CREATE=sequential`` (before) and ``auto`` (after)
 """
