@@ -642,7 +642,8 @@ def main() -> None:
         from meganeura.runtime import device as devmod
 
         devmod._DAWN_TOGGLES += tuple(args.toggles.split(","))
-        TC_SHAPES = TC_SHAPES[:1]
+        if not args.cfg_ab:  # the sweep at 4096³ f32 only; --cfg-ab keeps f32 and f16
+            TC_SHAPES = TC_SHAPES[:1]
         TC_SWEEP = TC_CONST_NR if args.set == "const" else TC_QUICK
     dev = get_device(args.impl)
     print(args.impl, dev.adapter_name, flush=True)
