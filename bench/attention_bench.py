@@ -331,9 +331,10 @@ def fast_rows(dev, x, a, sname, shape):
 # before them (halves, il, il4, pf+blk, pf+pack, pf+reread): docs/benchmarks.md
 _MAIN = {"AF.SF_PAD": 2, "AF.PREFETCH": True, "AF.ROW_BLOCKS": 2, "AF.GROUP_KEYS": 512,
          "AF.ABLATE": frozenset(), "AF.LEAN": True, "AF.O_SHARED": False,
-         "AF.SPLIT_PREFETCH": False, "AF.PACKED": True}
+         "AF.SPLIT_PREFETCH": False, "AF.PACKED": True, "AF.VEC_LOADS": True}
 FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": False}),
                  "unpacked": dict(_MAIN, **{"AF.PACKED": False}),
+                 "scalar-loads": dict(_MAIN, **{"AF.VEC_LOADS": False}),
                  "pad4": dict(_MAIN, **{"AF.SF_PAD": 4}),
                  "rows1": dict(_MAIN, **{"AF.ROW_BLOCKS": 1}),
                  "rows3": dict(_MAIN, **{"AF.ROW_BLOCKS": 3}),

@@ -99,7 +99,8 @@ VARIANTS = {"default": {}, "unpacked": {"PACKED": False}, "no_prefetch": {"PREFE
             "rows1": {"ROW_BLOCKS": 1}, "rows3": {"ROW_BLOCKS": 3}, "lean_off": {"LEAN": False},
             "o_shared": {"O_SHARED": True}, "split_prefetch": {"SPLIT_PREFETCH": True},
             "o_shared_split": {"O_SHARED": True, "SPLIT_PREFETCH": True},
-            "rows1_split": {"ROW_BLOCKS": 1, "SPLIT_PREFETCH": True}}
+            "rows1_split": {"ROW_BLOCKS": 1, "SPLIT_PREFETCH": True},
+            "scalar_loads": {"VEC_LOADS": False}}
 
 
 @pytest.fixture(params=sorted(VARIANTS))
@@ -120,6 +121,21 @@ def test_fast_wgsl_is_valid(dev, rng, case, layout):
         assert spec.meta["variant"].startswith("sgmat_attention_fwd")
         assert "subgroupMatrixMultiplyAccumulate" in spec.wgsl
         dev.device.create_shader_module(code=_stubbed(spec.wgsl))
+
+
+def test_vec4_reads_only_where_every_view_allows():
+    """``VEC_LOADS``: contiguous q/k/v bindings are declared as vec4 arrays and read one unit
+    at a time; a view whose offset or row stride is not a multiple of 4 keeps scalar reads
+    (of that binding only)."""
+    from meganeura.kernels import Strided
+
+    d = dataclasses.replace(attention_desc("fwd", 6, 6, 600), precision="fast", splits=3)
+    w = kernels.emit(d, H200_LIMITS, TC_FEATURES).wgsl
+    assert all(f"b{i}: array<vec4<f32>>" in w for i in range(3)) and "b3: array<f32>" in w
+    assert "b1[((b) * " in w and ") / 4u];" in w
+    odd = Strided(d.v.dtype, d.v.shape, (600 * 66, 600 * 66, 66, 1), 2, 6 * 600 * 66)
+    w2 = kernels.emit(dataclasses.replace(d, v=odd), H200_LIMITS, TC_FEATURES).wgsl
+    assert "b2: array<f32>" in w2 and "b1: array<vec4<f32>>" in w2
 
 
 def test_packed_staging_needs_buffer_views(rng):

@@ -463,6 +463,9 @@ class _Gen:
         self.own, self.loop = self.TR * self.RM, self.TC * self.RN
         self.dp, self.vp = _pad(self.du, self.TC), _pad(self.vu, self.TC)
         self.shared: list[str] = []
+        # binding variables declared as array<vec4<f32>> and read one unit at a time
+        # (``unit_value``; set by the tensor-core forward: ``attention_fast.vec_reads``)
+        self.vec_reads: set[str] = set()
         self.widths: dict[str, int] = {}
         self.words = 0
         self.ns = int(k.splits)
@@ -562,9 +565,15 @@ class _Gen:
         L.append(f"{ind}}}")
 
     def unit_value(self, which, w, coords, scale=None) -> str:
-        """The vec unit ``uu`` of the row addressed by ``coords`` (times ``scale``)."""
+        """The vec unit ``uu`` of the row addressed by ``coords`` (times ``scale``): one vec4
+        load where the binding is declared as vec4s (``vec_reads``), else ``w`` loads."""
         cols = ["uu"] if w == 1 else [f"uu * 4u + {u(c)}" for c in range(w)]
-        val = _vec([self.src(which, coords(c)) for c in cols])
+        if w == 4 and self.bind[which] in self.vec_reads:
+            s = {"q": self.k.q, "k": self.k.k, "v": self.k.v}[which]
+            idx = index_code([f"({c})" for c in coords("uu * 4u")], s.strides, s.offset)
+            val = f"{self.bind[which]}[({idx}) / 4u]"
+        else:
+            val = _vec([self.src(which, coords(c)) for c in cols])
         return val if scale is None else f"{val} * {_f(scale)}"
 
     def prefetch_units(self, which, nrows) -> tuple[int, int, int]:
@@ -1256,7 +1265,10 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
                        "diagnostic(off, subgroup_uniformity);"]
         if g.fast_packed:  # staging through buffer views (attention_fast.PACKED)
             head.insert(0, "requires buffer_view;")
-    src = module_source(head + g.bd.decls() + g.shared, {"mn_inf"}, g.wg, lines)
+    decls = [next((ln.replace(f"{v}: array<f32>", f"{v}: array<vec4<f32>>")
+                   for v in g.vec_reads if f" {v}: array<f32>" in ln), ln)
+             for ln in g.bd.decls()]
+    src = module_source(head + decls + g.shared, {"mn_inf"}, g.wg, lines)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)
     flops += 2 * B * Hq * Sq * Skv * D if k.dq_block else 0  # the dQ partials' product
