@@ -568,7 +568,7 @@ class _Gen:
         """The vec unit ``uu`` of the row addressed by ``coords`` (times ``scale``): one vec4
         load where the binding is declared as vec4s (``vec_reads``), else ``w`` loads."""
         cols = ["uu"] if w == 1 else [f"uu * 4u + {u(c)}" for c in range(w)]
-        if w == 4 and self.bind[which] in self.vec_reads:
+        if w == 4 and which in ("q", "k", "v") and self.bind[which] in self.vec_reads:
             s = {"q": self.k.q, "k": self.k.k, "v": self.k.v}[which]
             idx = index_code([f"({c})" for c in coords("uu * 4u")], s.strides, s.offset)
             val = f"{self.bind[which]}[({idx}) / 4u]"

@@ -43,9 +43,14 @@ prefetch) but ran 153.3 µs against 106.1; the split prefetch alone 248 register
 (docs/rejected-optimizations.md).  ``PACKED`` (on where the device has buffer views) stages
 Q/K/V with one 8-byte store per four values: 105.8 against 106.2 µs, neutral.
 
+``VEC_LOADS``: q/k/v bindings declared as ``array<vec4<f32>>`` where every view allows, one
+16-byte load per staged unit instead of four scalar loads with a bounds clamp each: 105.9 →
+94.4 µs.
+
 H200 (Dawn, (1, 6, 1500, 64), key chunks + combine): 290.0 µs before this design, 132.7 with
 the layout, prefetch and single P loads (3 chunks), 117.6 with two row blocks and 32-key tiles,
-106.1 with the lean softmax and 64-key tiles (1.83x the strict 193.7); in Whisper's model,
+106.1 with the lean softmax and 64-key tiles (1.83x the strict 193.7), 94.4 with vec4 loads
+(2.06x the strict 194.0); in Whisper's model,
 at the 3 chunks compile gives it (``compile/fast_attention.py``), 118.2 against 203.0 strict.
 Where the time goes: docs/benchmarks.md (sixth and seventh sessions).
 
