@@ -690,6 +690,7 @@ KERNEL_VARIANTS = {
     "cfg_default": {"A.SHORT_FWD_FIRST": ()},  # both switches, the forward's old tiles
     "fwd_16x16": {"A.SHORT_FWD_FIRST": ((16, 16, 1, 2),)},  # 16 rows × 32 keys, 256 inv.
     "after": {},  # as the code is: 16 rows × 64 keys, 256 invocations
+    "vec_loads": {"A.STRICT_VEC_LOADS": True},  # q/k/v bindings as vec4 (same values)
     "fwd_own8": {"A.SHORT_FWD_FIRST": (), "A.MIN_OWN_BLOCK": 8},  # 8-row blocks (144 wgs)
 }
 
@@ -755,6 +756,7 @@ FWD_VARIANTS = {
     "unroll_all": {"A.FWD_UNROLL": A.CONFIGS},
     "reg_q": {"A.FWD_UNROLL": (), "A.SHORT_LOOP": 1 << 30},
     "main": {"A.FWD_UNROLL": (), "A.SPLIT_FWD_FIRST": ((16, 8, 4, 4),)},
+    "vec_loads": {"A.STRICT_VEC_LOADS": True},  # q/k/v bindings as vec4 (same values)
 }
 # (variant, tile configuration, key chunks) timed at Whisper's shape
 _T = (16, 16, 4, 2)

@@ -403,3 +403,27 @@ def test_first_tile_loaded_before_or_after_staging(dev, rng, monkeypatch, early)
     assert ("if (R_lo < R_hi)" in kernels.emit(desc, dev.limits, dev.features).wgsl) == early
     (flat,) = _run_poisoned(dev, desc, [x[k] for k in names], [(want.size,)])
     _check(flat, want, f"dk|dv|dq partials, early loads {early}")
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
+@pytest.mark.parametrize("dims", [(1, 4, 2, 37, 70, 64, 32), (2, 2, 2, 600, 600, 32, 32)])
+def test_vec4_reads_give_the_same_bits(run, rng, monkeypatch, kind, dims):
+    """``STRICT_VEC_LOADS``: q/k/v bindings declared as vec4 arrays and read one unit at a
+    time compute bit-identical results (short and long loops, GQA, Dv != D, causal); a head
+    dim that is no multiple of 4 keeps scalar reads."""
+    x, a, ref = _problem(rng, dims, {"causal": True})
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(A, "STRICT_VEC_LOADS", on)
+        got[on] = _run(run, kind, x, _desc(kind, x, a))
+        wgsl = run.last_spec.wgsl
+        assert ("b1: array<vec4<f32>>" in wgsl) == on, on
+    for g0, g1 in zip(got[False], got[True], strict=True):
+        np.testing.assert_array_equal(g0, g1)
+    names = {"fwd": ["out", "lse"], "dq": ["dq"], "dkdv": ["dk", "dv"]}[kind]
+    for n, gv in zip(names, got[True], strict=True):
+        _check(gv, ref[n], f"{kind} {n} vec4")
+    x2, a2, _ = _problem(rng, (1, 2, 2, 20, 20, 6, 6), {})
+    monkeypatch.setattr(A, "STRICT_VEC_LOADS", True)
+    _run(run, kind, x2, _desc(kind, x2, a2))
+    assert "vec4<f32>>" not in run.last_spec.wgsl.split("fn main")[0].split("var<workgroup>")[0]

@@ -228,6 +228,13 @@ FMA = True
 # (K/V tile 0 before Q) is done for short loops only (``SHORT_EARLY_KV`` below)
 EARLY_LOADS = True
 
+# q/k/v read as vec4<f32> by the strict kernels too (their bindings declared as arrays of vec4
+# where ``_Gen.vec_bindings`` allows): the same values, one 16-byte load per unit instead of
+# four scalar loads with a robustness clamp each.  The tensor-core forward gained 11 % from it
+# on the H200 (attention_fast.VEC_LOADS: 105.9 -> 94.4 µs); off here until it is measured on
+# the strict kernels (bench/attention_bench.py --fwd-sweep variant "vec_loads")
+STRICT_VEC_LOADS = False
+
 # Short loops: a kernel whose loop dimension (keys for fwd/dQ, query positions for dK/dV) is
 # shorter than SHORT_LOOP walks a few tiles (SmolLM2's 128 positions: at most 4), so it is
 # bound by the latency of its first loads rather than by its loop (Whisper's 1,500 positions
@@ -563,6 +570,26 @@ class _Gen:
         L.append(f"{i2}{arr}[rr][uu] = x;" if arr in self.rows2d else
                  f"{i2}{arr}[rr * {u(pad)} + uu] = x;")
         L.append(f"{ind}}}")
+
+    def vec_bindings(self) -> set[str]:
+        """Binding variables of q/k/v that may be declared as ``array<vec4<f32>>``
+        (``vec_reads``): every role bound to the variable is q, k or v, and each such view
+        holds f32, has unit stride along its head dim (a multiple of 4: every read of it is a
+        vec4 unit) and 4-aligned other strides, offset and extent (a unit's first element
+        index is a multiple of 4)."""
+        views = {"q": self.k.q, "k": self.k.k, "v": self.k.v}
+
+        def ok(s) -> bool:
+            return (s.dtype is f32 and s.strides[3] == 1 and s.shape[3] % 4 == 0
+                    and all(x % 4 == 0 for x in s.strides[:3]) and s.offset % 4 == 0
+                    and s.extent % 4 == 0)
+
+        out = set()
+        for var in {self.bind[r] for r in views}:
+            roles = [r for r, v in self.bind.items() if v == var]
+            if all(r in views and ok(views[r]) for r in roles):
+                out.add(var)
+        return out
 
     def unit_value(self, which, w, coords, scale=None) -> str:
         """The vec unit ``uu`` of the row addressed by ``coords`` (times ``scale``): one vec4
@@ -1255,6 +1282,8 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
             "dkdv": _dkdv_kernel}.get(k.kind)
     if body is None:
         raise CodegenError(f"unknown attention kernel kind {k.kind!r}")
+    if not fast and STRICT_VEC_LOADS:
+        g.vec_reads = g.vec_bindings()
     lines = body(g, t)
     check_invocations(k.name, g.wg, t)
     check_workgroup_storage(k.name, 4 * g.words, t)

@@ -234,34 +234,12 @@ def chunk_group(k) -> int:
     return max(d for d in range(1, n + 1) if n % d == 0 and (d == 1 or d * chunk <= GROUP_KEYS))
 
 
-def vec_reads(g) -> set[str]:
-    """Binding variables of q/k/v the forward may declare as ``array<vec4<f32>>``
-    (``VEC_LOADS``): every role bound to the variable is q, k or v, and each such view holds
-    f32, has unit stride along its head dim (a multiple of 4) and 4-aligned other strides,
-    offset and extent (so a unit's first element index is a multiple of 4)."""
-    if not VEC_LOADS:
-        return set()
-    views = {"q": g.k.q, "k": g.k.k, "v": g.k.v}
-
-    def ok(s) -> bool:
-        return (s.dtype is f32 and s.strides[3] == 1 and s.shape[3] % 4 == 0
-                and all(x % 4 == 0 for x in s.strides[:3]) and s.offset % 4 == 0
-                and s.extent % 4 == 0)
-
-    out = set()
-    for var in {g.bind[r] for r in views}:
-        roles = [r for r, v in g.bind.items() if v == var]
-        if all(r in views and ok(views[r]) for r in roles):
-            out.add(var)
-    return out
-
-
 def fast_body(g, t) -> list[str]:
     """The kernel body (``g``: the strict kernel's ``_Gen``, for shapes, bindings, masks)."""
     from .attention import _grid_head, _i
 
     k = g.k
-    g.vec_reads = vec_reads(g)
+    g.vec_reads = g.vec_bindings() if VEC_LOADS else set()
     nsg, bk = g.fast = fast_config(k, t)
     nrb = row_blocks()
     sq, bq, D, Dv = 16 * nsg, 16 * nsg * nrb, g.D, g.Dv  # rows staged at once / per workgroup
