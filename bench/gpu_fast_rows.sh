@@ -2,7 +2,7 @@
 # The fast path against strict in the transformer steps, in one device call: which kernels of
 # SmolLM2's and SmolVLA's training steps are slower fast than strict (bench/fast_vs_strict.py,
 # per label), then the harness's fast rows of both (gates, PyTorch TF32 / bf16).  Made to check
-# matmul.TC_SHORT_K (eighth session: predicted from the per-kernel profile, not yet measured).
+# matmul.TC_SHORT_K (measured in the ninth session: docs/benchmarks.md).
 #
 #   source .gpu/env.sh; bash bench/gpu_fast_rows.sh OUTDIR [workloads]
 set -uo pipefail
