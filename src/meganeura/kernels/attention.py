@@ -500,14 +500,17 @@ class _Gen:
         x = f"{self.bind[name]}[{idx}]"
         return x if dt is f32 else f"f32({x})"
 
-    def src(self, name: str, coords: list[str]) -> str:
-        """Load of element ``coords`` (4 u32 expressions) of q/k/v/dout."""
+    def read_view(self, name: str) -> tuple[Strided, tuple[int, ...]]:
+        """(view, element strides the kernel reads it with) of q/k/v/dout/out (delta_out: O)."""
         k = self.k
         s = {"q": k.q, "k": k.k, "v": k.v, "dout": k.dout, "out": k.delta}[name]
         if name in ("dout", "out"):
-            strides = self.dost if name == "dout" else self.dlst
-        else:
-            strides = s.strides
+            return s, self.dost if name == "dout" else self.dlst
+        return s, s.strides
+
+    def src(self, name: str, coords: list[str]) -> str:
+        """Load of element ``coords`` (4 u32 expressions) of q/k/v/dout."""
+        s, strides = self.read_view(name)
         name = "delta" if name == "out" else name  # delta_out: O in the delta binding
         return self.ld(name, index_code([f"({c})" for c in coords], strides, s.offset), s.dtype)
 
@@ -571,23 +574,26 @@ class _Gen:
                  f"{i2}{arr}[rr * {u(pad)} + uu] = x;")
         L.append(f"{ind}}}")
 
-    def vec_bindings(self) -> set[str]:
-        """Binding variables of q/k/v that may be declared as ``array<vec4<f32>>``
-        (``vec_reads``): every role bound to the variable is q, k or v, and each such view
-        holds f32, has unit stride along its head dim (a multiple of 4: every read of it is a
-        vec4 unit) and 4-aligned other strides, offset and extent (a unit's first element
-        index is a multiple of 4)."""
-        views = {"q": self.k.q, "k": self.k.k, "v": self.k.v}
+    VEC_ROLES = ("q", "k", "v", "dout")  # the roles ``unit_value`` reads by vec units
 
-        def ok(s) -> bool:
-            return (s.dtype is f32 and s.strides[3] == 1 and s.shape[3] % 4 == 0
-                    and all(x % 4 == 0 for x in s.strides[:3]) and s.offset % 4 == 0
+    def vec_bindings(self) -> set[str]:
+        """Binding variables of q/k/v/dout that may be declared as ``array<vec4<f32>>``
+        (``vec_reads``): every role bound to the variable is one of ``VEC_ROLES``, and each
+        such view holds f32, is read with unit stride along its head dim (a multiple of 4:
+        every read of it is a vec4 unit) and 4-aligned other strides, offset and extent (a
+        unit's first element index is a multiple of 4)."""
+        roles = [r for r in self.VEC_ROLES if r in self.bind and (r != "dout" or self.k.dout)]
+
+        def ok(r: str) -> bool:
+            s, st = self.read_view(r)
+            return (s.dtype is f32 and st[3] == 1 and s.shape[-1] % 4 == 0
+                    and all(x % 4 == 0 for x in st[:3]) and s.offset % 4 == 0
                     and s.extent % 4 == 0)
 
         out = set()
-        for var in {self.bind[r] for r in views}:
-            roles = [r for r, v in self.bind.items() if v == var]
-            if all(r in views and ok(views[r]) for r in roles):
+        for var in {self.bind[r] for r in roles}:
+            bound = [r for r, v in self.bind.items() if v == var]
+            if all(r in roles and ok(r) for r in bound):
                 out.add(var)
         return out
 
@@ -595,9 +601,9 @@ class _Gen:
         """The vec unit ``uu`` of the row addressed by ``coords`` (times ``scale``): one vec4
         load where the binding is declared as vec4s (``vec_reads``), else ``w`` loads."""
         cols = ["uu"] if w == 1 else [f"uu * 4u + {u(c)}" for c in range(w)]
-        if w == 4 and which in ("q", "k", "v") and self.bind[which] in self.vec_reads:
-            s = {"q": self.k.q, "k": self.k.k, "v": self.k.v}[which]
-            idx = index_code([f"({c})" for c in coords("uu * 4u")], s.strides, s.offset)
+        if w == 4 and which in self.VEC_ROLES and self.bind[which] in self.vec_reads:
+            s, strides = self.read_view(which)
+            idx = index_code([f"({c})" for c in coords("uu * 4u")], strides, s.offset)
             val = f"{self.bind[which]}[({idx}) / 4u]"
         else:
             val = _vec([self.src(which, coords(c)) for c in cols])
