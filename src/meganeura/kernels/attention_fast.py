@@ -75,8 +75,8 @@ from .common import (
 )
 
 PAD = 8  # f16 elements of padding per staged row (rows stay 16-byte aligned)
-# (subgroups per workgroup, keys per tile), heuristic first (H200, Whisper, lean softmax:
-# (4, 64) 106.1 µs at 3 chunks, 127.3 at 6; (4, 32) 116.7 / 134.0)
+# (subgroups per workgroup, keys per tile), heuristic first (H200, Whisper, lean softmax, vec4
+# loads: (4, 64) 94.4 µs at 3 chunks, 116.7 at 6; (4, 32) 107.8 / 124.5)
 FAST_CONFIGS = ((4, 64), (4, 32), (2, 64), (2, 32), (1, 64))
 FLT_MAX = "3.4028234663852886e38"
 ROW_BLOCKS = 2  # 16-row blocks per subgroup: each staged K/V tile serves ROW_BLOCKS x 16 rows
@@ -157,7 +157,8 @@ def usable(k, t) -> bool:
 
 
 # the fast forward pays from this many keys and packed query rows up (H200, Dawn: Whisper's
-# (1, 6, 1500, 64) 106.1 µs against 193.7 strict; SmolLM2's 128 keys 12.9 against 10.0)
+# (1, 6, 1500, 64) 94.4 µs against 194.0 strict; SmolLM2's 128 keys 12.9 against 10.0, measured
+# before the vec4 loads)
 FAST_MIN_KEYS = 512
 FAST_MIN_ROWS = 64
 
@@ -177,8 +178,8 @@ def pays_dims(Hq: int, Hkv: int, Sq: int, Skv: int, D: int, Dv: int) -> bool:
 
 # key chunks of the tensor-core forward: as many as keep its workgroups within about one wave
 # (H200: two resident workgroups per SM at 255 registers, 132 SMs; Whisper (1, 6, 1500, 64) at
-# 3 chunks (216 workgroups) 106.1 µs, at the strict kernel's 6 (walked in pairs) 127.4, at 4
-# (288) 127.3).  A layout with fewer registers (more resident workgroups) wants a larger wave:
+# 3 chunks (216 workgroups) 106.1 µs (94.4 with vec4 loads), at the strict kernel's 6 (walked
+# in pairs) 127.4 (116.7), at 4 (288) 127.3 (113.8)).  A layout with fewer registers (more resident workgroups) wants a larger wave:
 # ``O_SHARED`` (114 registers measured: 4 per SM) 512; it ran 153.3 / 153.5 / 179.7 µs at
 # 3 / 4 / 6 chunks.
 FAST_WAVE_WGS = 256
