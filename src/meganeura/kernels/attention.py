@@ -232,7 +232,7 @@ EARLY_LOADS = True
 # where ``_Gen.vec_bindings`` allows): the same values, one 16-byte load per unit instead of
 # four scalar loads with a robustness clamp each.  The tensor-core forward gained 11 % from it
 # on the H200 (attention_fast.VEC_LOADS: 105.9 -> 94.4 µs); off here until it is measured on
-# the strict kernels (bench/attention_bench.py --fwd-sweep variant "vec_loads")
+# the strict kernels (bench/attention_bench.py --kvariants after,vec_loads --op)
 STRICT_VEC_LOADS = False
 
 # Short loops: a kernel whose loop dimension (keys for fwd/dQ, query positions for dK/dV) is
@@ -471,7 +471,8 @@ class _Gen:
         self.dp, self.vp = _pad(self.du, self.TC), _pad(self.vu, self.TC)
         self.shared: list[str] = []
         # binding variables declared as array<vec4<f32>> and read one unit at a time
-        # (``unit_value``; set by the tensor-core forward: ``attention_fast.vec_reads``)
+        # (``unit_value``; chosen by ``emit``: ``vec_bindings`` where ``attention_fast.VEC_LOADS``
+        # / ``STRICT_VEC_LOADS`` say so)
         self.vec_reads: set[str] = set()
         self.widths: dict[str, int] = {}
         self.words = 0
@@ -1288,7 +1289,7 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
             "dkdv": _dkdv_kernel}.get(k.kind)
     if body is None:
         raise CodegenError(f"unknown attention kernel kind {k.kind!r}")
-    if not fast and STRICT_VEC_LOADS:
+    if AF.VEC_LOADS if fast else STRICT_VEC_LOADS:
         g.vec_reads = g.vec_bindings()
     lines = body(g, t)
     check_invocations(k.name, g.wg, t)
@@ -1300,9 +1301,7 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
                        "diagnostic(off, subgroup_uniformity);"]
         if g.fast_packed:  # staging through buffer views (attention_fast.PACKED)
             head.insert(0, "requires buffer_view;")
-    decls = [next((ln.replace(f"{v}: array<f32>", f"{v}: array<vec4<f32>>")
-                   for v in g.vec_reads if f" {v}: array<f32>" in ln), ln)
-             for ln in g.bd.decls()]
+    decls = g.bd.decls(vec4={v: "f32" for v in g.vec_reads})
     src = module_source(head + decls + g.shared, {"mn_inf"}, g.wg, lines)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)

@@ -110,7 +110,7 @@ O_TAU = 8.0
 PACKED = True
 # q/k/v read as vec4<f32> (their bindings declared as arrays of vec4) where every view of the
 # binding is row-contiguous and 4-aligned: one 16-byte load per unit instead of four scalar
-# loads, each with its own bounds clamp under Dawn's robustness (``vec_reads``)
+# loads, each with its own bounds clamp under Dawn's robustness (``attention._Gen.vec_reads``)
 VEC_LOADS = True
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
@@ -179,9 +179,9 @@ def pays_dims(Hq: int, Hkv: int, Sq: int, Skv: int, D: int, Dv: int) -> bool:
 # key chunks of the tensor-core forward: as many as keep its workgroups within about one wave
 # (H200: two resident workgroups per SM at 255 registers, 132 SMs; Whisper (1, 6, 1500, 64) at
 # 3 chunks (216 workgroups) 106.1 µs (94.4 with vec4 loads), at the strict kernel's 6 (walked
-# in pairs) 127.4 (116.7), at 4 (288) 127.3 (113.8)).  A layout with fewer registers (more resident workgroups) wants a larger wave:
-# ``O_SHARED`` (114 registers measured: 4 per SM) 512; it ran 153.3 / 153.5 / 179.7 µs at
-# 3 / 4 / 6 chunks.
+# in pairs) 127.4 (116.7), at 4 (288) 127.3 (113.8)).  A layout with fewer registers (more
+# resident workgroups) wants a larger wave: ``O_SHARED`` (114 registers measured: 4 per SM)
+# 512; it ran 153.3 / 153.5 / 179.7 µs at 3 / 4 / 6 chunks.
 FAST_WAVE_WGS = 256
 FAST_WAVE_WGS_O_SHARED = 512
 
@@ -240,7 +240,6 @@ def fast_body(g, t) -> list[str]:
     from .attention import _grid_head, _i
 
     k = g.k
-    g.vec_reads = g.vec_bindings() if VEC_LOADS else set()
     nsg, bk = g.fast = fast_config(k, t)
     nrb = row_blocks()
     sq, bq, D, Dv = 16 * nsg, 16 * nsg * nrb, g.D, g.Dv  # rows staged at once / per workgroup

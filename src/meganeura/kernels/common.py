@@ -470,9 +470,16 @@ class Bindings:
         """Bindings the pipeline layout has (canonical slots)."""
         return len(self.kept)
 
-    def decls(self) -> list[str]:
-        return [f"@group(0) @binding({j}) var<storage, read_write> b{i}: "
-                f"array<{store_type(self.dtypes[i])}>;" for j, i in enumerate(self.kept)]
+    def decls(self, vec4: dict[str, str] | None = None) -> list[str]:
+        """The declarations; ``vec4`` maps variables read by 16-byte units to the vec4's
+        element type (``array<vec4<T>>`` instead of the slot's scalar array)."""
+        vec4 = vec4 or {}
+
+        def elem(i: int) -> str:
+            v = f"b{i}"
+            return f"vec4<{vec4[v]}>" if v in vec4 else store_type(self.dtypes[i])
+        return [f"@group(0) @binding({j}) var<storage, read_write> b{i}: array<{elem(i)}>;"
+                for j, i in enumerate(self.kept)]
 
 
 def binding_aliases(binds: Sequence) -> tuple[int, ...]:

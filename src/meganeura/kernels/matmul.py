@@ -265,13 +265,7 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
 def _decls(bd: Bindings, ops, acc_t) -> list[str]:
     """Binding declarations; operands loaded as vec4 are declared as arrays of vec4 (of f32,
     or of f16 for the tensor-core tile's f16 operands: ``_Operand.bt``)."""
-    lines = bd.decls()
-    for o in ops:
-        if o.w > 1:
-            var = bd.name(o.slot)
-            lines = [ln.replace(f"{var}: array<{o.elem}>", f"{var}: array<vec4<{o.bt}>>")
-                     for ln in lines]
-    return lines
+    return bd.decls(vec4={bd.name(o.slot): o.bt for o in ops if o.w > 1})
 
 
 def config_name(g: Cfg) -> str:
