@@ -121,23 +121,21 @@ MM_TILES = {(128, 256, 2, 4, 32, 0): 219.2, (128, 256, 2, 4, 32, 8): 164.2,
             (128, 256, 2, 4, 32, 32): 82.4}
 
 
-MM_CHOICE: dict = {"tiles": None, "dtype": "f32"}  # --mm-cfgs / --mm-f16
-
-
-def mm_specs(dev):
-    """(label, spec) of the tensor-core matmul tiles of ``MM_TILES`` (or ``--mm-cfgs``) at
-    4096³, f32 operands (or f16 with ``--mm-f16``)."""
+def mm_specs(dev, tiles=None, dtype: str = "f32"):
+    """(label, spec) of the tensor-core matmul tiles of ``MM_TILES`` (or ``tiles``: sgmat
+    ``Cfg``s, ``--mm-cfgs``) at 4096³, f32 operands (or ``dtype`` "f16": ``--mm-f16``)."""
     from meganeura import dtypes, kernels
     from meganeura.kernels import MatmulKernel, Strided
     from meganeura.kernels.matmul import Cfg
 
-    n, dt = 4096, getattr(dtypes, MM_CHOICE["dtype"])
+    n, dt = 4096, getattr(dtypes, dtype)
     desc = MatmulKernel(1, n, n, n, Strided.contiguous(dt, (1, n, n)),
                         Strided.contiguous(dt, (1, n, n)), precision="fast",
                         out_dtype=dtypes.f32)
-    tiles = MM_CHOICE["tiles"] or {Cfg("sgmat", *c): f"{tf}TF" for c, tf in MM_TILES.items()}
+    notes = ({c: "cfg" for c in tiles} if tiles else
+             {Cfg("sgmat", *c): f"{tf}TF" for c, tf in MM_TILES.items()})
     out = []
-    for cfg, note in tiles.items():
+    for cfg, note in notes.items():
         d = dataclasses.replace(desc, config=cfg)
         out.append((f"sgmat{tuple(cfg)[1:]}-{dt.name}-{note}",
                     kernels.emit(d, dev.limits, dev.features)))
@@ -258,11 +256,11 @@ def main(argv=None) -> None:
     ap.add_argument("--mm-f16", action="store_true", help="mm set: f16 operands")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    tiles = None
     if a.mm_cfgs:
         from matmul_bench import parse_cfgs
 
-        MM_CHOICE["tiles"] = {c: "cfg" for c in parse_cfgs(a.mm_cfgs) if c is not None}
-    MM_CHOICE["dtype"] = "f16" if a.mm_f16 else "f32"
+        tiles = [c for c in parse_cfgs(a.mm_cfgs) if c is not None]
     from vk_stats import VulkanStats
 
     dump = tempfile.mkdtemp(prefix="mn-spirv-")
@@ -276,7 +274,8 @@ def main(argv=None) -> None:
     vk = VulkanStats()
     os.environ["MN_SPIRV_DUMP"] = dump
     print(f"vulkan device {vk.name}; extensions {vk.extensions}", flush=True)
-    make = {"attn": attn_specs, "mm": mm_specs, "whisper": whisper_specs, "smoke": smoke_specs}
+    make = {"attn": attn_specs, "whisper": whisper_specs, "smoke": smoke_specs,
+            "mm": lambda dev: mm_specs(dev, tiles, "f16" if a.mm_f16 else "f32")}
     rows = []
     for s in a.sets.split(","):
         rows += collect(dev, cap, vk, make[s](dev), a.out, a.spirv_dis)

@@ -50,3 +50,27 @@ def test_spirv_bindings_of_a_handmade_module():
     binds, push = spirv_bindings(head + body)
     assert binds == [(0, 2, DESC_STORAGE), (1, 0, DESC_UNIFORM)]
     assert push
+
+
+def test_mm_set_takes_the_given_tiles_and_operand_type():
+    """``--mm-cfgs`` / ``--mm-f16``: the mm set emits exactly the given tensor-core tiles at
+    4096³ with f16 bindings (emitted for a target with subgroup matrices; no device needed)."""
+    from types import SimpleNamespace
+
+    from meganeura.kernels.common import SG_FEATURE
+    from meganeura.kernels.matmul import Cfg
+
+    sys.path.insert(0, BENCH)
+    try:
+        import pipeline_stats as P
+    finally:
+        sys.path.remove(BENCH)
+    dev = SimpleNamespace(limits={"max_compute_workgroup_storage_size": 49152,
+                                  "max_compute_invocations_per_workgroup": 1024},
+                          features={"shader-f16", "subgroups", SG_FEATURE})
+    tiles = [Cfg("sgmat", 128, 256, 2, 4, 32, 256), Cfg("sgmat", 128, 128, 2, 4, 32, 0)]
+    out = P.mm_specs(dev, tiles, "f16")
+    assert [spec.meta["config"] for _, spec in out] == [tuple(t) for t in tiles]
+    assert all("-f16-cfg" in label and "array<vec4<f16>>" in spec.wgsl for label, spec in out)
+    default = P.mm_specs(dev)
+    assert len(default) == len(P.MM_TILES) and all("-f32-" in lb for lb, _ in default)
