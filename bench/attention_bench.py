@@ -9,7 +9,7 @@ scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
       [--short] [--shapes whisper,smollm2] [--share ROOFLINE_JSON]
       [--roof OUTDIR] [--kvariants before,after,...]
       [--fwd-sweep OUTDIR [--winfer main,after,after@8,...]]
-      [--fast-e2e] [--fast-ab main,no-prefetch,...]
+      [--fast-e2e] [--fast-ab main,no-prefetch,...] [--toggles disable_robustness]
 
 ``--fast-e2e``: first, Whisper-tiny's inference and training step profiled strict, fast with
 the strict attention forward and fast with the tensor-core one (GPU ms per step).
@@ -331,10 +331,15 @@ def fast_rows(dev, x, a, sname, shape):
 # before them (halves, il, il4, pf+blk, pf+pack, pf+reread): docs/benchmarks.md
 _MAIN = {"AF.SF_PAD": 2, "AF.PREFETCH": True, "AF.ROW_BLOCKS": 2, "AF.GROUP_KEYS": 512,
          "AF.ABLATE": frozenset(), "AF.LEAN": True, "AF.O_SHARED": False,
-         "AF.SPLIT_PREFETCH": False, "AF.PACKED": True, "AF.VEC_LOADS": True}
+         "AF.SPLIT_PREFETCH": False, "AF.PACKED": True, "AF.VEC_LOADS": True,
+         "AF.LANE_VEC": True, "AF.TREE_REDUCE": True}
 FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": False}),
                  "unpacked": dict(_MAIN, **{"AF.PACKED": False}),
                  "scalar-loads": dict(_MAIN, **{"AF.VEC_LOADS": False}),
+                 "lanes-off": dict(_MAIN, **{"AF.LANE_VEC": False}),
+                 "serial-reduce": dict(_MAIN, **{"AF.TREE_REDUCE": False}),
+                 "lanes-off-serial": dict(_MAIN, **{"AF.LANE_VEC": False,
+                                                    "AF.TREE_REDUCE": False}),
                  "pad4": dict(_MAIN, **{"AF.SF_PAD": 4}),
                  "rows1": dict(_MAIN, **{"AF.ROW_BLOCKS": 1}),
                  "rows3": dict(_MAIN, **{"AF.ROW_BLOCKS": 3}),
@@ -349,7 +354,14 @@ FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": Fal
 # timing only (wrong results): each phase of the key loop left out (attention_fast.ABLATE)
 FAST_VARIANTS.update({f"no-{a}": dict(_MAIN, **{"AF.ABLATE": frozenset({a})})
                       for a in sorted(AF.ABLATE_PHASES)})
-FAST_AB = {"no": (((4, 64),), (3,)), "rows3": (((4, 64), (2, 64)), (1, 2, 3, 6)),
+# every phase of the key loop left out at once: what is outside its work (prologue, stores,
+# loop control, the combine kernel, launch); "no-prologue" also without Q's staging and the
+# first tile's
+_LOOP = AF.ABLATE_PHASES - {"qstage", "first"}
+FAST_VARIANTS["no-all"] = dict(_MAIN, **{"AF.ABLATE": _LOOP})
+FAST_VARIANTS["no-prologue"] = dict(_MAIN, **{"AF.ABLATE": frozenset(AF.ABLATE_PHASES)})
+FAST_AB = {"no": (((4, 64),), (3,)), "lanes": (((4, 64),), (3,)), "serial": (((4, 64),), (3,)),
+           "rows3": (((4, 64), (2, 64)), (1, 2, 3, 6)),
            "rows1": (((4, 64),), (3, 6)),
            "*": (((4, 64), (4, 32)), (3, 4, 6))}
 
@@ -892,6 +904,10 @@ def main(argv) -> None:
         SHAPES.update(SMOKE)
         REPEATS.update(n=3, warm_s=0.0)
 
+    if "--toggles" in argv:  # extra Dawn toggles (e.g. disable_robustness), before the device
+        from meganeura.runtime import device as devmod
+
+        devmod._DAWN_TOGGLES += tuple(argv[argv.index("--toggles") + 1].split(","))
     dev = get_device(backend)
     t = make_target(dev.limits, dev.features)
     print(f"device: {dev.adapter_name} ({dev.implementation})", flush=True)

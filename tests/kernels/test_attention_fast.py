@@ -41,10 +41,14 @@ def _stubbed(src: str) -> str:
     src = re.sub(r"var<workgroup> (\w)hB: buffer<(\d+)>;",
                  lambda m: (f"var<workgroup> {m[1]}h: array<f16, {int(m[2]) // 2}>;\n"
                             f"var<workgroup> {m[1]}w: array<vec2<u32>, {int(m[2]) // 8}>;"), src)
+    # the f32 scratch with its vec4 view (attention_fast.LANE_VEC)
+    src = re.sub(r"var<workgroup> SfB: buffer<(\d+)>;",
+                 lambda m: (f"var<workgroup> Sf: array<f32, {int(m[1]) // 4}>;\n"
+                            f"var<workgroup> SfV: array<vec4<f32>, {int(m[1]) // 16}>;"), src)
     src = re.sub(r"subgroupMatrixLoad<[^>]*>>\(&?(\w+), ", r"sml_\1(", src)
     src = src.replace("subgroupMatrixMultiplyAccumulate(", "smma(")
     src = src.replace("subgroup_matrix_result<f32, 16, 16>()", "f32()")
-    src = src.replace("subgroupMatrixStore(&Sf, ", "sms(")
+    src = re.sub(r"subgroupMatrixStore\(&?Sf, ", "sms(", src)
     src = src.replace("subgroupMatrixStore(&Of, ", "smso(")
     src = src.replace("subgroupAny(", "sga(")
     src = src.replace("subgroupShuffleXor(", "sgx(")  # Dawn wants "enable subgroups;" for it
@@ -100,7 +104,8 @@ VARIANTS = {"default": {}, "unpacked": {"PACKED": False}, "no_prefetch": {"PREFE
             "o_shared": {"O_SHARED": True}, "split_prefetch": {"SPLIT_PREFETCH": True},
             "o_shared_split": {"O_SHARED": True, "SPLIT_PREFETCH": True},
             "rows1_split": {"ROW_BLOCKS": 1, "SPLIT_PREFETCH": True},
-            "scalar_loads": {"VEC_LOADS": False}}
+            "scalar_loads": {"VEC_LOADS": False}, "lane_scalar": {"LANE_VEC": False},
+            "serial_reduce": {"TREE_REDUCE": False}}
 
 
 @pytest.fixture(params=sorted(VARIANTS))

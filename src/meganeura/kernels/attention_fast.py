@@ -90,7 +90,7 @@ PREFETCH = True  # K/V of tile t + 1 loaded into registers during tile t (stored
 SPLIT_PREFETCH = False
 # timing only (wrong results): phases of the key loop left out, to see what each one costs
 # (bench/attention_bench.py --fast-ab no-<phase>)
-ABLATE_PHASES = frozenset({"stage", "scores", "softmax", "pv", "barriers"})
+ABLATE_PHASES = frozenset({"stage", "scores", "softmax", "pv", "barriers", "qstage", "first"})
 ABLATE: frozenset = frozenset()
 SF_PAD = 2  # f32 words after each ``Sf`` row (every access conflict-free)
 # tiles wholly inside the key range skip the per-score masks (when the description has no
@@ -112,13 +112,35 @@ PACKED = True
 # binding is row-contiguous and 4-aligned: one 16-byte load per unit instead of four scalar
 # loads, each with its own bounds clamp under Dawn's robustness (``attention._Gen.vec_reads``)
 VEC_LOADS = True
+# lane (r, hh) owns the vec4 units 2j + hh of its row (was: the columns 2j + hh), so the
+# softmax's score reads, the O update's reads, the P stores and the output stores are one
+# 16-byte (8-byte for P) access per four values, through vec4 / vec2<u32> buffer views of the
+# scratch where the device has them (``BUFFER_VIEW_FEATURE``), and the output rows are written
+# in whole 32-byte sectors; the scratch rows are padded by 8 words (``LANE_PAD``: a row stride
+# of 8 or 24 mod 32 words keeps each quarter-warp's 16-byte accesses on distinct banks)
+LANE_VEC = True
+LANE_PAD = 8
+# the row max and row sum of the softmax as pairwise trees (depth log2 of the half row) instead
+# of serial chains of BK / 2 dependent operations
+TREE_REDUCE = True
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 def _strides(bk: int, Dv: int) -> tuple[int, int]:
     """(``Sf`` row stride in f32, ``Ph`` row stride in f16).  ``Sf`` holds S, and the P·V
     tile too unless O lives in workgroup memory (``O_SHARED``)."""
-    return (bk if O_SHARED else max(bk, Dv)) + SF_PAD, bk + PAD
+    return (bk if O_SHARED else max(bk, Dv)) + (LANE_PAD if lane_vec() else SF_PAD), bk + PAD
+
+
+def lane_vec() -> bool:
+    """Lanes own vec4 units of their rows (``LANE_VEC``; not with ``O_SHARED``)."""
+    return LANE_VEC and not O_SHARED
+
+
+def _elem(j: int) -> int:
+    """Offset of this lane's ``j``-th value of its row from its row base (which holds the
+    lane's parity: ``hh`` columns, or ``4 hh`` with ``LANE_VEC``)."""
+    return 8 * (j // 4) + j % 4 if lane_vec() else 2 * j
 
 
 def row_blocks() -> int:
@@ -130,21 +152,21 @@ def _at(name: str, j: int) -> str:
     """This lane's ``j``-th element of its row of scratch ``name`` (``Sf``, ``Ph`` or ``Of``;
     the row base ``sfb`` / ``phb`` / ``ofb`` holds the subgroup's block, the row and the lane's
     parity)."""
-    return f"{name}[{_BASES[name]} + {u(2 * j)}]"
+    return f"{name}[{_BASES[name]} + {u(_elem(j))}]"
 
 
 _BASES = {"Sf": "sfb", "Ph": "phb", "Of": "ofb"}
 
 
-def _ptr(name: str, n: int, off: int) -> str:
+def _ptr(g, name: str, n: int, off: int) -> str:
     """Pointer and offset arguments of a fragment load/store at ``off`` in this subgroup's
     block of scratch ``name``."""
-    return f"&{name}, sid * {u(n)} + {u(off)}"
+    return f"{_ref(g, name)}, sid * {u(n)} + {u(off)}"
 
 
 def _col(j: int) -> str:
     """WGSL column of this lane's ``j``-th column: the two lanes of a row alternate."""
-    return f"{u(2 * j)} + hh"
+    return f"{u(_elem(j))} + {'hh4' if lane_vec() else 'hh'}"
 
 
 def usable(k, t) -> bool:
@@ -247,11 +269,14 @@ def fast_body(g, t) -> list[str]:
     sw, pst = _strides(bk, Dv)
     g.wg, g.fast_rows = 32 * nsg, bq
     g.fast_packed = PACKED and BUFFER_VIEW_FEATURE in t.features
+    # the scratch through vec views: lanes own vec4 units and the device has buffer views
+    g.fast_sv = lane_vec() and BUFFER_VIEW_FEATURE in t.features
+    g.fast_views = ({"Kh", "Vh"} if g.fast_packed else set()) | (
+        {"Sf", "Ph"} if g.fast_sv else set())
     L: list[str] = []
     for name, n in (("Kh", max(sq, bk) * qs), ("Vh", bk * vs)):
         g.shared += _staging_decl(g, name, n, L)
-    g.shared += [f"var<workgroup> Ph: array<f16, {nsg * 16 * pst}>;",
-                 f"var<workgroup> Sf: array<f32, {nsg * 16 * sw}>;"]
+    g.shared += _scratch_decls(g, nsg * 16 * pst, nsg * 16 * sw, L)
     if O_SHARED:
         g.shared.append(f"var<workgroup> Of: array<f32, {nsg * 16 * (Dv + SF_PAD)}>;")
     g.words = fast_words((nsg, bk), D, Dv)
@@ -259,6 +284,7 @@ def fast_body(g, t) -> list[str]:
     total = -(-g.rows // bq) * g.B * g.Hkv * (g.ns // cpw)
     grid = g.grid = make_grid(k.name, total, t)
     ind, i2 = "    ", "        "
+    par = "hh4" if lane_vec() else "hh"  # the lane's first column in its row
     head: list[str] = []  # the chunk index ``sc`` of the strict head is this workgroup's group
     _grid_head(head, ind, grid, total, "blk", -(-g.rows // bq), "hkv", g.Hkv,
                SimpleNamespace(ns=g.ns // cpw, B=g.B))
@@ -266,9 +292,11 @@ def fast_body(g, t) -> list[str]:
     if g.ns > 1 and g.ns == cpw:  # one group: every chunk in every workgroup
         L.append(f"{ind}let scg = 0u;")
     L += [f"{ind}let sid = lid / 32u;", f"{ind}let lane = lid % 32u;",
-          f"{ind}let hh = lane % 2u;", f"{ind}let R0 = blk * {u(bq)};",
-          f"{ind}let sfb = sid * {u(16 * sw)} + lane / 2u * {u(sw)} + hh;",
-          f"{ind}let phb = sid * {u(16 * pst)} + lane / 2u * {u(pst)} + hh;",
+          f"{ind}let hh = lane % 2u;", f"{ind}let hh4 = hh * 4u;",
+          f"{ind}let R0 = blk * {u(bq)};",
+          f"{ind}let sfb = sid * {u(16 * sw)} + lane / 2u * {u(sw)} + {par};",
+          f"{ind}let phb = sid * {u(16 * pst)} + lane / 2u * {u(pst)} + {par};",
+          f"{ind}let sfv = sfb / 4u;", f"{ind}let phv = phb / 4u;",
           f"{ind}let Rn = min(R0 + {u(bq)}, {u(g.rows)});",
           f"{ind}let i_first = i32(R0 / {u(g.G)});",
           f"{ind}let i_last = i32((Rn - 1u) / {u(g.G)});"]
@@ -282,8 +310,9 @@ def fast_body(g, t) -> list[str]:
         L += [ind + x for x in g.packed(f"rw{rb}", f"q{rb}")]
         L.append(f"{ind}let pos{rb} = i32(q{rb}i) + {_i(k.q_offset)};")
         pre = lambda rr, rb=rb: [f"let RR = R0 + {u(rb * sq)} + {rr};"] + g.packed("RR", "s")  # noqa: E731
-        _stage_f16(g, L, ind, "Kh", sq, "q", qs, pre, f"RR < {u(g.rows)}",
-                   lambda c: ["b", "sh", "si", c], k.scale * (LOG2E if LEAN else 1.0))
+        if "qstage" not in ABLATE:
+            _stage_f16(g, L, ind, "Kh", sq, "q", qs, pre, f"RR < {u(g.rows)}",
+                       lambda c: ["b", "sh", "si", c], k.scale * (LOG2E if LEAN else 1.0))
         L.append(f"{ind}workgroupBarrier();")
         for kk in range(D // 16):
             L.append(f"{ind}let qf{rb}_{kk} = subgroupMatrixLoad<{left}>({_ref(g, 'Kh')}, sid * "
@@ -338,7 +367,7 @@ def _key_loop(g, L, ind, bk, qs, vs, sw, pst, D, Dv) -> None:
     kpre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
     if PREFETCH:  # tile kv_lo staged before the loop, tile t + 1 loaded into registers in it
         L += [f"{ind}{{", f"{i2}let kt = kv_lo;"]
-        for arr, which, st in kv:
+        for arr, which, st in (kv if "first" not in ABLATE else ()):
             _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi",
                        lambda c: ["b", "hkv", "u32(jj)", c])
         L += [f"{ind}}}", f"{ind}workgroupBarrier();"]
@@ -429,10 +458,23 @@ def _staging_decl(g, name: str, n: int, lets: list[str]) -> list[str]:
     return [decl]
 
 
+def _scratch_decls(g, n_ph: int, n_sf: int, lets: list[str]) -> list[str]:
+    """Declarations of the subgroups' scratch: ``Ph`` (f16, ``n_ph``) and ``Sf`` (f32,
+    ``n_sf``); with ``g.fast_sv`` as workgroup buffers with views (``Ph`` / ``Pw``: f16 /
+    vec2<u32>; ``Sf`` / ``SfV``: f32 / vec4<f32>), their lines appended to ``lets``."""
+    if not g.fast_sv:
+        return [f"var<workgroup> Ph: array<f16, {n_ph}>;",
+                f"var<workgroup> Sf: array<f32, {n_sf}>;"]
+    decl, views = packed_staging("Ph", n_ph)
+    lets += views + [f"    let Sf = bufferView<array<f32, {n_sf}>>(&SfB, 0u);",
+                     f"    let SfV = bufferView<array<vec4<f32>, {n_sf // 4}>>(&SfB, 0u);"]
+    return [decl, f"var<workgroup> SfB: buffer<{4 * n_sf}>;"]
+
+
 def _ref(g, name: str) -> str:
     """The pointer argument of a fragment load from staging array ``name`` (with buffer views
     the name already is a pointer)."""
-    return name if g.fast_packed else f"&{name}"
+    return name if name in g.fast_views else f"&{name}"
 
 
 def _f16_stores(g, ind, arr, stride, w, r) -> list[str]:
@@ -474,7 +516,7 @@ def _scores(g, L, ind, bk, qs, sw, D, rb) -> None:
             L.append(f"{ind}    let kf{kk} = subgroupMatrixLoad<{right}>({_ref(g, 'Kh')}, "
                      f"{u(16 * f * qs + 16 * kk)}, true, {u(qs)});")
             L.append(f"{ind}    acc = subgroupMatrixMultiplyAccumulate(qf{rb}_{kk}, kf{kk}, acc);")
-        L.append(f"{ind}    subgroupMatrixStore({_ptr('Sf', 16 * sw, 16 * f)}, acc, false, "
+        L.append(f"{ind}    subgroupMatrixStore({_ptr(g, 'Sf', 16 * sw, 16 * f)}, acc, false, "
                  f"{u(sw)});")
         L.append(f"{ind}}}")
     L.append(f"{ind}{_barrier()}")
@@ -505,23 +547,51 @@ def _softmax(g, L, ind, bk, sw, pst, rb) -> None:
 
 def _softmax_body(g, L, ind, bk, sw, pst, rb, masked: bool) -> None:
     """The online-softmax step of one row block (``_softmax``); ``masked`` False: every score
-    of the tile is visible."""
-    ex = "exp2" if LEAN else "exp"
-    L.append(f"{ind}var mx: f32 = -{FLT_MAX};")
-    for jj in range(bk // 2):  # unrolled: the half row stays in registers
-        L += _score(g, ind, jj, sw, rb) if masked else [f"{ind}let x{jj} = {_at('Sf', jj)};"]
-        L.append(f"{ind}mx = max(mx, x{jj});")
+    of the tile is visible.  Unrolled: the lane's half row stays in registers; scores read and
+    P written four at a time (one vec access each with ``g.fast_sv``)."""
+    ex, n = ("exp2" if LEAN else "exp"), bk // 2
+    if g.fast_sv:
+        L += [f"{ind}let sv{q} = SfV[sfv + {u(2 * q)}];" for q in range(n // 4)]
+    for jj in range(n):
+        sf = f"sv{jj // 4}[{jj % 4}]" if g.fast_sv else _at("Sf", jj)
+        L += _score(g, ind, jj, rb, sf) if masked else [f"{ind}let x{jj} = {sf};"]
+    L.append(f"{ind}let mx = {_reduce('max', [f'x{jj}' for jj in range(n)], f'-{FLT_MAX}')};")
     L += _row_max(ind, rb, ex)
-    L.append(f"{ind}var ps: f32 = 0.0;")
-    for jj in range(bk // 2):
+    for jj in range(n):
         e = f"{ex}(x{jj} - mt)"
         e = f"select({e}, 0.0, x{jj} < -{FLT_MAX})" if masked else e
-        L.append(f"{ind}{{")
-        L.append(f"{ind}    let p = f16({e});")
-        L.append(f"{ind}    ps = ps + f32(p);")
-        L.append(f"{ind}    {_at('Ph', jj)} = p;")
-        L.append(f"{ind}}}")
+        L.append(f"{ind}let p{jj} = f16({e});")
+        if jj % 4 == 3:
+            L += _p_store(g, ind, jj // 4)
+    L.append(f"{ind}let ps = {_reduce('+', [f'f32(p{jj})' for jj in range(n)], '0.0')};")
     L += [f"{ind}l{rb} = l{rb} * alpha + ps;", f"{ind}m{rb} = mt;"] + _rescale_o(g, ind)
+
+
+def _reduce(op: str, terms: list[str], seed: str) -> str:
+    """WGSL expression of ``terms`` reduced with ``op`` (``max`` or ``+``): a pairwise tree
+    with ``TREE_REDUCE``, else the serial chain from ``seed`` (the order before the trees)."""
+    def comb(a: str, b: str) -> str:
+        return f"max({a}, {b})" if op == "max" else f"({a} + {b})"
+
+    if not TREE_REDUCE:
+        out = seed
+        for x in terms:
+            out = comb(out, x)
+        return out
+    while len(terms) > 1:
+        terms = [comb(*terms[i:i + 2]) if i + 1 < len(terms) else terms[i]
+                 for i in range(0, len(terms), 2)]
+    return terms[0]
+
+
+def _p_store(g, ind, q: int) -> list[str]:
+    """The lane's P values ``p{4q}``..``p{4q + 3}`` into ``Ph``: one 8-byte store through the
+    ``Pw`` view with ``g.fast_sv``, else four."""
+    ps = [f"p{4 * q + i}" for i in range(4)]
+    if g.fast_sv:
+        v4 = f"vec4<f32>(vec4<f16>({', '.join(ps)}))"  # exact: the values are f16 already
+        return [f"{ind}Pw[phv + {u(2 * q)}] = {pack_f16x4(v4)};"]
+    return [f"{ind}{_at('Ph', 4 * q + i)} = {p};" for i, p in enumerate(ps)]
 
 
 def _row_max(ind, rb, ex) -> list[str]:
@@ -549,11 +619,10 @@ def _rescale_o(g, ind) -> list[str]:
             + [f"{ind}}}"])
 
 
-def _score(g, ind, jj, sw, rb) -> list[str]:
-    """Lines defining ``x{jj}``: this lane's ``jj``-th score of the tile, masked (added mask,
-    causal/window visibility, keys past the chunk at -inf)."""
+def _score(g, ind, jj, rb, sf) -> list[str]:
+    """Lines defining ``x{jj}``: this lane's ``jj``-th score of the tile (the value ``sf``),
+    masked (added mask, causal/window visibility, keys past the chunk at -inf)."""
     k, i2 = g.k, ind + "    "
-    sf = _at("Sf", jj)
     out = [f"{ind}let kj{jj} = kt + i32({_col(jj)});",
            f"{ind}let inb{jj} = rok{rb} && kj{jj} < kv_hi;"]
     terms = [f"inb{jj}"] + g.vis_terms(f"kj{jj}", f"pos{rb}")
@@ -576,7 +645,7 @@ def _pv(g, L, ind, bk, vs, sw, pst, Dv, rb) -> None:
     ow = Dv + SF_PAD
 
     def pload(kk: int) -> str:
-        return (f"let pf{kk} = subgroupMatrixLoad<{left}>({_ptr('Ph', 16 * pst, 16 * kk)}, "
+        return (f"let pf{kk} = subgroupMatrixLoad<{left}>({_ptr(g, 'Ph', 16 * pst, 16 * kk)}, "
                 f"false, {u(pst)});")
 
     def mma(c: int, kk: int, acc: str) -> list[str]:
@@ -588,7 +657,7 @@ def _pv(g, L, ind, bk, vs, sw, pst, Dv, rb) -> None:
     if O_SHARED:
         body = [pload(kk) for kk in range(nk)]
         for c in range(nf):
-            at = f"{_ptr('Of', 16 * ow, 16 * c)}"
+            at = f"{_ptr(g, 'Of', 16 * ow, 16 * c)}"
             body += ["{", f"var acc = subgroupMatrixLoad<{res}>({at}, false, {u(ow)});"]
             for kk in range(nk):
                 body += mma(c, kk, "acc")
@@ -599,7 +668,7 @@ def _pv(g, L, ind, bk, vs, sw, pst, Dv, rb) -> None:
             body.append(pload(kk))
             for c in range(nf):
                 body += mma(c, kk, f"acc{c}")
-        body += [f"subgroupMatrixStore({_ptr('Sf', 16 * sw, 16 * c)}, acc{c}, false, "
+        body += [f"subgroupMatrixStore({_ptr(g, 'Sf', 16 * sw, 16 * c)}, acc{c}, false, "
                  f"{u(sw)});" for c in range(nf)]
     if "pv" in ABLATE:
         body = []
@@ -609,8 +678,10 @@ def _pv(g, L, ind, bk, vs, sw, pst, Dv, rb) -> None:
     L.append(f"{ind}{_barrier()}")
     if O_SHARED:
         return
+    if g.fast_sv and "pv" not in ABLATE:
+        L += [f"{ind}let ov{q} = SfV[sfv + {u(2 * q)}];" for q in range(Dv // 8)]
     for c in range(Dv // 2):
-        sf = _at("Sf", c)
+        sf = f"ov{c // 4}[{c % 4}]" if g.fast_sv else _at("Sf", c)
         L.append(f"{ind}o{rb}_{c} = o{rb}_{c} * alpha + {'0.0' if 'pv' in ABLATE else sf};")
 
 
