@@ -105,7 +105,7 @@ VARIANTS = {"default": {}, "unpacked": {"PACKED": False}, "no_prefetch": {"PREFE
             "o_shared_split": {"O_SHARED": True, "SPLIT_PREFETCH": True},
             "rows1_split": {"ROW_BLOCKS": 1, "SPLIT_PREFETCH": True},
             "scalar_loads": {"VEC_LOADS": False}, "lane_scalar": {"LANE_VEC": False},
-            "serial_reduce": {"TREE_REDUCE": False}}
+            "serial_reduce": {"TREE_REDUCE": False}, "loop_stage": {"REG_STAGE": False}}
 
 
 @pytest.fixture(params=sorted(VARIANTS))

@@ -123,6 +123,11 @@ LANE_PAD = 8
 # the row max and row sum of the softmax as pairwise trees (depth log2 of the half row) instead
 # of serial chains of BK / 2 dependent operations
 TREE_REDUCE = True
+# Q's staging and the first K/V tile's through registers: every load of a pass issued before
+# its first store (the load-store loop waited one global latency per strided step: 8 steps
+# per 64-row pass at 128 invocations); Q's two row blocks in one pass where V's staging array
+# holds a block
+REG_STAGE = True
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
@@ -259,7 +264,7 @@ def chunk_group(k) -> int:
 
 def fast_body(g, t) -> list[str]:
     """The kernel body (``g``: the strict kernel's ``_Gen``, for shapes, bindings, masks)."""
-    from .attention import _grid_head, _i
+    from .attention import _grid_head
 
     k = g.k
     nsg, bk = g.fast = fast_config(k, t)
@@ -303,21 +308,7 @@ def fast_body(g, t) -> list[str]:
     if O_SHARED:
         L.append(f"{ind}let ofb = sid * {u(16 * (Dv + SF_PAD))} + lane / 2u * {u(Dv + SF_PAD)} "
                  f"+ hh;")
-    left = "subgroup_matrix_left<f16, 16, 16>"
-    for rb in range(nrb):  # this lane's row of block rb, its Q fragments (staged 16·nsg rows)
-        L += [f"{ind}let rw{rb} = R0 + {u(rb * sq)} + sid * 16u + lane / 2u;",
-              f"{ind}let rok{rb} = rw{rb} < {u(g.rows)};"]
-        L += [ind + x for x in g.packed(f"rw{rb}", f"q{rb}")]
-        L.append(f"{ind}let pos{rb} = i32(q{rb}i) + {_i(k.q_offset)};")
-        pre = lambda rr, rb=rb: [f"let RR = R0 + {u(rb * sq)} + {rr};"] + g.packed("RR", "s")  # noqa: E731
-        if "qstage" not in ABLATE:
-            _stage_f16(g, L, ind, "Kh", sq, "q", qs, pre, f"RR < {u(g.rows)}",
-                       lambda c: ["b", "sh", "si", c], k.scale * (LOG2E if LEAN else 1.0))
-        L.append(f"{ind}workgroupBarrier();")
-        for kk in range(D // 16):
-            L.append(f"{ind}let qf{rb}_{kk} = subgroupMatrixLoad<{left}>({_ref(g, 'Kh')}, sid * "
-                     f"{u(16 * qs)} + {u(16 * kk)}, false, {u(qs)});")
-        L.append(f"{ind}workgroupBarrier();")
+    _stage_q(g, L, ind, sq, qs, vs, bk)
     if g.ns > 1:
         L.append(f"{ind}for (var cc: u32 = 0u; cc < {u(cpw)}; cc = cc + 1u) {{")
         L.append(f"{i2}let sc = scg * {u(cpw)} + cc;")
@@ -326,6 +317,53 @@ def fast_body(g, t) -> list[str]:
     _chunk(g, L, i2, bq, bk, qs, vs, sw, pst, D, Dv)
     L.append(f"{ind}}}")
     return L
+
+
+def _stage_q(g, L, ind, sq, qs, vs, bk) -> None:
+    """Each row block's lane row (``rw``, ``rok``, its query coordinates, ``pos``) and Q
+    fragments ``qf{rb}_{kk}``: Q pre-scaled, rounded to f16 and staged ``sq`` rows at a time
+    in the K (and, where it is large enough, V) staging arrays.  ``REG_STAGE``: a pass's
+    loads all issued before its first store (registers), one global latency per pass instead
+    of one per strided step of a load-store loop."""
+    from .attention import _i
+
+    k, nrb, D = g.k, row_blocks(), g.D
+    left = "subgroup_matrix_left<f16, 16, 16>"
+    arrays = ["Kh"] + (["Vh"] if REG_STAGE and bk * vs >= sq * qs else [])
+    scale = k.scale * (LOG2E if LEAN else 1.0)
+    coords = lambda c: ["b", "sh", "si", c]  # noqa: E731
+    for rb in range(nrb):
+        L += [f"{ind}let rw{rb} = R0 + {u(rb * sq)} + sid * 16u + lane / 2u;",
+              f"{ind}let rok{rb} = rw{rb} < {u(g.rows)};"]
+        L += [ind + x for x in g.packed(f"rw{rb}", f"q{rb}")]
+        L.append(f"{ind}let pos{rb} = i32(q{rb}i) + {_i(k.q_offset)};")
+    for p0 in range(0, nrb, len(arrays)):
+        group = list(zip(range(p0, min(nrb, p0 + len(arrays))), arrays))
+
+        def pre(rr, rb):
+            return [f"let RR = R0 + {u(rb * sq)} + {rr};"] + g.packed("RR", "s")
+
+        if "qstage" in ABLATE:
+            pass
+        elif REG_STAGE:
+            L.append(f"{ind}{{")
+            for rb, arr in group:
+                _prefetch(g, L, ind + "    ", arr, sq, "q", lambda rr, rb=rb: pre(rr, rb),
+                          f"RR < {u(g.rows)}", coords, tag=f"Q{rb}", scale=scale)
+            for rb, arr in group:
+                _prefetch(g, L, ind + "    ", arr, sq, "q", None, None, None, stride=qs,
+                          tag=f"Q{rb}")
+            L.append(f"{ind}}}")
+        else:
+            for rb, arr in group:
+                _stage_f16(g, L, ind, arr, sq, "q", qs, lambda rr, rb=rb: pre(rr, rb),
+                           f"RR < {u(g.rows)}", coords, scale)
+        L.append(f"{ind}workgroupBarrier();")
+        for rb, arr in group:
+            for kk in range(D // 16):
+                L.append(f"{ind}let qf{rb}_{kk} = subgroupMatrixLoad<{left}>({_ref(g, arr)}, "
+                         f"sid * {u(16 * qs)} + {u(16 * kk)}, false, {u(qs)});")
+        L.append(f"{ind}workgroupBarrier();")
 
 
 def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
@@ -367,9 +405,16 @@ def _key_loop(g, L, ind, bk, qs, vs, sw, pst, D, Dv) -> None:
     kpre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
     if PREFETCH:  # tile kv_lo staged before the loop, tile t + 1 loaded into registers in it
         L += [f"{ind}{{", f"{i2}let kt = kv_lo;"]
-        for arr, which, st in (kv if "first" not in ABLATE else ()):
-            _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi",
-                       lambda c: ["b", "hkv", "u32(jj)", c])
+        first = kv if "first" not in ABLATE else ()
+        co = lambda c: ["b", "hkv", "u32(jj)", c]  # noqa: E731
+        if REG_STAGE:  # K's and V's loads all issued, then their stores
+            for arr, which, _ in first:
+                _prefetch(g, L, i2, arr, bk, which, kpre, "jj < kv_hi", co)
+            for arr, which, st in first:
+                _prefetch(g, L, i2, arr, bk, which, None, None, None, stride=st)
+        else:
+            for arr, which, st in first:
+                _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi", co)
         L += [f"{ind}}}", f"{ind}workgroupBarrier();"]
     L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(bk)}) {{")
     npre = lambda rr: [f"let jj = kt + {_i(bk)} + i32({rr});"]  # noqa: E731
@@ -425,14 +470,15 @@ def _stage_f16(g, L, ind, arr, nrows, which, stride, pre, valid, coords, scale=N
 
 
 def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0,
-              declared=False) -> None:
-    """``PREFETCH``: the loads of ``nrows`` rows of k/v into registers ``r{arr}{i}`` (``pre``
-    given; unrolled, zeros past ``valid``; ``declared``: the registers exist already, see
-    ``_prefetch_decl``), or (``pre`` None) their f16 stores into ``arr``."""
+              declared=False, tag=None, scale=None) -> None:
+    """``PREFETCH``: the loads of ``nrows`` rows of q/k/v (times ``scale``) into registers
+    ``r{tag}{i}`` (``tag``: ``arr`` unless given; ``pre`` given; unrolled, zeros past
+    ``valid``; ``declared``: the registers exist already, see ``_prefetch_decl``), or (``pre``
+    None) their f16 stores into ``arr``."""
     w, units, n, vt = _pf_units(g, nrows, which)
     i2 = ind + "    "
     for i in range(-(-n // g.wg)):
-        e, r = f"(lid + {u(i * g.wg)})", f"r{arr}{i}"
+        e, r = f"(lid + {u(i * g.wg)})", f"r{tag or arr}{i}"
         guard = f"{e} < {u(n)}" if (i + 1) * g.wg > n else "true"
         if pre is None:
             L += [f"{ind}if ({guard}) {{", f"{i2}let rr = {e} / {u(units)};",
@@ -444,7 +490,7 @@ def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0,
               f"{ind}{{", f"{i2}let rr = {e} / {u(units)};", f"{i2}let uu = {e} % {u(units)};"]
         L += [i2 + x for x in pre("rr")]
         L += [f"{i2}if ({guard} && {valid}) {{",
-              f"{i2}    {r} = {g.unit_value(which, w, coords)};", f"{i2}}}", f"{ind}}}"]
+              f"{i2}    {r} = {g.unit_value(which, w, coords, scale)};", f"{i2}}}", f"{ind}}}"]
 
 
 def _staging_decl(g, name: str, n: int, lets: list[str]) -> list[str]:
