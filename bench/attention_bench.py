@@ -332,13 +332,17 @@ def fast_rows(dev, x, a, sname, shape):
 _MAIN = {"AF.SF_PAD": 2, "AF.PREFETCH": True, "AF.ROW_BLOCKS": 2, "AF.GROUP_KEYS": 512,
          "AF.ABLATE": frozenset(), "AF.LEAN": True, "AF.O_SHARED": False,
          "AF.SPLIT_PREFETCH": False, "AF.PACKED": True, "AF.VEC_LOADS": True,
-         "AF.LANE_VEC": True, "AF.TREE_REDUCE": True, "AF.REG_STAGE": True}
+         "AF.LANE_VEC": True, "AF.TREE_REDUCE": True, "AF.REG_STAGE": True,
+         "AF.HOIST_FIRST": True, "AF.OUT_VEC": True, "AF.EXP_F16": False}
 FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": False}),
                  "unpacked": dict(_MAIN, **{"AF.PACKED": False}),
                  "scalar-loads": dict(_MAIN, **{"AF.VEC_LOADS": False}),
                  "lanes-off": dict(_MAIN, **{"AF.LANE_VEC": False}),
                  "serial-reduce": dict(_MAIN, **{"AF.TREE_REDUCE": False}),
                  "loop-stage": dict(_MAIN, **{"AF.REG_STAGE": False}),
+                 "nohoist": dict(_MAIN, **{"AF.HOIST_FIRST": False}),
+                 "scalarout": dict(_MAIN, **{"AF.OUT_VEC": False}),
+                 "exp16": dict(_MAIN, **{"AF.EXP_F16": True}),
                  "lanes-off-serial": dict(_MAIN, **{"AF.LANE_VEC": False,
                                                     "AF.TREE_REDUCE": False}),
                  "pad4": dict(_MAIN, **{"AF.SF_PAD": 4}),
@@ -362,7 +366,9 @@ _LOOP = AF.ABLATE_PHASES - {"qstage", "first"}
 FAST_VARIANTS["no-all"] = dict(_MAIN, **{"AF.ABLATE": _LOOP})
 FAST_VARIANTS["no-prologue"] = dict(_MAIN, **{"AF.ABLATE": frozenset(AF.ABLATE_PHASES)})
 FAST_AB = {"no": (((4, 64),), (3,)), "lanes": (((4, 64),), (3,)), "serial": (((4, 64),), (3,)),
-           "loop": (((4, 64),), (3,)),
+           "loop": (((4, 64),), (3,)), "nohoist": (((4, 64),), (3,)),
+           "scalarout": (((4, 64),), (3,)), "exp16": (((4, 64),), (3,)),
+           "main": (((4, 64), (4, 32)), (2, 3, 4)),
            "rows3": (((4, 64), (2, 64)), (1, 2, 3, 6)),
            "rows1": (((4, 64),), (3, 6)),
            "*": (((4, 64), (4, 32)), (3, 4, 6))}

@@ -474,6 +474,7 @@ class _Gen:
         # (``unit_value``; chosen by ``emit``: ``vec_bindings`` where ``attention_fast.VEC_LOADS``
         # / ``STRICT_VEC_LOADS`` say so)
         self.vec_reads: set[str] = set()
+        self.vec_writes: set[str] = set()  # bindings written by vec4 units (fast forward)
         self.widths: dict[str, int] = {}
         self.words = 0
         self.ns = int(k.splits)
@@ -1301,7 +1302,7 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
                        "diagnostic(off, subgroup_uniformity);"]
         if g.fast_packed:  # staging through buffer views (attention_fast.PACKED)
             head.insert(0, "requires buffer_view;")
-    decls = g.bd.decls(vec4={v: "f32" for v in g.vec_reads})
+    decls = g.bd.decls(vec4={v: "f32" for v in g.vec_reads | g.vec_writes})
     src = module_source(head + decls + g.shared, {"mn_inf"}, g.wg, lines)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)

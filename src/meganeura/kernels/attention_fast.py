@@ -128,6 +128,12 @@ TREE_REDUCE = True
 # per 64-row pass at 128 invocations); Q's two row blocks in one pass where V's staging array
 # holds a block
 REG_STAGE = True
+HOIST_FIRST = True
+# the unmasked tiles' exponentials in f16 (vec4<f16> exp2 of the f32 differences): timing
+# experiment, off (the differences rounded to f16 cost P up to 2^-11 relative error more)
+EXP_F16 = False
+# the output rows written one vec4 per four values (the output binding declared as vec4s)
+OUT_VEC = True
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
@@ -274,6 +280,8 @@ def fast_body(g, t) -> list[str]:
     sw, pst = _strides(bk, Dv)
     g.wg, g.fast_rows = 32 * nsg, bq
     g.fast_packed = PACKED and BUFFER_VIEW_FEATURE in t.features
+    if OUT_VEC and lane_vec() and [r for r, v in g.bind.items() if v == g.bind["out"]] == ["out"]:
+        g.vec_writes = {g.bind["out"]}  # no other role on the binding: declared as vec4s
     # the scratch through vec views: lanes own vec4 units and the device has buffer views
     g.fast_sv = lane_vec() and BUFFER_VIEW_FEATURE in t.features
     g.fast_views = ({"Kh", "Vh"} if g.fast_packed else set()) | (
@@ -308,6 +316,14 @@ def fast_body(g, t) -> list[str]:
     if O_SHARED:
         L.append(f"{ind}let ofb = sid * {u(16 * (Dv + SF_PAD))} + lane / 2u * {u(Dv + SF_PAD)} "
                  f"+ hh;")
+    # a workgroup with one chunk loads its first K/V tile before staging Q (``HOIST_FIRST``)
+    g.fast_hoist = (HOIST_FIRST and REG_STAGE and PREFETCH and cpw == 1
+                    and "first" not in ABLATE)
+    if g.fast_hoist:
+        if g.ns > 1:
+            L.append(f"{ind}let sc = scg;")
+        _kv_range(g, L, ind)
+        _first_tile(g, L, ind, bk, qs, vs, load=True)
     _stage_q(g, L, ind, sq, qs, vs, bk)
     if g.ns > 1:
         L.append(f"{ind}for (var cc: u32 = 0u; cc < {u(cpw)}; cc = cc + 1u) {{")
@@ -366,12 +382,11 @@ def _stage_q(g, L, ind, sq, qs, vs, bk) -> None:
         L.append(f"{ind}workgroupBarrier();")
 
 
-def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
-    """One key chunk of this workgroup's rows: its key range, fresh softmax state, the key
-    loop, the stores."""
+def _kv_range(g, L, ind) -> None:
+    """``kv_lo`` / ``kv_hi``: the keys of chunk ``sc`` this workgroup's rows see."""
     from .attention import _i
 
-    k, nrb = g.k, row_blocks()
+    k = g.k
     L += [f"{ind}var kv_lo: i32 = 0i;", f"{ind}var kv_hi: i32 = {_i(g.Skv)};"]
     if k.causal:
         L.append(f"{ind}kv_hi = min(kv_hi, {_i(k.q_offset)} + i_last + 1i);")
@@ -381,6 +396,27 @@ def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
         ch = -(-g.Skv // g.ns)
         L.append(f"{ind}kv_lo = max(kv_lo, i32(sc) * {_i(ch)});")
         L.append(f"{ind}kv_hi = min(kv_hi, i32(sc) * {_i(ch)} + {_i(ch)});")
+
+
+def _first_tile(g, L, ind, bk, qs, vs, load: bool) -> None:
+    """The chunk's first K/V tile: its loads (``load``) into registers ``rF{Kh,Vh}{i}`` (every
+    load issued before any store), or their f16 stores into ``Kh`` / ``Vh``.  Hoisted
+    (``g.fast_hoist``) the loads run before Q's staging, so both wait one global latency."""
+    pre = lambda rr: [f"let jj = kv_lo + i32({rr});"]  # noqa: E731
+    co = lambda c: ["b", "hkv", "u32(jj)", c]  # noqa: E731
+    for arr, which, st in (("Kh", "k", qs), ("Vh", "v", vs)):
+        if load:
+            _prefetch(g, L, ind, arr, bk, which, pre, "jj < kv_hi", co, tag=f"F{arr}")
+        else:
+            _prefetch(g, L, ind, arr, bk, which, None, None, None, stride=st, tag=f"F{arr}")
+
+
+def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
+    """One key chunk of this workgroup's rows: its key range, fresh softmax state, the key
+    loop, the stores."""
+
+    nrb = row_blocks()
+    _kv_range(g, L, ind)
     for rb in range(nrb):
         L += [f"{ind}var m{rb}: f32 = -{FLT_MAX};", f"{ind}var l{rb}: f32 = 0.0;"]
         if O_SHARED:  # this lane's half row of O, zeroed (its own words: no barrier)
@@ -406,15 +442,13 @@ def _key_loop(g, L, ind, bk, qs, vs, sw, pst, D, Dv) -> None:
     if PREFETCH:  # tile kv_lo staged before the loop, tile t + 1 loaded into registers in it
         L += [f"{ind}{{", f"{i2}let kt = kv_lo;"]
         first = kv if "first" not in ABLATE else ()
-        co = lambda c: ["b", "hkv", "u32(jj)", c]  # noqa: E731
-        if REG_STAGE:  # K's and V's loads all issued, then their stores
-            for arr, which, _ in first:
-                _prefetch(g, L, i2, arr, bk, which, kpre, "jj < kv_hi", co)
-            for arr, which, st in first:
-                _prefetch(g, L, i2, arr, bk, which, None, None, None, stride=st)
-        else:
-            for arr, which, st in first:
-                _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi", co)
+        if first and REG_STAGE:  # K's and V's loads all issued, then their stores
+            if not g.fast_hoist:
+                _first_tile(g, L, i2, bk, qs, vs, load=True)
+            _first_tile(g, L, i2, bk, qs, vs, load=False)
+        for arr, which, st in (first if not REG_STAGE else ()):
+            _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi",
+                       lambda c: ["b", "hkv", "u32(jj)", c])
         L += [f"{ind}}}", f"{ind}workgroupBarrier();"]
     L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(bk)}) {{")
     npre = lambda rr: [f"let jj = kt + {_i(bk)} + i32({rr});"]  # noqa: E731
@@ -604,9 +638,15 @@ def _softmax_body(g, L, ind, bk, sw, pst, rb, masked: bool) -> None:
     L.append(f"{ind}let mx = {_reduce('max', [f'x{jj}' for jj in range(n)], f'-{FLT_MAX}')};")
     L += _row_max(ind, rb, ex)
     for jj in range(n):
-        e = f"{ex}(x{jj} - mt)"
-        e = f"select({e}, 0.0, x{jj} < -{FLT_MAX})" if masked else e
-        L.append(f"{ind}let p{jj} = f16({e});")
+        if EXP_F16 and LEAN and not masked and jj % 4 == 0:  # four exponentials in f16
+            d = ", ".join(f"x{jj + i} - mt" for i in range(4))
+            L.append(f"{ind}let pv{jj // 4} = exp2(vec4<f16>(vec4<f32>({d})));")
+        if EXP_F16 and LEAN and not masked:
+            L.append(f"{ind}let p{jj} = pv{jj // 4}[{jj % 4}];")
+        else:
+            e = f"{ex}(x{jj} - mt)"
+            e = f"select({e}, 0.0, x{jj} < -{FLT_MAX})" if masked else e
+            L.append(f"{ind}let p{jj} = f16({e});")
         if jj % 4 == 3:
             L += _p_store(g, ind, jj // 4)
     L.append(f"{ind}let ps = {_reduce('+', [f'f32(p{jj})' for jj in range(n)], '0.0')};")
@@ -747,7 +787,13 @@ def _store(g, L, ind, Dv, rb) -> None:
     L.append(f"{ind}    }}")
     if k.out_bshd:
         row = f"((b * {u(g.Sq)} + {qi}) * {u(g.Hq)} + {qh})"
-    for c in range(Dv // 2):
+    out = g.bind["out"]
+    if out in g.vec_writes:  # lane_vec: the lane's units 2q + hh of its row
+        for q in range(Dv // 8):
+            o = ", ".join(f"o{rb}_{4 * q + i}" for i in range(4))
+            L.append(f"{ind}    {out}[{row} * {u(Dv // 4)} + {u(2 * q)} + hh] = "
+                     f"vec4<f32>({o}) * inv;")
+    for c in range(Dv // 2 if out not in g.vec_writes else 0):
         o = _at("Of", c) if O_SHARED else f"o{rb}_{c}"
-        L.append(f"{ind}    {g.bind['out']}[{row} * {u(Dv)} + {_col(c)}] = {o} * inv;")
+        L.append(f"{ind}    {out}[{row} * {u(Dv)} + {_col(c)}] = {o} * inv;")
     L.append(f"{ind}}}")
