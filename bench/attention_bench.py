@@ -56,6 +56,7 @@ import numpy as np
 from meganeura import kernels
 from meganeura.dtypes import f32
 from meganeura.kernels import attention as A
+from meganeura.kernels import attention_combine as AC
 from meganeura.kernels import attention_fast as AF
 from meganeura.kernels.attention_combine import AttentionCombineKernel
 from meganeura.kernels.common import make_target
@@ -343,6 +344,7 @@ FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": Fal
                  "nohoist": dict(_MAIN, **{"AF.HOIST_FIRST": False}),
                  "scalarout": dict(_MAIN, **{"AF.OUT_VEC": False}),
                  "exp16": dict(_MAIN, **{"AF.EXP_F16": True}),
+                 "scalarcomb": dict(_MAIN, **{"AC.VEC_COMBINE": False}),
                  "lanes-off-serial": dict(_MAIN, **{"AF.LANE_VEC": False,
                                                     "AF.TREE_REDUCE": False}),
                  "pad4": dict(_MAIN, **{"AF.SF_PAD": 4}),
@@ -368,6 +370,7 @@ FAST_VARIANTS["no-prologue"] = dict(_MAIN, **{"AF.ABLATE": frozenset(AF.ABLATE_P
 FAST_AB = {"no": (((4, 64),), (3,)), "lanes": (((4, 64),), (3,)), "serial": (((4, 64),), (3,)),
            "loop": (((4, 64),), (3,)), "nohoist": (((4, 64),), (3,)),
            "scalarout": (((4, 64),), (3,)), "exp16": (((4, 64),), (3,)),
+           "scalarcomb": (((4, 64),), (3,)),
            "main": (((4, 64), (4, 32)), (2, 3, 4)),
            "rows3": (((4, 64), (2, 64)), (1, 2, 3, 6)),
            "rows1": (((4, 64),), (3, 6)),
@@ -642,7 +645,7 @@ def variant(sets):
     """Module switches set for the block (``A.NAME``: kernels/attention.py, ``AF.NAME``:
     kernels/attention_fast.py, else ops/attention.py), restored after."""
     ops_att = sys.modules["meganeura.ops.attention"]
-    prefixes = {"A.": A, "AF.": AF}
+    prefixes = {"A.": A, "AF.": AF, "AC.": AC}
 
     def target(key):
         for pre, mod in prefixes.items():

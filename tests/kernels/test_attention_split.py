@@ -78,6 +78,7 @@ def test_split_combine_writes_bshd(gpu, monkeypatch):
     combine = [d.spec for d in sess.executable.infer.dispatches
                if d.spec.meta.get("archetype") == "attention_combine"]
     assert len(combine) == 1 and "orow = (r /" in combine[0].wgsl
+    assert "array<vec4<f32>>" in combine[0].wgsl  # f32 rows of 4k: vec4 units (VEC_COMBINE)
 
 
 @pytest.mark.parametrize("gqa", [False, True])

@@ -36,6 +36,8 @@ from .common import (
 from .ir import KernelSpec, Strided
 
 FLT_MAX = "3.4028234663852886e38"
+# f32 partials read and the output written by vec4 units (one invocation per 4 elements)
+VEC_COMBINE = True
 
 
 @dataclass(frozen=True)
@@ -70,23 +72,28 @@ def emit(k: AttentionCombineKernel, limits=None, features=None, alias=None) -> K
     po, pl, out, lse = (bd.name(i) for i in range(4))
     B = nb // n
     rows = B * Hq * Sq
-    total = rows * Dv
+    # f32 rows of a multiple of 4: one invocation per 4 elements, partials and output as vec4s
+    # (H200, Whisper (1, 6, 1500, 64), 3 chunks: see VEC_COMBINE)
+    w = 4 if VEC_COMBINE and dt is f32 and Dv % 4 == 0 and len({po, pl, out, lse}) == 4 else 1
+    units = Dv // w
+    total = rows * units
     grid = make_grid(k.name, -(-total // WG), t)
+    vt = f"vec4<{dt.wgsl}>" if w == 4 else "f32"
     ld = (lambda x: x) if dt is f32 else (lambda x: f"f32({x})")
     st = (lambda x: x) if dt is f32 else (lambda x: f"{dt.wgsl}({x})")
     ind, i2 = "    ", "        "
     L = flat_index(grid, total, ind)
-    L += [f"{ind}let r = i / {u(Dv)};", f"{ind}let d = i % {u(Dv)};",
+    L += [f"{ind}let r = i / {u(units)};", f"{ind}let d = i % {u(units)};",
           f"{ind}var m: f32 = -mn_inf();"]
     L.append(f"{ind}for (var c: u32 = 0u; c < {u(n)}; c = c + 1u) {{")
     L.append(f"{i2}m = max(m, {ld(f'{pl}[c * {u(rows)} + r]')});")
     L.append(f"{ind}}}")
-    L += [f"{ind}var s: f32 = 0.0;", f"{ind}var o: f32 = 0.0;",
+    L += [f"{ind}var s: f32 = 0.0;", f"{ind}var o = {vt}(0.0);",
           f"{ind}let ms = select(m, 0.0, m < -{FLT_MAX});"]
     L.append(f"{ind}for (var c: u32 = 0u; c < {u(n)}; c = c + 1u) {{")
     L.append(f"{i2}let w = exp({ld(f'{pl}[c * {u(rows)} + r]')} - ms);")
     L.append(f"{i2}s = s + w;")
-    L.append(f"{i2}o = o + w * {ld(f'{po}[(c * {u(rows)} + r) * {u(Dv)} + d]')};")
+    L.append(f"{i2}o = o + w * {ld(f'{po}[(c * {u(rows)} + r) * {u(units)} + d]')};")
     L.append(f"{ind}}}")
     L.append(f"{ind}let empty = m < -{FLT_MAX};")
     if k.out_bshd:  # r = (b·Hq + h)·Sq + i  ->  ((b·Sq + i)·Hq + h)
@@ -95,11 +102,12 @@ def emit(k: AttentionCombineKernel, limits=None, features=None, alias=None) -> K
               f"hi / {u(Sq)};"]
     else:
         L.append(f"{ind}let orow = r;")
-    L.append(f"{ind}{out}[orow * {u(Dv)} + d] = {st('select(o / s, 0.0, empty)')};")
+    L.append(f"{ind}{out}[orow * {u(units)} + d] = {st(f'select(o / s, {vt}(0.0), empty)')};")
     L.append(f"{ind}if (d == 0u) {{")
     L.append(f"{i2}{lse}[r] = {st('select(m + log(s), -mn_inf(), empty)')};")
     L.append(f"{ind}}}")
-    src = module_source(module_header(uses_f16) + bd.decls(), {"mn_inf"}, WG, L)
+    decls = bd.decls(vec4={po: "f32", out: "f32"} if w == 4 else None)
+    src = module_source(module_header(uses_f16) + decls, {"mn_inf"}, WG, L)
     meta = {"archetype": "attention_combine", "workgroup_size": WG, "binding_dtypes": tuple(dts),
             "flops": 0}
     return KernelSpec(k.name, src, bd.n, grid.workgroups, meta=meta)
