@@ -334,7 +334,8 @@ _MAIN = {"AF.SF_PAD": 2, "AF.PREFETCH": True, "AF.ROW_BLOCKS": 2, "AF.GROUP_KEYS
          "AF.ABLATE": frozenset(), "AF.LEAN": True, "AF.O_SHARED": False,
          "AF.SPLIT_PREFETCH": False, "AF.PACKED": True, "AF.VEC_LOADS": True,
          "AF.LANE_VEC": True, "AF.TREE_REDUCE": True, "AF.REG_STAGE": True,
-         "AF.HOIST_FIRST": True, "AF.OUT_VEC": True, "AF.EXP_F16": False}
+         "AF.HOIST_FIRST": True, "AF.OUT_VEC": True, "AF.EXP_F16": False,
+         "AF.PACK_F32": True}
 FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": False}),
                  "unpacked": dict(_MAIN, **{"AF.PACKED": False}),
                  "scalar-loads": dict(_MAIN, **{"AF.VEC_LOADS": False}),
@@ -345,6 +346,7 @@ FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": Fal
                  "scalarout": dict(_MAIN, **{"AF.OUT_VEC": False}),
                  "exp16": dict(_MAIN, **{"AF.EXP_F16": True}),
                  "scalarcomb": dict(_MAIN, **{"AC.VEC_COMBINE": False}),
+                 "f16vals": dict(_MAIN, **{"AF.PACK_F32": False}),
                  "lanes-off-serial": dict(_MAIN, **{"AF.LANE_VEC": False,
                                                     "AF.TREE_REDUCE": False}),
                  "pad4": dict(_MAIN, **{"AF.SF_PAD": 4}),
@@ -370,7 +372,7 @@ FAST_VARIANTS["no-prologue"] = dict(_MAIN, **{"AF.ABLATE": frozenset(AF.ABLATE_P
 FAST_AB = {"no": (((4, 64),), (3,)), "lanes": (((4, 64),), (3,)), "serial": (((4, 64),), (3,)),
            "loop": (((4, 64),), (3,)), "nohoist": (((4, 64),), (3,)),
            "scalarout": (((4, 64),), (3,)), "exp16": (((4, 64),), (3,)),
-           "scalarcomb": (((4, 64),), (3,)),
+           "scalarcomb": (((4, 64),), (3,)), "f16vals": (((4, 64),), (3,)),
            "main": (((4, 64), (4, 32)), (2, 3, 4)),
            "rows3": (((4, 64), (2, 64)), (1, 2, 3, 6)),
            "rows1": (((4, 64),), (3, 6)),

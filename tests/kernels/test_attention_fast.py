@@ -107,7 +107,7 @@ VARIANTS = {"default": {}, "unpacked": {"PACKED": False}, "no_prefetch": {"PREFE
             "scalar_loads": {"VEC_LOADS": False}, "lane_scalar": {"LANE_VEC": False},
             "serial_reduce": {"TREE_REDUCE": False}, "loop_stage": {"REG_STAGE": False},
             "no_hoist": {"HOIST_FIRST": False}, "scalar_out": {"OUT_VEC": False},
-            "exp_f16": {"EXP_F16": True}}
+            "exp_f16": {"EXP_F16": True}, "f16_values": {"PACK_F32": False}}
 
 
 @pytest.fixture(params=sorted(VARIANTS))

@@ -132,6 +132,9 @@ HOIST_FIRST = True
 # the unmasked tiles' exponentials in f16 (vec4<f16> exp2 of the f32 differences): timing
 # experiment, off (the differences rounded to f16 cost P up to 2^-11 relative error more)
 EXP_F16 = False
+# P rounded to f16 by the packing of its stores (f32 pairs -> one packed word), its row sum
+# from the unpacked words: one conversion per two values instead of f32 -> f16 -> f32 -> f16
+PACK_F32 = True
 # the output rows written one vec4 per four values (the output binding declared as vec4s)
 OUT_VEC = True
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
@@ -637,6 +640,10 @@ def _softmax_body(g, L, ind, bk, sw, pst, rb, masked: bool) -> None:
         L += _score(g, ind, jj, rb, sf) if masked else [f"{ind}let x{jj} = {sf};"]
     L.append(f"{ind}let mx = {_reduce('max', [f'x{jj}' for jj in range(n)], f'-{FLT_MAX}')};")
     L += _row_max(ind, rb, ex)
+    if g.fast_sv and PACK_F32 and not (EXP_F16 and LEAN and not masked):
+        _p_packed(g, L, ind, n, ex, masked)
+        L += [f"{ind}l{rb} = l{rb} * alpha + ps;", f"{ind}m{rb} = mt;"] + _rescale_o(g, ind)
+        return
     for jj in range(n):
         if EXP_F16 and LEAN and not masked and jj % 4 == 0:  # four exponentials in f16
             d = ", ".join(f"x{jj + i} - mt" for i in range(4))
@@ -651,6 +658,22 @@ def _softmax_body(g, L, ind, bk, sw, pst, rb, masked: bool) -> None:
             L += _p_store(g, ind, jj // 4)
     L.append(f"{ind}let ps = {_reduce('+', [f'f32(p{jj})' for jj in range(n)], '0.0')};")
     L += [f"{ind}l{rb} = l{rb} * alpha + ps;", f"{ind}m{rb} = mt;"] + _rescale_o(g, ind)
+
+
+def _p_packed(g, L, ind, n, ex, masked: bool) -> None:
+    """``PACK_F32``: P = exp(x - mt) in f32, rounded to f16 two at a time by the packing of
+    its ``Pw`` store (no separate f16 values), and ``ps`` the row sum of those rounded values
+    (unpacked from the stored words, so l and P·V see the same P)."""
+    for jj in range(n):
+        e = f"{ex}(x{jj} - mt)"
+        L.append(f"{ind}let e{jj} = {f'select({e}, 0.0, x{jj} < -{FLT_MAX})' if masked else e};")
+    for q in range(n // 4):
+        a, b, c, d = (f"e{4 * q + i}" for i in range(4))
+        L += [f"{ind}let w{q} = vec2<u32>(pack2x16float(vec2<f32>({a}, {b})), "
+              f"pack2x16float(vec2<f32>({c}, {d})));", f"{ind}Pw[phv + {u(2 * q)}] = w{q};"]
+    terms = [f"unpack2x16float(w{q}.{c})" for q in range(n // 4) for c in "xy"]
+    L.append(f"{ind}let ps2 = {_reduce('+', terms, 'vec2<f32>(0.0)')};")
+    L.append(f"{ind}let ps = ps2.x + ps2.y;")
 
 
 def _reduce(op: str, terms: list[str], seed: str) -> str:
