@@ -231,8 +231,10 @@ EARLY_LOADS = True
 # q/k/v read as vec4<f32> by the strict kernels too (their bindings declared as arrays of vec4
 # where ``_Gen.vec_bindings`` allows): the same values, one 16-byte load per unit instead of
 # four scalar loads with a robustness clamp each.  The tensor-core forward gained 11 % from it
-# on the H200 (attention_fast.VEC_LOADS: 105.9 -> 94.4 µs); off here until it is measured on
-# the strict kernels (bench/attention_bench.py --kvariants after,vec_loads --op)
+# on the H200 (attention_fast.VEC_LOADS: 105.9 -> 94.4 µs).  The strict kernels lose: H200,
+# Dawn, 2026-12-02 (bench/attention_bench.py dawn --kvariants after,vec_loads --op): Whisper
+# forward 193.6 -> 201.7 µs, backward 557.3 -> 777.8, D = 128 forward 557.6 -> 888.1; off
+# (docs/rejected-optimizations.md)
 STRICT_VEC_LOADS = False
 
 # Short loops: a kernel whose loop dimension (keys for fwd/dQ, query positions for dK/dV) is

@@ -50,8 +50,10 @@ Q/K/V with one 8-byte store per four values: 105.8 against 106.2 µs, neutral.
 H200 (Dawn, (1, 6, 1500, 64), key chunks + combine): 290.0 µs before this design, 132.7 with
 the layout, prefetch and single P loads (3 chunks), 117.6 with two row blocks and 32-key tiles,
 106.1 with the lean softmax and 64-key tiles (1.83x the strict 193.7), 94.4 with vec4 loads
-(2.06x the strict 194.0); in Whisper's model,
-at the 3 chunks compile gives it (``compile/fast_attention.py``), 118.2 against 203.0 strict.
+(2.06x the strict 194.0); tenth session (``LANE_VEC`` 83.0, ``REG_STAGE`` 76.8, ``OUT_VEC``
+with ``HOIST_FIRST`` 66.1, the vec4 combine 65.1, ``PACK_F32`` 64.6 µs: 2.98x the strict
+192.4); in Whisper's model, at the 3 chunks compile gives it (``compile/fast_attention.py``),
+76.7 + 8.8 (combine) against 202.9 + 10.0 strict.
 Where the time goes: docs/benchmarks.md (sixth and seventh sessions).
 
 The stores (out = o / l, lse = (m + log2 l)·ln 2), causal/window tile bounds, masks, GQA
@@ -76,7 +78,7 @@ from .common import (
 
 PAD = 8  # f16 elements of padding per staged row (rows stay 16-byte aligned)
 # (subgroups per workgroup, keys per tile), heuristic first (H200, Whisper, lean softmax, vec4
-# loads: (4, 64) 94.4 µs at 3 chunks, 116.7 at 6; (4, 32) 107.8 / 124.5)
+# loads: (4, 64) 64.6 µs at 3 chunks, 76.6 at 4, 89.9 at 2; (4, 32) 73.5 at 3)
 FAST_CONFIGS = ((4, 64), (4, 32), (2, 64), (2, 32), (1, 64))
 FLT_MAX = "3.4028234663852886e38"
 ROW_BLOCKS = 2  # 16-row blocks per subgroup: each staged K/V tile serves ROW_BLOCKS x 16 rows
