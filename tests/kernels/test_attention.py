@@ -166,8 +166,17 @@ def _combine(run, po, pl, n, out_bshd=False):
     return run(desc, [po, pl], [((B,) + po.shape[1:], f32), ((B,) + pl.shape[1:], f32)])
 
 
+@pytest.fixture(params=[True, False], ids=["vec4", "scalar"])
+def combine_units(request, monkeypatch):
+    """The combine kernel by vec4 units (``VEC_COMBINE``, where rows allow) and by scalars."""
+    from meganeura.kernels import attention_combine
+
+    monkeypatch.setattr(attention_combine, "VEC_COMBINE", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("n", [2, 5])
-def test_split_fwd_and_combine(run, rng, n):
+def test_split_fwd_and_combine(run, rng, n, combine_units):
     """Split-K forward (keys in n chunks, some chunks fully hidden by the causal rule or the
     mask) then the combine kernel == the unsplit reference; the partials match the op's
     reference of the split kernel."""
@@ -191,7 +200,7 @@ def test_split_fwd_and_combine(run, rng, n):
     _check(bshd.reshape(want.shape), want, "combined out (bshd)")
 
 
-def test_combine_empty_rows(run):
+def test_combine_empty_rows(run, combine_units):
     """Rows whose chunks are all empty (lse -inf) give 0 and -inf, not NaN."""
     pl = np.full((3, 1, 2), -np.inf, np.float32)
     pl[1, 0, 1] = 0.5

@@ -419,7 +419,6 @@ def _first_tile(g, L, ind, bk, qs, vs, load: bool) -> None:
 def _chunk(g, L, ind, bq, bk, qs, vs, sw, pst, D, Dv) -> None:
     """One key chunk of this workgroup's rows: its key range, fresh softmax state, the key
     loop, the stores."""
-
     nrb = row_blocks()
     _kv_range(g, L, ind)
     for rb in range(nrb):
@@ -446,14 +445,16 @@ def _key_loop(g, L, ind, bk, qs, vs, sw, pst, D, Dv) -> None:
     kpre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
     if PREFETCH:  # tile kv_lo staged before the loop, tile t + 1 loaded into registers in it
         L += [f"{ind}{{", f"{i2}let kt = kv_lo;"]
-        first = kv if "first" not in ABLATE else ()
-        if first and REG_STAGE:  # K's and V's loads all issued, then their stores
+        if "first" in ABLATE:
+            pass
+        elif REG_STAGE:  # K's and V's loads all issued, then their stores
             if not g.fast_hoist:
                 _first_tile(g, L, i2, bk, qs, vs, load=True)
             _first_tile(g, L, i2, bk, qs, vs, load=False)
-        for arr, which, st in (first if not REG_STAGE else ()):
-            _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi",
-                       lambda c: ["b", "hkv", "u32(jj)", c])
+        else:
+            for arr, which, st in kv:
+                _stage_f16(g, L, i2, arr, bk, which, st, kpre, "jj < kv_hi",
+                           lambda c: ["b", "hkv", "u32(jj)", c])
         L += [f"{ind}}}", f"{ind}workgroupBarrier();"]
     L.append(f"{ind}for (var kt: i32 = kv_lo; kt < kv_hi; kt = kt + {_i(bk)}) {{")
     npre = lambda rr: [f"let jj = kt + {_i(bk)} + i32({rr});"]  # noqa: E731
