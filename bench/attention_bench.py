@@ -335,7 +335,8 @@ _MAIN = {"AF.SF_PAD": 2, "AF.PREFETCH": True, "AF.ROW_BLOCKS": 2, "AF.GROUP_KEYS
          "AF.SPLIT_PREFETCH": False, "AF.PACKED": True, "AF.VEC_LOADS": True,
          "AF.LANE_VEC": True, "AF.TREE_REDUCE": True, "AF.REG_STAGE": True,
          "AF.HOIST_FIRST": True, "AF.OUT_VEC": True, "AF.EXP_F16": False,
-         "AF.PACK_F32": True, "AF.Q_IN_SCRATCH": False, "AF.Q_ONE_PASS": True}
+         "AF.PACK_F32": True, "AF.Q_IN_SCRATCH": False, "AF.Q_ONE_PASS": True,
+         "AF.Q_FIRST": False}
 FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": False}),
                  "unpacked": dict(_MAIN, **{"AF.PACKED": False}),
                  "scalar-loads": dict(_MAIN, **{"AF.VEC_LOADS": False}),
@@ -349,6 +350,7 @@ FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": Fal
                  "loopcomb": dict(_MAIN, **{"AC.UNROLL_MAX": 0}),
                  "qscratch": dict(_MAIN, **{"AF.Q_IN_SCRATCH": True}),
                  "qtwo": dict(_MAIN, **{"AF.Q_ONE_PASS": False}),
+                 "qfirst": dict(_MAIN, **{"AF.Q_FIRST": True}),
                  "f16vals": dict(_MAIN, **{"AF.PACK_F32": False}),
                  "lanes-off-serial": dict(_MAIN, **{"AF.LANE_VEC": False,
                                                     "AF.TREE_REDUCE": False}),
@@ -377,7 +379,7 @@ FAST_AB = {"no": (((4, 64),), (3,)), "lanes": (((4, 64),), (3,)), "serial": (((4
            "scalarout": (((4, 64),), (3,)), "exp16": (((4, 64),), (3,)),
            "scalarcomb": (((4, 64),), (3,)), "loopcomb": (((4, 64),), (3,)),
            "f16vals": (((4, 64),), (3,)), "qscratch": (((4, 64),), (3,)),
-           "qtwo": (((4, 64),), (3,)),
+           "qtwo": (((4, 64),), (3,)), "qfirst": (((4, 64),), (3,)),
            "main": (((4, 64), (4, 32)), (2, 3, 4)),
            "rows3": (((4, 64), (4, 32)), (3, 4, 5, 6)),
            "rows1": (((4, 64),), (3, 6)),

@@ -114,8 +114,8 @@ VARIANTS = {"default": {}, "unpacked": {"PACKED": False}, "no_prefetch": {"PREFE
             "serial_reduce": {"TREE_REDUCE": False}, "loop_stage": {"REG_STAGE": False},
             "no_hoist": {"HOIST_FIRST": False}, "scalar_out": {"OUT_VEC": False},
             "exp_f16": {"EXP_F16": True}, "f16_values": {"PACK_F32": False},
-            "q_scratch": {"Q_IN_SCRATCH": True}, "q_two_pass": {"Q_IN_SCRATCH": False,
-                                                               "Q_ONE_PASS": False}}
+            "q_scratch": {"Q_IN_SCRATCH": True}, "q_first": {"Q_FIRST": True},
+            "q_two_pass": {"Q_IN_SCRATCH": False, "Q_ONE_PASS": False}}
 
 
 @pytest.fixture(params=sorted(VARIANTS))

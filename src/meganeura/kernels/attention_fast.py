@@ -142,6 +142,9 @@ PACK_F32 = True
 # barrier (with ``HOIST_FIRST``), not after Q's fragment loads.  H200: 68.4 against 64.6 µs,
 # slower (docs/rejected-optimizations.md), off
 Q_IN_SCRATCH = False
+# with ``HOIST_FIRST``: Q's loads (from DRAM: no other workgroup has read them) issued before
+# the first K/V tile's (mostly L2 hits), not after.  H200: 65.2 against 64.8 µs, off
+Q_FIRST = False
 # Q's row blocks staged in one pass of register loads (``REG_STAGE``) where the arrays hold
 # them; False: one pass per row block (half the registers live).  H200: 64.6 either way
 Q_ONE_PASS = True
@@ -335,12 +338,16 @@ def fast_body(g, t) -> list[str]:
         L.append(f"{ind}let ofb = sid * {u(16 * (Dv + SF_PAD))} + lane / 2u * {u(Dv + SF_PAD)} "
                  f"+ hh;")
     # a workgroup with one chunk loads its first K/V tile before staging Q (``HOIST_FIRST``)
+    hoist: list[str] = []
     if g.fast_hoist:
         if g.ns > 1:
-            L.append(f"{ind}let sc = scg;")
-        _kv_range(g, L, ind)
-        _first_tile(g, L, ind, bk, qs, vs, load=True)
-    _stage_q(g, L, ind, sq, qs, vs, bk)
+            hoist.append(f"{ind}let sc = scg;")
+        _kv_range(g, hoist, ind)
+        _first_tile(g, hoist, ind, bk, qs, vs, load=True)
+    q_first = Q_FIRST and REG_STAGE and "qstage" not in ABLATE
+    if not q_first:
+        L += hoist
+    _stage_q(g, L, ind, sq, qs, vs, bk, after=hoist if q_first else [])
     if g.ns > 1:
         L.append(f"{ind}for (var cc: u32 = 0u; cc < {u(cpw)}; cc = cc + 1u) {{")
         L.append(f"{i2}let sc = scg * {u(cpw)} + cc;")
@@ -351,12 +358,13 @@ def fast_body(g, t) -> list[str]:
     return L
 
 
-def _stage_q(g, L, ind, sq, qs, vs, bk) -> None:
+def _stage_q(g, L, ind, sq, qs, vs, bk, after=()) -> None:
     """Each row block's lane row (``rw``, ``rok``, its query coordinates, ``pos``) and Q
     fragments ``qf{rb}_{kk}``: Q pre-scaled, rounded to f16 and staged ``sq`` rows at a time
     in the K (and, where it is large enough, V) staging arrays.  ``REG_STAGE``: a pass's
     loads all issued before its first store (registers), one global latency per pass instead
-    of one per strided step of a load-store loop."""
+    of one per strided step of a load-store loop; ``after``: lines placed after the first
+    pass's loads (``Q_FIRST``: the hoisted first tile's loads)."""
     from .attention import _i
 
     k, nrb, D = g.k, row_blocks(), g.D
@@ -380,14 +388,17 @@ def _stage_q(g, L, ind, sq, qs, vs, bk) -> None:
         if "qstage" in ABLATE:
             pass
         elif REG_STAGE:
-            L.append(f"{ind}{{")
+            mid = list(after) if p0 == 0 else []  # declared at function scope: no braces
+            ind2 = ind if mid else ind + "    "
+            L.extend([] if mid else [f"{ind}{{"])
             for rb, arr in group:
-                _prefetch(g, L, ind + "    ", arr, sq, "q", lambda rr, rb=rb: pre(rr, rb),
+                _prefetch(g, L, ind2, arr, sq, "q", lambda rr, rb=rb: pre(rr, rb),
                           f"RR < {u(g.rows)}", coords, tag=f"Q{rb}", scale=scale)
+            L += mid
             for rb, arr in group:
-                _prefetch(g, L, ind + "    ", arr, sq, "q", None, None, None, stride=qs,
+                _prefetch(g, L, ind2, arr, sq, "q", None, None, None, stride=qs,
                           tag=f"Q{rb}", row0=rb * sq if g.fast_qs else 0)
-            L.append(f"{ind}}}")
+            L.extend([] if mid else [f"{ind}}}"])
         else:
             for rb, arr in group:
                 _stage_f16(g, L, ind, arr, sq, "q", qs, lambda rr, rb=rb: pre(rr, rb),
