@@ -53,7 +53,9 @@ the layout, prefetch and single P loads (3 chunks), 117.6 with two row blocks an
 (2.06x the strict 194.0); tenth session (``LANE_VEC`` 83.0, ``REG_STAGE`` 76.8, ``OUT_VEC``
 with ``HOIST_FIRST`` 66.1, the vec4 combine 65.1, ``PACK_F32`` 64.6 µs: 2.98x the strict
 192.4); in Whisper's model, at the 3 chunks compile gives it (``compile/fast_attention.py``),
-76.7 + 8.8 (combine) against 202.9 + 10.0 strict.
+76.7 + 8.8 (combine) against 202.9 + 10.0 strict.  Eleventh session: 64.3–65.2 µs across
+runs (2.95–2.99x); Q through the scratch, Q's loads first, three row blocks: all slower
+(docs/rejected-optimizations.md).
 Where the time goes: docs/benchmarks.md (sixth and seventh sessions).
 
 The stores (out = o / l, lse = (m + log2 l)·ln 2), causal/window tile bounds, masks, GQA
