@@ -371,7 +371,7 @@ FAST_VARIANTS.update({f"no-{a}": dict(_MAIN, **{"AF.ABLATE": frozenset({a})})
 # every phase of the key loop left out at once: what is outside its work (prologue, stores,
 # loop control, the combine kernel, launch); "no-prologue" also without Q's staging and the
 # first tile's
-_LOOP = AF.ABLATE_PHASES - {"qstage", "first"}
+_LOOP = AF.ABLATE_PHASES - {"qstage", "first", "qload"}
 FAST_VARIANTS["no-all"] = dict(_MAIN, **{"AF.ABLATE": _LOOP})
 FAST_VARIANTS["no-prologue"] = dict(_MAIN, **{"AF.ABLATE": frozenset(AF.ABLATE_PHASES)})
 FAST_AB = {"no": (((4, 64),), (3,)), "lanes": (((4, 64),), (3,)), "serial": (((4, 64),), (3,)),

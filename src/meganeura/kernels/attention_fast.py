@@ -94,7 +94,9 @@ PREFETCH = True  # K/V of tile t + 1 loaded into registers during tile t (stored
 SPLIT_PREFETCH = False
 # timing only (wrong results): phases of the key loop left out, to see what each one costs
 # (bench/attention_bench.py --fast-ab no-<phase>)
-ABLATE_PHASES = frozenset({"stage", "scores", "softmax", "pv", "barriers", "qstage", "first"})
+# ("qload": Q's global loads only, its stores and fragment loads kept)
+ABLATE_PHASES = frozenset({"stage", "scores", "softmax", "pv", "barriers", "qstage", "first",
+                           "qload"})
 ABLATE: frozenset = frozenset()
 SF_PAD = 2  # f32 words after each ``Sf`` row (every access conflict-free)
 # tiles wholly inside the key range skip the per-score masks (when the description has no
@@ -393,9 +395,10 @@ def _stage_q(g, L, ind, sq, qs, vs, bk, after=()) -> None:
             mid = list(after) if p0 == 0 else []  # declared at function scope: no braces
             ind2 = ind if mid else ind + "    "
             L.extend([] if mid else [f"{ind}{{"])
+            qok = "false" if "qload" in ABLATE else f"RR < {u(g.rows)}"
             for rb, arr in group:
-                _prefetch(g, L, ind2, arr, sq, "q", lambda rr, rb=rb: pre(rr, rb),
-                          f"RR < {u(g.rows)}", coords, tag=f"Q{rb}", scale=scale)
+                _prefetch(g, L, ind2, arr, sq, "q", lambda rr, rb=rb: pre(rr, rb), qok, coords,
+                          tag=f"Q{rb}", scale=scale)
             L += mid
             for rb, arr in group:
                 _prefetch(g, L, ind2, arr, sq, "q", None, None, None, stride=qs,
