@@ -166,15 +166,12 @@ def _combine(run, po, pl, n, out_bshd=False):
     return run(desc, [po, pl], [((B,) + po.shape[1:], f32), ((B,) + pl.shape[1:], f32)])
 
 
-@pytest.fixture(params=[(True, 8), (False, 8), (True, 0)], ids=["vec4", "scalar", "vec4-loop"])
+@pytest.fixture(params=[True, False], ids=["vec4", "scalar"])
 def combine_units(request, monkeypatch):
-    """The combine kernel by vec4 units (``VEC_COMBINE``, where rows allow) and by scalars,
-    unrolled (``UNROLL_MAX``) and by loops over the chunks."""
+    """The combine kernel by vec4 units (``VEC_COMBINE``, where rows allow) and by scalars."""
     from meganeura.kernels import attention_combine
 
-    vec, unroll = request.param
-    monkeypatch.setattr(attention_combine, "VEC_COMBINE", vec)
-    monkeypatch.setattr(attention_combine, "UNROLL_MAX", unroll)
+    monkeypatch.setattr(attention_combine, "VEC_COMBINE", request.param)
     return request.param
 
 

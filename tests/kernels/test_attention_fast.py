@@ -33,7 +33,6 @@ def _rel(a, b):
 def _stubbed(src: str) -> str:
     """The fast WGSL with subgroup-matrix builtins as scalar functions (syntax and types of
     everything else checkable by a compiler without the extension)."""
-    qh = re.search(r"let Qh = bufferView<array<f16, (\d+)>>", src)  # Q in the scratch
     src = "\n".join(ln for ln in src.splitlines()
                     if not ln.startswith(("enable subgroups", "enable chromium", "diagnostic",
                                           "requires buffer_view"))
@@ -46,10 +45,6 @@ def _stubbed(src: str) -> str:
     src = re.sub(r"var<workgroup> SfB: buffer<(\d+)>;",
                  lambda m: (f"var<workgroup> Sf: array<f32, {int(m[1]) // 4}>;\n"
                             f"var<workgroup> SfV: array<vec4<f32>, {int(m[1]) // 16}>;"), src)
-    if qh:  # its f16 and packed views as arrays of their own
-        src = src.replace("var<workgroup> Sf:", f"var<workgroup> Qh: array<f16, {qh[1]}>;\n"
-                          f"var<workgroup> Qw: array<vec2<u32>, {int(qh[1]) // 4}>;\n"
-                          "var<workgroup> Sf:", 1)
     src = re.sub(r"subgroupMatrixLoad<[^>]*>>\(&?(\w+), ", r"sml_\1(", src)
     src = src.replace("subgroupMatrixMultiplyAccumulate(", "smma(")
     src = src.replace("subgroup_matrix_result<f32, 16, 16>()", "f32()")
@@ -58,8 +53,7 @@ def _stubbed(src: str) -> str:
     src = src.replace("subgroupAny(", "sga(")
     src = src.replace("subgroupShuffleXor(", "sgx(")  # Dawn wants "enable subgroups;" for it
     stubs = [f"fn sml_{a}(o: u32, c: bool, s: u32) -> f32 {{ return f32({a}[o + s]); }}"
-             for a in ("Kh", "Vh", "Ph") + (("Of",) if "var<workgroup> Of" in src else ())
-             + (("Qh",) if qh else ())]
+             for a in ("Kh", "Vh", "Ph") + (("Of",) if "var<workgroup> Of" in src else ())]
     stubs += ["fn smma(a: f32, b: f32, c: f32) -> f32 { return a * b + c; }",
               "fn sms(o: u32, v: f32, c: bool, s: u32) { Sf[o + s] = v; }",
               "fn sgx(x: f32, m: u32) -> f32 { return x + f32(m); }",
@@ -113,9 +107,7 @@ VARIANTS = {"default": {}, "unpacked": {"PACKED": False}, "no_prefetch": {"PREFE
             "scalar_loads": {"VEC_LOADS": False}, "lane_scalar": {"LANE_VEC": False},
             "serial_reduce": {"TREE_REDUCE": False}, "loop_stage": {"REG_STAGE": False},
             "no_hoist": {"HOIST_FIRST": False}, "scalar_out": {"OUT_VEC": False},
-            "exp_f16": {"EXP_F16": True}, "f16_values": {"PACK_F32": False},
-            "q_scratch": {"Q_IN_SCRATCH": True}, "q_first": {"Q_FIRST": True},
-            "q_two_pass": {"Q_IN_SCRATCH": False, "Q_ONE_PASS": False}}
+            "exp_f16": {"EXP_F16": True}, "f16_values": {"PACK_F32": False}}
 
 
 @pytest.fixture(params=sorted(VARIANTS))

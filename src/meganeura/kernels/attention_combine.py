@@ -38,9 +38,6 @@ from .ir import KernelSpec, Strided
 FLT_MAX = "3.4028234663852886e38"
 # f32 partials read and the output written by vec4 units (one invocation per 4 elements)
 VEC_COMBINE = True
-# at most this many chunks: the loops unrolled, every load (the chunks' lse and partial units)
-# issued before the first use, so an invocation waits one memory latency instead of 2n
-UNROLL_MAX = 8
 
 
 @dataclass(frozen=True)
@@ -88,10 +85,16 @@ def emit(k: AttentionCombineKernel, limits=None, features=None, alias=None) -> K
     L = flat_index(grid, total, ind)
     L += [f"{ind}let r = i / {u(units)};", f"{ind}let d = i % {u(units)};",
           f"{ind}var m: f32 = -mn_inf();"]
-    if n <= UNROLL_MAX:
-        L += _merge_unrolled(n, rows, units, pl, po, vt, ld, ind)
-    else:
-        L += _merge_loop(n, rows, units, pl, po, vt, ld, ind)
+    L.append(f"{ind}for (var c: u32 = 0u; c < {u(n)}; c = c + 1u) {{")
+    L.append(f"{i2}m = max(m, {ld(f'{pl}[c * {u(rows)} + r]')});")
+    L.append(f"{ind}}}")
+    L += [f"{ind}var s: f32 = 0.0;", f"{ind}var o = {vt}(0.0);",
+          f"{ind}let ms = select(m, 0.0, m < -{FLT_MAX});"]
+    L.append(f"{ind}for (var c: u32 = 0u; c < {u(n)}; c = c + 1u) {{")
+    L.append(f"{i2}let w = exp({ld(f'{pl}[c * {u(rows)} + r]')} - ms);")
+    L.append(f"{i2}s = s + w;")
+    L.append(f"{i2}o = o + w * {ld(f'{po}[(c * {u(rows)} + r) * {u(units)} + d]')};")
+    L.append(f"{ind}}}")
     L.append(f"{ind}let empty = m < -{FLT_MAX};")
     if k.out_bshd:  # r = (b·Hq + h)·Sq + i  ->  ((b·Sq + i)·Hq + h)
         L += [f"{ind}let hi = r % {u(Hq * Sq)};",
@@ -108,36 +111,6 @@ def emit(k: AttentionCombineKernel, limits=None, features=None, alias=None) -> K
     meta = {"archetype": "attention_combine", "workgroup_size": WG, "binding_dtypes": tuple(dts),
             "flops": 0}
     return KernelSpec(k.name, src, bd.n, grid.workgroups, meta=meta)
-
-
-def _merge_loop(n, rows, units, pl, po, vt, ld, ind) -> list[str]:
-    """``m`` (the chunks' max lse), ``s`` (Σ w_c) and ``o`` (Σ w_c·o_c) by loops over the
-    chunks (more than ``UNROLL_MAX``)."""
-    i2 = ind + "    "
-    return [f"{ind}for (var c: u32 = 0u; c < {u(n)}; c = c + 1u) {{",
-            f"{i2}m = max(m, {ld(f'{pl}[c * {u(rows)} + r]')});", f"{ind}}}",
-            f"{ind}var s: f32 = 0.0;", f"{ind}var o = {vt}(0.0);",
-            f"{ind}let ms = select(m, 0.0, m < -{FLT_MAX});",
-            f"{ind}for (var c: u32 = 0u; c < {u(n)}; c = c + 1u) {{",
-            f"{i2}let w = exp({ld(f'{pl}[c * {u(rows)} + r]')} - ms);",
-            f"{i2}s = s + w;",
-            f"{i2}o = o + w * {ld(f'{po}[(c * {u(rows)} + r) * {u(units)} + d]')};",
-            f"{ind}}}"]
-
-
-def _merge_unrolled(n, rows, units, pl, po, vt, ld, ind) -> list[str]:
-    """``_merge_loop`` unrolled: every chunk's lse and partial unit loaded first, then the
-    same sums in the same (chunk) order."""
-    L = [f"{ind}let lc{c} = {ld(f'{pl}[{u(c * rows)} + r]')};" for c in range(n)]
-    L += [f"{ind}let oc{c} = {ld(f'{po}[({u(c * rows)} + r) * {u(units)} + d]')};"
-          for c in range(n)]
-    L += [f"{ind}m = max(m, lc{c});" for c in range(n)]
-    L += [f"{ind}var s: f32 = 0.0;", f"{ind}var o = {vt}(0.0);",
-          f"{ind}let ms = select(m, 0.0, m < -{FLT_MAX});"]
-    for c in range(n):
-        L += [f"{ind}let w{c} = exp(lc{c} - ms);", f"{ind}s = s + w{c};",
-              f"{ind}o = o + w{c} * oc{c};"]
-    return L
 
 
 def _make(attrs, ins, outs):

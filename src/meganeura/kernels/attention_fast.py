@@ -141,17 +141,6 @@ EXP_F16 = False
 # P rounded to f16 by the packing of its stores (f32 pairs -> one packed word), its row sum
 # from the unpacked words: one conversion per two values instead of f32 -> f16 -> f32 -> f16
 PACK_F32 = True
-# Q's staging through the ``Sf`` scratch (an f16 view of it, where it holds both row blocks)
-# instead of the K/V staging arrays: the first tile's K/V stores then go with Q's before one
-# barrier (with ``HOIST_FIRST``), not after Q's fragment loads.  H200: 68.4 against 64.6 µs,
-# slower (docs/rejected-optimizations.md), off
-Q_IN_SCRATCH = False
-# with ``HOIST_FIRST``: Q's loads (from DRAM: no other workgroup has read them) issued before
-# the first K/V tile's (mostly L2 hits), not after.  H200: 65.2 against 64.8 µs, off
-Q_FIRST = False
-# Q's row blocks staged in one pass of register loads (``REG_STAGE``) where the arrays hold
-# them; False: one pass per row block (half the registers live).  H200: 64.6 either way
-Q_ONE_PASS = True
 # the output rows written one vec4 per four values (the output binding declared as vec4s)
 OUT_VEC = True
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
@@ -304,13 +293,8 @@ def fast_body(g, t) -> list[str]:
         g.vec_writes = {g.bind["out"]}  # no other role on the binding: declared as vec4s
     # the scratch through vec views: lanes own vec4 units and the device has buffer views
     g.fast_sv = lane_vec() and BUFFER_VIEW_FEATURE in t.features
-    g.fast_hoist = (HOIST_FIRST and REG_STAGE and PREFETCH and chunk_group(k) == 1
-                    and "first" not in ABLATE)
-    # Q through the scratch: its f16 rows (both row blocks) fit the f32 scratch
-    g.fast_qs = (Q_IN_SCRATCH and g.fast_sv and g.fast_packed and g.fast_hoist
-                 and bq * qs <= 2 * nsg * 16 * sw)
     g.fast_views = ({"Kh", "Vh"} if g.fast_packed else set()) | (
-        {"Sf", "Ph"} if g.fast_sv else set()) | ({"Qh"} if g.fast_qs else set())
+        {"Sf", "Ph"} if g.fast_sv else set())
     L: list[str] = []
     for name, n in (("Kh", max(sq, bk) * qs), ("Vh", bk * vs)):
         g.shared += _staging_decl(g, name, n, L)
@@ -342,16 +326,14 @@ def fast_body(g, t) -> list[str]:
         L.append(f"{ind}let ofb = sid * {u(16 * (Dv + SF_PAD))} + lane / 2u * {u(Dv + SF_PAD)} "
                  f"+ hh;")
     # a workgroup with one chunk loads its first K/V tile before staging Q (``HOIST_FIRST``)
-    hoist: list[str] = []
+    g.fast_hoist = (HOIST_FIRST and REG_STAGE and PREFETCH and cpw == 1
+                    and "first" not in ABLATE)
     if g.fast_hoist:
         if g.ns > 1:
-            hoist.append(f"{ind}let sc = scg;")
-        _kv_range(g, hoist, ind)
-        _first_tile(g, hoist, ind, bk, qs, vs, load=True)
-    q_first = Q_FIRST and REG_STAGE and "qstage" not in ABLATE
-    if not q_first:
-        L += hoist
-    _stage_q(g, L, ind, sq, qs, vs, bk, after=hoist if q_first else [])
+            L.append(f"{ind}let sc = scg;")
+        _kv_range(g, L, ind)
+        _first_tile(g, L, ind, bk, qs, vs, load=True)
+    _stage_q(g, L, ind, sq, qs, vs, bk)
     if g.ns > 1:
         L.append(f"{ind}for (var cc: u32 = 0u; cc < {u(cpw)}; cc = cc + 1u) {{")
         L.append(f"{i2}let sc = scg * {u(cpw)} + cc;")
@@ -362,20 +344,17 @@ def fast_body(g, t) -> list[str]:
     return L
 
 
-def _stage_q(g, L, ind, sq, qs, vs, bk, after=()) -> None:
+def _stage_q(g, L, ind, sq, qs, vs, bk) -> None:
     """Each row block's lane row (``rw``, ``rok``, its query coordinates, ``pos``) and Q
     fragments ``qf{rb}_{kk}``: Q pre-scaled, rounded to f16 and staged ``sq`` rows at a time
     in the K (and, where it is large enough, V) staging arrays.  ``REG_STAGE``: a pass's
     loads all issued before its first store (registers), one global latency per pass instead
-    of one per strided step of a load-store loop; ``after``: lines placed after the first
-    pass's loads (``Q_FIRST``: the hoisted first tile's loads)."""
+    of one per strided step of a load-store loop."""
     from .attention import _i
 
     k, nrb, D = g.k, row_blocks(), g.D
     left = "subgroup_matrix_left<f16, 16, 16>"
-    arrays = ["Kh"] + (["Vh"] if Q_ONE_PASS and REG_STAGE and bk * vs >= sq * qs else [])
-    if g.fast_qs:  # every row block in one pass, row block rb at row rb·sq of ``Qh``
-        arrays = ["Qh"] * nrb
+    arrays = ["Kh"] + (["Vh"] if REG_STAGE and bk * vs >= sq * qs else [])
     scale = k.scale * (LOG2E if LEAN else 1.0)
     coords = lambda c: ["b", "sh", "si", c]  # noqa: E731
     for rb in range(nrb):
@@ -392,30 +371,24 @@ def _stage_q(g, L, ind, sq, qs, vs, bk, after=()) -> None:
         if "qstage" in ABLATE:
             pass
         elif REG_STAGE:
-            mid = list(after) if p0 == 0 else []  # declared at function scope: no braces
-            ind2 = ind if mid else ind + "    "
-            L.extend([] if mid else [f"{ind}{{"])
+            L.append(f"{ind}{{")
             qok = "false" if "qload" in ABLATE else f"RR < {u(g.rows)}"
             for rb, arr in group:
-                _prefetch(g, L, ind2, arr, sq, "q", lambda rr, rb=rb: pre(rr, rb), qok, coords,
-                          tag=f"Q{rb}", scale=scale)
-            L += mid
+                _prefetch(g, L, ind + "    ", arr, sq, "q", lambda rr, rb=rb: pre(rr, rb), qok,
+                          coords, tag=f"Q{rb}", scale=scale)
             for rb, arr in group:
-                _prefetch(g, L, ind2, arr, sq, "q", None, None, None, stride=qs,
-                          tag=f"Q{rb}", row0=rb * sq if g.fast_qs else 0)
-            L.extend([] if mid else [f"{ind}}}"])
+                _prefetch(g, L, ind + "    ", arr, sq, "q", None, None, None, stride=qs,
+                          tag=f"Q{rb}")
+            L.append(f"{ind}}}")
         else:
             for rb, arr in group:
                 _stage_f16(g, L, ind, arr, sq, "q", qs, lambda rr, rb=rb: pre(rr, rb),
                            f"RR < {u(g.rows)}", coords, scale)
-        if g.fast_qs:  # the first tile's K/V stores before the same barrier
-            _first_tile(g, L, ind, bk, qs, vs, load=False)
         L.append(f"{ind}workgroupBarrier();")
         for rb, arr in group:
-            r0 = rb * sq * qs if g.fast_qs else 0
             for kk in range(D // 16):
                 L.append(f"{ind}let qf{rb}_{kk} = subgroupMatrixLoad<{left}>({_ref(g, arr)}, "
-                         f"sid * {u(16 * qs)} + {u(r0 + 16 * kk)}, false, {u(qs)});")
+                         f"sid * {u(16 * qs)} + {u(16 * kk)}, false, {u(qs)});")
         L.append(f"{ind}workgroupBarrier();")
 
 
@@ -475,8 +448,7 @@ def _key_loop(g, L, ind, bk, qs, vs, sw, pst, D, Dv) -> None:
     nrb, i2 = row_blocks(), ind + "    "
     kv = (("Kh", "k", qs), ("Vh", "v", vs))
     kpre = lambda rr: [f"let jj = kt + i32({rr});"]  # noqa: E731
-    if PREFETCH and not g.fast_qs:  # tile kv_lo staged before the loop (with Q's staging
-        # under ``Q_IN_SCRATCH``), tile t + 1 loaded into registers in it
+    if PREFETCH:  # tile kv_lo staged before the loop, tile t + 1 loaded into registers in it
         L += [f"{ind}{{", f"{i2}let kt = kv_lo;"]
         if "first" in ABLATE:
             pass
@@ -543,19 +515,18 @@ def _stage_f16(g, L, ind, arr, nrows, which, stride, pre, valid, coords, scale=N
 
 
 def _prefetch(g, L, ind, arr, nrows, which, pre, valid, coords, stride=0,
-              declared=False, tag=None, scale=None, row0=0) -> None:
+              declared=False, tag=None, scale=None) -> None:
     """``PREFETCH``: the loads of ``nrows`` rows of q/k/v (times ``scale``) into registers
     ``r{tag}{i}`` (``tag``: ``arr`` unless given; ``pre`` given; unrolled, zeros past
     ``valid``; ``declared``: the registers exist already, see ``_prefetch_decl``), or (``pre``
-    None) their f16 stores into ``arr`` (from its row ``row0``)."""
+    None) their f16 stores into ``arr``."""
     w, units, n, vt = _pf_units(g, nrows, which)
     i2 = ind + "    "
     for i in range(-(-n // g.wg)):
         e, r = f"(lid + {u(i * g.wg)})", f"r{tag or arr}{i}"
         guard = f"{e} < {u(n)}" if (i + 1) * g.wg > n else "true"
         if pre is None:
-            rr = f"{e} / {u(units)}" + (f" + {u(row0)}" if row0 else "")
-            L += [f"{ind}if ({guard}) {{", f"{i2}let rr = {rr};",
+            L += [f"{ind}if ({guard}) {{", f"{i2}let rr = {e} / {u(units)};",
                   f"{i2}let uu = {e} % {u(units)};"]
             L += _f16_stores(g, i2, arr, stride, w, r)
             L.append(f"{ind}}}")
@@ -588,9 +559,6 @@ def _scratch_decls(g, n_ph: int, n_sf: int, lets: list[str]) -> list[str]:
     decl, views = packed_staging("Ph", n_ph)
     lets += views + [f"    let Sf = bufferView<array<f32, {n_sf}>>(&SfB, 0u);",
                      f"    let SfV = bufferView<array<vec4<f32>, {n_sf // 4}>>(&SfB, 0u);"]
-    if g.fast_qs:  # Q staged as f16 in the f32 scratch (``Q_IN_SCRATCH``)
-        lets += [f"    let Qh = bufferView<array<f16, {2 * n_sf}>>(&SfB, 0u);",
-                 f"    let Qw = bufferView<array<vec2<u32>, {n_sf // 2}>>(&SfB, 0u);"]
     return [decl, f"var<workgroup> SfB: buffer<{4 * n_sf}>;"]
 
 
