@@ -10,7 +10,11 @@ scaled_dot_product_attention (f32, CUDA) at the same shapes for comparison.
       [--roof OUTDIR] [--kvariants before,after,...]
       [--fwd-sweep OUTDIR [--winfer main,after,after@8,...]]
       [--fast-e2e] [--fast-ab main,no-prefetch,...] [--toggles disable_robustness]
+      [--table MD]
 
+``--table MD``: only issue 12's attention table (every shape: ours strict forward and forward +
+backward as the op runs them, ours fast forward as compile picks it, PyTorch SDPA f32 and bf16;
+µs and TFLOP/s), written as markdown to MD.
 ``--fast-e2e``: first, Whisper-tiny's inference and training step profiled strict, fast with
 the strict attention forward and fast with the tensor-core one (GPU ms per step).
 ``--fast-ab VARIANTS``: only the tensor-core forward: each variant of ``FAST_VARIANTS``
@@ -50,6 +54,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -221,8 +226,9 @@ def configs(desc, t, everything=False):
                     and A.config_fits(desc.kind, c, D, Dv, t) and c[0] * c[2] <= 2 * own_n]
 
 
-def torch_times(shape):
-    """PyTorch SDPA (f32, CUDA) fwd and fwd+bwd µs at ``shape``, or None without CUDA."""
+def torch_times(shape, dtype="float32"):
+    """PyTorch SDPA (CUDA, ``dtype``: float32 with TF32 off, or bfloat16) fwd and fwd+bwd µs
+    at ``shape``, or None without CUDA."""
     try:
         import torch
         import torch.nn.functional as F
@@ -230,11 +236,14 @@ def torch_times(shape):
         return None
     if not torch.cuda.is_available():
         return None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     B, Hq, Hkv, S, D, causal = shape
-    q = torch.randn(B, Hq, S, D, device="cuda", requires_grad=True)
-    k = torch.randn(B, Hkv, S, D, device="cuda", requires_grad=True)
-    v = torch.randn(B, Hkv, S, D, device="cuda", requires_grad=True)
-    g = torch.randn(B, Hq, S, D, device="cuda")
+    kw = {"device": "cuda", "dtype": getattr(torch, dtype)}
+    q = torch.randn(B, Hq, S, D, requires_grad=True, **kw)
+    k = torch.randn(B, Hkv, S, D, requires_grad=True, **kw)
+    v = torch.randn(B, Hkv, S, D, requires_grad=True, **kw)
+    g = torch.randn(B, Hq, S, D, **kw)
 
     def fwd():
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)
@@ -602,6 +611,60 @@ def op_path(dev, sname, shape):
              "bwd_us": bwd, "total_us": fwd + bwd, "tflops": tf}]
 
 
+def fast_fwd_us(dev, shape):
+    """The forward compile runs under precision "fast" (the tensor-core kernel where it pays,
+    with compile's key chunks and ``PART_F16``, combine included): (µs, error, on tensor
+    cores?); the strict forward's where it does not apply."""
+    B, Hq, Hkv, S, D, causal = shape
+    x, a, ref = problem(shape)
+    t = make_target(dev.limits, dev.features)
+    n = fwd_splits(B, Hq, Hkv, S, S)
+    desc = dataclasses.replace(describe("fwd", x, a), precision="fast", splits=n)
+    tc = AF.usable(desc, t) and AF.pays(desc)
+    if tc:
+        n = AF.fast_chunks(B, Hq, Hkv, S, S, n)
+        desc = dataclasses.replace(desc, splits=n, part_f16=AF.PART_F16 and n > 1)
+    else:
+        desc = dataclasses.replace(desc, precision="strict")
+    _, err, us = run_config(dev, desc, x, ref)
+    return us, err, tc
+
+
+def attention_table(dev, path=None):
+    """Issue 12's attention table: per shape, ours strict (the op's kernels: forward, forward +
+    backward), ours fast forward, PyTorch SDPA f32 (TF32 off) and bf16, µs and TFLOP/s
+    (4·S²·D·H forward, 3.5× that forward + backward; causal: half).  Markdown to ``path``."""
+    head = ("| shape (B, Hq, Hkv, S, D, causal) | ours strict fwd | ours fast fwd (× strict) | "
+            "SDPA f32 fwd | SDPA bf16 fwd | ours strict fwd+bwd | SDPA f32 fwd+bwd | "
+            "SDPA bf16 fwd+bwd |")
+    lines, rows = [head, "|" + "---|" * 8], []
+
+    def cell(us, fl):
+        return f"{us:.1f} µs ({fl / us / 1e6:.1f})" if us else "—"
+
+    for sname, shape in SHAPES.items():
+        B, Hq, Hkv, S, D, causal = shape
+        fl = 4 * S * S * D * Hq * B * (0.5 if causal else 1.0)
+        strict = op_path(dev, sname, shape)[0]
+        fast, ferr, tc = fast_fwd_us(dev, shape)
+        t32, t16 = torch_times(shape) or (0, 0), torch_times(shape, "bfloat16") or (0, 0)
+        rows.append({"shape": sname, "kind": "table", "strict_fwd_us": strict["fwd_us"],
+                     "strict_total_us": strict["total_us"], "fast_fwd_us": fast,
+                     "fast_err": ferr, "fast_on_tensor_cores": tc, "sdpa_f32_us": list(t32),
+                     "sdpa_bf16_us": list(t16)})
+        note = "" if tc else ", strict kernel"
+        lines.append(f"| {sname} {shape} | {cell(strict['fwd_us'], fl)} | "
+                     f"{cell(fast, fl)} ×{strict['fwd_us'] / fast:.2f}{note} | "
+                     f"{cell(t32[0], fl)} | {cell(t16[0], fl)} | "
+                     f"{cell(strict['total_us'], 3.5 * fl)} | {cell(t32[1], 3.5 * fl)} | "
+                     f"{cell(t16[1], 3.5 * fl)} |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if path:
+        Path(path).write_text(text + "\n")
+    return rows
+
+
 def grad_sum_us(dev, dims, n, heads, blk):
     """GPU µs of the one ``attention_grad_sum`` kernel of a short backward."""
     from meganeura.kernels.attention_combine import AttentionGradSumKernel, grad_sum_sizes
@@ -945,6 +1008,10 @@ def main(argv) -> None:
             with open(path, "w") as f:
                 json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
 
+    if "--table" in argv:  # issue 12's attention table (markdown next to the JSON)
+        rows += attention_table(dev, argv[argv.index("--table") + 1])
+        save()
+        return
     if "--fast-e2e" in argv:  # Whisper's step, fast with and without the tensor-core forward
         smoke = "--smoke" in argv
         rows += fast_e2e_rows(dev, quick=smoke, steps=1 if smoke else 3,
