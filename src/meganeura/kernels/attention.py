@@ -1313,9 +1313,8 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
                        "diagnostic(off, subgroup_uniformity);"]
         if g.fast_packed:  # staging through buffer views (attention_fast.PACKED)
             head.insert(0, "requires buffer_view;")
-    vec = g.vec_reads | g.vec_writes
-    f16_vars = {v for v in vec if g.bd.dtypes[int(v[1:])] is f16}  # part_f16: packed stores
-    decls = g.bd.decls(vec4={v: "f32" for v in vec - f16_vars}, packed4=f16_vars)
+    decls = g.bd.decls(vec4={v: g.bd.dtypes[int(v[1:])].wgsl
+                             for v in g.vec_reads | g.vec_writes})
     src = module_source(head + decls + g.shared, {"mn_inf"}, g.wg, lines)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)

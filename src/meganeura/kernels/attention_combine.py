@@ -81,12 +81,7 @@ def emit(k: AttentionCombineKernel, limits=None, features=None, alias=None) -> K
     grid = make_grid(k.name, -(-total // WG), t)
     vt = "vec4<f32>" if w == 4 else "f32"
     ld = (lambda x: x) if dt is f32 else (lambda x: f"f32({x})")
-    if pt is f32:
-        ldp = lambda x: x  # noqa: E731
-    elif w == 4:  # four f16 per 8-byte load (``Bindings.decls`` ``packed4``)
-        ldp = lambda x: f"mn_unpack4({x})"  # noqa: E731
-    else:
-        ldp = lambda x: f"f32({x})"  # noqa: E731
+    ldp = (lambda x: x) if pt is f32 else (lambda x: f"{vt}({x})")
     st = (lambda x: x) if dt is f32 else (lambda x: f"{dt.wgsl}({x})")
     ind, i2 = "    ", "        "
     L = flat_index(grid, total, ind)
@@ -113,12 +108,7 @@ def emit(k: AttentionCombineKernel, limits=None, features=None, alias=None) -> K
     L.append(f"{ind}if (d == 0u) {{")
     L.append(f"{i2}{lse}[r] = {st('select(m + log(s), -mn_inf(), empty)')};")
     L.append(f"{ind}}}")
-    half4 = w == 4 and pt is f16
-    decls = bd.decls(vec4=({out: "f32"} if half4 else {po: "f32", out: "f32"}) if w == 4
-                     else None, packed4={po} if half4 else frozenset())
-    if half4:
-        decls += ["fn mn_unpack4(p: vec2<u32>) -> vec4<f32> {",
-                  "    return vec4<f32>(unpack2x16float(p.x), unpack2x16float(p.y));", "}"]
+    decls = bd.decls(vec4={po: pt.wgsl, out: "f32"} if w == 4 else None)
     src = module_source(module_header(uses_f16) + decls, {"mn_inf"}, WG, L)
     meta = {"archetype": "attention_combine", "workgroup_size": WG, "binding_dtypes": tuple(dts),
             "flops": 0}

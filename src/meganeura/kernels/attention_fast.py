@@ -825,16 +825,15 @@ def _store(g, L, ind, Dv, rb) -> None:
     out = g.bind["out"]
     half = g.role_dt["out"] is f16  # part_f16: the chunk's output rounded to f16
 
+    def cast(vec: str, e: str) -> str:
+        return e if not half else f"{vec}<f16>({e})" if vec else f"f16({e})"
+
     if out in g.vec_writes:  # lane_vec: the lane's units 2q + hh of its row
         for q in range(Dv // 8):
-            o = [f"o{rb}_{4 * q + i}" for i in range(4)]
-            val = f"vec4<f32>({', '.join(o)}) * inv"
-            if half:  # four f16 in one 8-byte store (``Bindings.decls`` ``packed4``)
-                val = (f"vec2<u32>(pack2x16float(vec2<f32>({o[0]}, {o[1]}) * inv), "
-                       f"pack2x16float(vec2<f32>({o[2]}, {o[3]}) * inv))")
-            L.append(f"{ind}    {out}[{row} * {u(Dv // 4)} + {u(2 * q)} + hh] = {val};")
+            o = ", ".join(f"o{rb}_{4 * q + i}" for i in range(4))
+            L.append(f"{ind}    {out}[{row} * {u(Dv // 4)} + {u(2 * q)} + hh] = "
+                     f"{cast('vec4', f'vec4<f32>({o}) * inv')};")
     for c in range(Dv // 2 if out not in g.vec_writes else 0):
         o = _at("Of", c) if O_SHARED else f"o{rb}_{c}"
-        val = f"f16({o} * inv)" if half else f"{o} * inv"
-        L.append(f"{ind}    {out}[{row} * {u(Dv)} + {_col(c)}] = {val};")
+        L.append(f"{ind}    {out}[{row} * {u(Dv)} + {_col(c)}] = {cast('', f'{o} * inv')};")
     L.append(f"{ind}}}")

@@ -470,17 +470,13 @@ class Bindings:
         """Bindings the pipeline layout has (canonical slots)."""
         return len(self.kept)
 
-    def decls(self, vec4: dict[str, str] | None = None, packed4=frozenset()) -> list[str]:
+    def decls(self, vec4: dict[str, str] | None = None) -> list[str]:
         """The declarations; ``vec4`` maps variables read by 16-byte units to the vec4's
-        element type (``array<vec4<T>>`` instead of the slot's scalar array); ``packed4``: f16
-        variables accessed four values at a time as ``vec2<u32>`` (``pack2x16float``: one
-        8-byte access, where a ``vec4<f16>`` one may be split into 2-byte ones)."""
+        element type (``array<vec4<T>>`` instead of the slot's scalar array)."""
         vec4 = vec4 or {}
 
         def elem(i: int) -> str:
             v = f"b{i}"
-            if v in packed4:
-                return "vec2<u32>"
             return f"vec4<{vec4[v]}>" if v in vec4 else store_type(self.dtypes[i])
         return [f"@group(0) @binding({j}) var<storage, read_write> b{i}: array<{elem(i)}>;"
                 for j, i in enumerate(self.kept)]
