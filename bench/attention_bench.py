@@ -924,21 +924,18 @@ def fast_e2e_rows(dev, quick=False, steps=3, rounds=2):
     """Whisper-tiny's step profiled (``bench/roofline.py``; GPU ms per step, attention kernels)
     strict, and fast with its attention forward on the strict kernel ("fast, strict attn":
     ``FAST_MIN_KEYS`` out of reach) or on the tensor cores ("fast"), inference and SGD
-    training, ``rounds`` interleaved rounds; "fast, f16 partials": the split forward's chunks
-    stored as f16 (``attention_fast.PART_F16``)."""
+    training, ``rounds`` interleaved rounds."""
     import roofline
     from workloads import WORKLOADS
 
     w = WORKLOADS["whisper"](quick=quick, variant="main")
     cells = [("strict", "strict", None), ("fast, strict attn", "fast", 10 ** 9),
-             ("fast", "fast", AF.FAST_MIN_KEYS), ("fast, f16 partials", "fast", -1)]
+             ("fast", "fast", AF.FAST_MIN_KEYS)]
     got: dict = {}
     for rnd in range(rounds):
         for inference in (True, False):
             for name, prec, keys in (cells if rnd % 2 == 0 else cells[::-1]):
-                sets = ({} if keys is None else {"AF.PART_F16": True} if keys == -1
-                        else {"AF.FAST_MIN_KEYS": keys, "AF.PART_F16": False})
-                with variant(sets):
+                with variant({} if keys is None else {"AF.FAST_MIN_KEYS": keys}):
                     prof = roofline.profile_workload(w, dev, prec, inference, steps)
                 att = [(r["label"], r["calls"], r["mean_us"]) for r in prof.roofline()
                        if r["label"].startswith("attention")]
