@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from meganeura import kernels
-from meganeura.dtypes import f16, f32
+from meganeura.dtypes import f32
 from meganeura.kernels import attention as A
 from meganeura.kernels import attention_combine as AC
 from meganeura.kernels import attention_fast as AF
@@ -187,16 +187,15 @@ def run_config(dev, desc, x, ref, poison=True):
         parts = shapes
         shapes = [(sum(int(np.prod(sh)) for sh in parts),)]
     bufs = [dev.upload(x[m]) for m in names]
-    dts = [f16 if desc.part_f16 and i == 0 else f32 for i in range(len(shapes))]
-    outs = [dev.upload(np.full(s, np.nan, dt.numpy)) for s, dt in zip(shapes, dts, strict=True)]
-    dev.dispatch(spec, bufs + outs)  # outputs poisoned with NaN before
-    got = [dev.read_array(b, s, dt) for b, s, dt in zip(outs, shapes, dts, strict=True)]
+    outs = [dev.upload(np.full(s, np.nan, np.float32)) for s in shapes]  # poisoned
+    dev.dispatch(spec, bufs + outs)
+    got = [dev.read_array(b, s, f32) for b, s in zip(outs, shapes, strict=True)]
     if nkb:
         cuts = np.cumsum([int(np.prod(sh)) for sh in parts])[:2]
         got = [g.reshape(sh) for g, sh in zip(np.split(got[0], cuts), parts, strict=True)]
     us = time_dispatch(dev, spec, bufs + outs)
     if n > 1 and kind == "fwd":
-        comb = kernels.emit(AttentionCombineKernel(Strided.contiguous(dts[0], shapes[0]),
+        comb = kernels.emit(AttentionCombineKernel(Strided.contiguous(f32, shapes[0]),
                                                    Strided.contiguous(f32, shapes[1]), n),
                             dev.limits, dev.features)
         fin = [dev.upload(np.full(s, np.nan, np.float32)) for s in (q[:3] + v[3:], q[:3])]
@@ -345,7 +344,7 @@ _MAIN = {"AF.SF_PAD": 2, "AF.PREFETCH": True, "AF.ROW_BLOCKS": 2, "AF.GROUP_KEYS
          "AF.SPLIT_PREFETCH": False, "AF.PACKED": True, "AF.VEC_LOADS": True,
          "AF.LANE_VEC": True, "AF.TREE_REDUCE": True, "AF.REG_STAGE": True,
          "AF.HOIST_FIRST": True, "AF.OUT_VEC": True, "AF.EXP_F16": False,
-         "AF.PACK_F32": True, "AF.PART_F16": False}
+         "AF.PACK_F32": True}
 FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": False}),
                  "unpacked": dict(_MAIN, **{"AF.PACKED": False}),
                  "scalar-loads": dict(_MAIN, **{"AF.VEC_LOADS": False}),
@@ -357,7 +356,6 @@ FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": Fal
                  "exp16": dict(_MAIN, **{"AF.EXP_F16": True}),
                  "scalarcomb": dict(_MAIN, **{"AC.VEC_COMBINE": False}),
                  "f16vals": dict(_MAIN, **{"AF.PACK_F32": False}),
-                 "part16": dict(_MAIN, **{"AF.PART_F16": True}),
                  "lanes-off-serial": dict(_MAIN, **{"AF.LANE_VEC": False,
                                                     "AF.TREE_REDUCE": False}),
                  "pad4": dict(_MAIN, **{"AF.SF_PAD": 4}),
@@ -384,7 +382,6 @@ FAST_AB = {"no": (((4, 64),), (3,)), "lanes": (((4, 64),), (3,)), "serial": (((4
            "loop": (((4, 64),), (3,)), "nohoist": (((4, 64),), (3,)),
            "scalarout": (((4, 64),), (3,)), "exp16": (((4, 64),), (3,)),
            "scalarcomb": (((4, 64),), (3,)), "f16vals": (((4, 64),), (3,)),
-           "part16": (((4, 64),), (3, 4)),
            "main": (((4, 64), (4, 32)), (2, 3, 4)),
            "rows3": (((4, 64), (4, 32)), (3, 4, 5, 6)),
            "rows1": (((4, 64),), (3, 6)),
@@ -409,11 +406,9 @@ def fast_ab(dev, names, shapes=("whisper", "smollm2"), rounds=2, smoke=False):
         got = {}
         for rnd in range(rounds):
             for name, cfg, n in (cells if rnd % 2 == 0 else cells[::-1]):
+                desc = dataclasses.replace(base, splits=n, config=cfg,
+                                           precision="strict" if name == "strict" else "fast")
                 with variant(FAST_VARIANTS.get(name, {})):
-                    desc = dataclasses.replace(
-                        base, splits=n, config=cfg,
-                        precision="strict" if name == "strict" else "fast",
-                        part_f16=AF.PART_F16 and n > 1 and name != "strict")
                     try:
                         _, err, us = run_config(dev, desc, x, ref)
                     except kernels.CodegenError as e:

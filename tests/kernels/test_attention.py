@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from meganeura import kernels
-from meganeura.dtypes import f16, f32
+from meganeura.dtypes import f32
 from meganeura.kernels import attention as A
 from meganeura.kernels.common import make_target
 from meganeura.kernels.ir import Strided
@@ -161,8 +161,7 @@ def test_bad_config_is_an_error(dev):
 def _combine(run, po, pl, n, out_bshd=False):
     from meganeura.kernels.attention_combine import AttentionCombineKernel
 
-    pdt = f16 if po.dtype == np.float16 else f32
-    desc = AttentionCombineKernel(C(pdt, po.shape), C(f32, pl.shape), n, out_bshd=out_bshd)
+    desc = AttentionCombineKernel(C(f32, po.shape), C(f32, pl.shape), n, out_bshd=out_bshd)
     B = po.shape[0] // n
     return run(desc, [po, pl], [((B,) + po.shape[1:], f32), ((B,) + pl.shape[1:], f32)])
 
@@ -199,45 +198,6 @@ def test_split_fwd_and_combine(run, rng, n, combine_units):
     bshd, _ = _combine(run, po, pl, n, out_bshd=True)
     want = ref["out"].transpose(0, 2, 1, 3)
     _check(bshd.reshape(want.shape), want, "combined out (bshd)")
-
-
-def test_split_fwd_f16_partials(run, dev, rng, combine_units):
-    """``part_f16``: the chunks' outputs stored as f16 (the lse as f32) equal the op's
-    reference (its f32 partials rounded to f16) and combine to the unsplit output within f16's
-    rounding, both in the combine's vec4 and scalar forms."""
-    from meganeura.ops.attention import _split_fwd_ref
-
-    if not dev.has_f16:
-        pytest.fail(f"{dev.adapter_name} has no shader-f16: part_f16 cannot run here")
-    n, dims = 3, (1, 4, 2, 37, 70, 16, 16)
-    x, a, ref = _problem(rng, dims, {"causal": False, "q_offset": 0})
-    a = {**a, "splits": n, "part_f16": True}
-    desc = dataclasses.replace(_desc("fwd", x, a), splits=n, part_f16=True)
-    po, pl = run(desc, [x[k] for k in ("q", "k", "v")],
-                 [((n, 4, 37, 16), f16), ((n, 4, 37), f32)])
-    assert po.dtype == np.float16
-    want = _split_fwd_ref([x[k].astype(np.float64) for k in ("q", "k", "v")], a)
-    assert want[0].dtype == np.float16
-    np.testing.assert_allclose(po.astype(np.float64), want[0].astype(np.float64),
-                               rtol=2e-3, atol=2e-3)  # f16 rounding of f32 vs f64 values
-    _check(pl, want[1], "partial lse")
-    out, lse = _combine(run, po, pl, n)
-    assert out.dtype == np.float32
-    err = np.linalg.norm(out - ref["out"]) / np.linalg.norm(ref["out"])
-    assert 1e-5 < err < 1e-3, err  # really rounded, and only by f16's 2^-11
-    _check(lse, ref["lse"], "combined lse")
-
-
-def test_part_f16_is_refused_where_it_makes_no_sense(rng):
-    """part_f16 only for split forwards: elsewhere a clear CodegenError."""
-    x, a, _ = _problem(rng, (1, 2, 2, 5, 9, 8, 8), {"causal": False, "q_offset": 0})
-    for kw in ({"splits": 1}, {"splits": 2, "kind": "dq"}):
-        kind = kw.pop("kind", "fwd")
-        if kind != "fwd":
-            x = {**x, "dout": x["q"], "lse": x["q"][..., 0], "delta": x["q"][..., 0]}
-        desc = dataclasses.replace(_desc(kind, x, a), part_f16=True, **kw)
-        with pytest.raises(kernels.CodegenError, match="part_f16"):
-            kernels.emit(desc)
 
 
 def test_combine_empty_rows(run, combine_units):

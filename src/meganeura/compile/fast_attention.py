@@ -6,10 +6,9 @@ strict kernel (Whisper's (1, 6, 1500, 64): 6 chunks).  The tensor-core forward i
 fewer (3 there: 106.1 against 127.4 µs on the H200, the combine included), and only compile
 knows the precision and whether the device has f16 subgroup matrices.  So, before the
 composites are expanded, this pass sets the ``fwd_chunks`` attribute of those ``attention``
-nodes (``attention_fast.fast_chunks``) and, with several chunks, ``fwd_part_f16`` (the chunks'
-outputs stored as f16: ``attention_fast.PART_F16``); the expansion still depends on attributes
-and types only.  Strict precision, devices without tensor cores and attention the fast kernel
-does not take keep the op's choice, so their plans are unchanged."""
+nodes (``attention_fast.fast_chunks``); the expansion still depends on attributes and types
+only.  Strict precision, devices without tensor cores and attention the fast kernel does not
+take keep the op's choice, so their plans are unchanged."""
 
 from __future__ import annotations
 
@@ -26,11 +25,9 @@ def has_tensor_cores(target: Target) -> bool:
     return attention_fast.SG_FEATURE in target.features
 
 
-def fast_attrs(node) -> dict | None:
-    """The attributes the tensor-core forward wants on ``attention`` node ``node``: its key
-    chunk count (``fwd_chunks``) and, with several chunks, f16 partials (``fwd_part_f16``,
-    where ``attention_fast.PART_F16``); None where it does not take this attention or the
-    node already has them."""
+def chunks_for(node) -> int | None:
+    """The chunk count the tensor-core forward wants for ``attention`` node ``node``, or None
+    (it does not take this attention, or the op's count is already the one)."""
     q, k, v = (x.type for x in node.inputs[:3])
     B, Hq, Sq, D = q.shape
     Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -38,27 +35,22 @@ def fast_attrs(node) -> dict | None:
         return None
     n = fwd_splits(B, Hq, Hkv, Sq, Skv)
     want = attention_fast.fast_chunks(B, Hq, Hkv, Sq, Skv, n)
-    attrs = {"fwd_chunks": want} if want != n else {}
-    if attention_fast.PART_F16 and want > 1:
-        attrs["fwd_part_f16"] = True
-    if not attrs or all(node.attrs.get(a) == x for a, x in attrs.items()):
-        return None
-    return attrs
+    return want if want != n else None
 
 
 def fast_attention_chunks(program: Program, target: Target, precision: str) -> Program:
-    """``program`` with ``fast_attrs`` set on the attention nodes the tensor-core forward will
+    """``program`` with ``fwd_chunks`` set on the attention nodes the tensor-core forward will
     run (precision "fast" on a target with f16 subgroup matrices); otherwise ``program``."""
     if precision != "fast" or not has_tensor_cores(target):
         return program
-    if not any(n.op == "attention" and fast_attrs(n) for n in program.graph.nodes):
+    if not any(n.op == "attention" and chunks_for(n) for n in program.graph.nodes):
         return program
 
     def rewrite(g, node, ins):
-        extra = fast_attrs(node) if node.op == "attention" else None
-        if extra is None:
+        n = chunks_for(node) if node.op == "attention" else None
+        if n is None:
             return None
-        return g._add_node(node.op, ins, dict(node.attrs, **extra),
+        return g._add_node(node.op, ins, dict(node.attrs, fwd_chunks=n),
                            [o.type for o in node.outputs], loc=node.loc)
 
     return rebuild(program, rewrite)

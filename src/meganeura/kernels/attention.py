@@ -174,11 +174,6 @@ class AttentionKernel:
     # anyway and O's units loaded beside it (no reduce kernel, no δ buffer; a short problem is
     # bound by its dispatches, H200 SmolLM2: ~8 µs per dispatch in a profiled step)
     delta_out: bool = False
-    # fwd with ``splits`` > 1 only: the chunks' normalized outputs are stored as f16 (their lse
-    # stays in the kernel's dtype): half the bytes the forward writes and the combine reads,
-    # for ``precision="fast"`` (compile/fast_attention.py sets it where the tensor-core forward
-    # runs; rounding o_c to f16 adds at most 2^-11 relative error per element)
-    part_f16: bool = False
 
 
 # One description type per family (the registry maps types to families); ``kind`` still says
@@ -465,13 +460,9 @@ class _Gen:
             n_dk, n_dv, _ = packed_sizes(k)
             self.base = {"dk": 0, "dv": n_dk, "dqp": n_dk + n_dv}
             outs = ["dkdvq"]
-        if k.part_f16 and (k.kind != "fwd" or k.splits < 2 or self.dt is not f32):
-            raise CodegenError(f"kernel {k.name!r}: part_f16 is for split f32 forwards")
-        out_dts = [f16 if k.part_f16 and n == "out" else self.dt for n in outs]
-        self.dts = dts + out_dts
+        self.dts = dts + [self.dt] * len(outs)
         self.bd = Bindings(self.dts, alias)
         self.bind = {n: self.bd.name(i) for i, n in enumerate(names + outs)}
-        self.role_dt = dict(zip(names + outs, self.dts, strict=True))
         for n in self.base:
             self.bind[n] = self.bind["dkdvq"]
         self.wd, self.du = _units(self.D)
@@ -752,7 +743,7 @@ class _Gen:
                     dst = (f"{rbase(i)} * {u(dim)} + cu{c} * {u(w)} + {u(comp)}" if w == 4
                            else f"{rbase(i)} * {u(dim)} + cu{c}")
                     L.append(f"{ii}{self.bind[target]}[{self.at(target)}{dst}] = "
-                             f"{_store(e, self.role_dt.get(target, self.dt))};")
+                             f"{_store(e, self.dt)};")
                 if guard:
                     L.append(f"{i2}}}")
             L.append(f"{ind}}}")
@@ -1313,8 +1304,7 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
                        "diagnostic(off, subgroup_uniformity);"]
         if g.fast_packed:  # staging through buffer views (attention_fast.PACKED)
             head.insert(0, "requires buffer_view;")
-    decls = g.bd.decls(vec4={v: g.bd.dtypes[int(v[1:])].wgsl
-                             for v in g.vec_reads | g.vec_writes})
+    decls = g.bd.decls(vec4={v: "f32" for v in g.vec_reads | g.vec_writes})
     src = module_source(head + decls + g.shared, {"mn_inf"}, g.wg, lines)
     B, Hq, Sq, Skv, D, Dv = g.B, g.Hq, g.Sq, g.Skv, g.D, g.Dv
     flops = 2 * B * Hq * Sq * Skv * (D + Dv) * (1 if k.kind == "fwd" else 2)
@@ -1345,8 +1335,7 @@ def _make(kind):
                                 split_heads=bool(attrs.get("split_heads", False)),
                                 splits=int(attrs.get("splits", 1)),
                                 dq_block=int(attrs.get("dq_block", 0)),
-                                delta_out=bool(attrs.get("delta_out", False)),
-                                part_f16=bool(attrs.get("part_f16", False)))
+                                delta_out=bool(attrs.get("delta_out", False)))
 
     return make
 

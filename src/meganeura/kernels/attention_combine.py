@@ -43,8 +43,7 @@ VEC_COMBINE = True
 @dataclass(frozen=True)
 class AttentionCombineKernel:
     """``part`` (n·B, Hq, Sq, Dv) and ``part_lse`` (n·B, Hq, Sq), contiguous; outputs out
-    (B, Hq, Sq, Dv) (or (B, Sq, Hq, Dv) with ``out_bshd``) and lse (B, Hq, Sq), in
-    ``part_lse``'s dtype (``part`` may be f16 under an f32 lse: the forward's ``part_f16``)."""
+    (B, Hq, Sq, Dv) (or (B, Sq, Hq, Dv) with ``out_bshd``) and lse (B, Hq, Sq)."""
 
     part: Strided
     part_lse: Strided
@@ -63,10 +62,10 @@ def emit(k: AttentionCombineKernel, limits=None, features=None, alias=None) -> K
     for s in (k.part, k.part_lse):
         if s.strides != Strided.contiguous(s.dtype, s.shape).strides or s.offset:
             raise CodegenError(f"kernel {k.name!r}: partials must be contiguous")
-    pt, dt = k.part.dtype, k.part_lse.dtype  # f16 partials of an f32 forward: ``part_f16``
-    if dt not in (f32, f16) or pt not in (dt, f16):
-        raise CodegenError(f"kernel {k.name!r}: attention of {pt.name} / {dt.name} partials")
-    dts = [pt, dt, dt, dt]
+    dt = k.part.dtype
+    if dt not in (f32, f16):
+        raise CodegenError(f"kernel {k.name!r}: attention of {dt.name} tensors")
+    dts = [dt, k.part_lse.dtype, dt, dt]
     check_bindings(k.name, 4, t)
     uses_f16 = check_dtypes(k.name, dts, t)
     bd = Bindings(dts, alias)
@@ -79,9 +78,8 @@ def emit(k: AttentionCombineKernel, limits=None, features=None, alias=None) -> K
     units = Dv // w
     total = rows * units
     grid = make_grid(k.name, -(-total // WG), t)
-    vt = "vec4<f32>" if w == 4 else "f32"
+    vt = f"vec4<{dt.wgsl}>" if w == 4 else "f32"
     ld = (lambda x: x) if dt is f32 else (lambda x: f"f32({x})")
-    ldp = (lambda x: x) if pt is f32 else (lambda x: f"{vt}({x})")
     st = (lambda x: x) if dt is f32 else (lambda x: f"{dt.wgsl}({x})")
     ind, i2 = "    ", "        "
     L = flat_index(grid, total, ind)
@@ -95,7 +93,7 @@ def emit(k: AttentionCombineKernel, limits=None, features=None, alias=None) -> K
     L.append(f"{ind}for (var c: u32 = 0u; c < {u(n)}; c = c + 1u) {{")
     L.append(f"{i2}let w = exp({ld(f'{pl}[c * {u(rows)} + r]')} - ms);")
     L.append(f"{i2}s = s + w;")
-    L.append(f"{i2}o = o + w * {ldp(f'{po}[(c * {u(rows)} + r) * {u(units)} + d]')};")
+    L.append(f"{i2}o = o + w * {ld(f'{po}[(c * {u(rows)} + r) * {u(units)} + d]')};")
     L.append(f"{ind}}}")
     L.append(f"{ind}let empty = m < -{FLT_MAX};")
     if k.out_bshd:  # r = (b·Hq + h)·Sq + i  ->  ((b·Sq + i)·Hq + h)
@@ -108,7 +106,7 @@ def emit(k: AttentionCombineKernel, limits=None, features=None, alias=None) -> K
     L.append(f"{ind}if (d == 0u) {{")
     L.append(f"{i2}{lse}[r] = {st('select(m + log(s), -mn_inf(), empty)')};")
     L.append(f"{ind}}}")
-    decls = bd.decls(vec4={po: pt.wgsl, out: "f32"} if w == 4 else None)
+    decls = bd.decls(vec4={po: "f32", out: "f32"} if w == 4 else None)
     src = module_source(module_header(uses_f16) + decls, {"mn_inf"}, WG, L)
     meta = {"archetype": "attention_combine", "workgroup_size": WG, "binding_dtypes": tuple(dts),
             "flops": 0}

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ..dtypes import f16, f32
+from ..dtypes import f32
 from .common import (
     BUFFER_VIEW_FEATURE,
     SG_FEATURE,
@@ -118,10 +118,6 @@ PACKED = True
 # binding is row-contiguous and 4-aligned: one 16-byte load per unit instead of four scalar
 # loads, each with its own bounds clamp under Dawn's robustness (``attention._Gen.vec_reads``)
 VEC_LOADS = True
-# split forwards store their chunks' normalized outputs as f16 (``AttentionKernel.part_f16``,
-# set by compile/fast_attention.py where this kernel runs; the combine reads them as f16): half
-# the bytes the forward writes and the combine reads
-PART_F16 = False
 # lane (r, hh) owns the vec4 units 2j + hh of its row (was: the columns 2j + hh), so the
 # softmax's score reads, the O update's reads, the P stores and the output stores are one
 # 16-byte (8-byte for P) access per four values, through vec4 / vec2<u32> buffer views of the
@@ -823,17 +819,12 @@ def _store(g, L, ind, Dv, rb) -> None:
     if k.out_bshd:
         row = f"((b * {u(g.Sq)} + {qi}) * {u(g.Hq)} + {qh})"
     out = g.bind["out"]
-    half = g.role_dt["out"] is f16  # part_f16: the chunk's output rounded to f16
-
-    def cast(vec: str, e: str) -> str:
-        return e if not half else f"{vec}<f16>({e})" if vec else f"f16({e})"
-
     if out in g.vec_writes:  # lane_vec: the lane's units 2q + hh of its row
         for q in range(Dv // 8):
             o = ", ".join(f"o{rb}_{4 * q + i}" for i in range(4))
             L.append(f"{ind}    {out}[{row} * {u(Dv // 4)} + {u(2 * q)} + hh] = "
-                     f"{cast('vec4', f'vec4<f32>({o}) * inv')};")
+                     f"vec4<f32>({o}) * inv;")
     for c in range(Dv // 2 if out not in g.vec_writes else 0):
         o = _at("Of", c) if O_SHARED else f"o{rb}_{c}"
-        L.append(f"{ind}    {out}[{row} * {u(Dv)} + {_col(c)}] = {cast('', f'{o} * inv')};")
+        L.append(f"{ind}    {out}[{row} * {u(Dv)} + {_col(c)}] = {o} * inv;")
     L.append(f"{ind}}}")

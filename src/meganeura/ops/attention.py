@@ -41,7 +41,6 @@ import math
 
 import numpy as np
 
-from ..dtypes import f16, f32
 from ..errors import DTypeError, GraphBuildError, ShapeError
 from ..graph import Value
 from . import elementwise as E
@@ -218,7 +217,7 @@ def _split_fwd_ref(xs, a):
         hide[c * ch:(c + 1) * ch] = 0.0
         m = np.broadcast_to(base + hide, (B, Hq, Sq, Skv)).astype(q.dtype)
         o, lse = _attention_ref(list(xs[:3]) + [m], {**a, "has_mask": True})
-        outs.append(o.astype(np.float16) if a.get("part_f16") else o)
+        outs.append(o)
         lses.append(lse)
     return [np.concatenate(outs), np.concatenate(lses)]
 
@@ -235,7 +234,7 @@ def _combine_ref(xs, a):
     with np.errstate(invalid="ignore", divide="ignore"):
         out = np.where(empty[..., None], 0.0, (w[..., None] * po).sum(0) / s[..., None])
         lse = np.where(empty, -np.inf, m + np.log(s))
-    dt = xs[1].dtype  # the lse's: f16 partials of an f32 forward (part_f16) combine to f32
+    dt = xs[0].dtype
     return [out.astype(dt), lse.astype(dt)]
 
 
@@ -337,21 +336,17 @@ def _attention_infer(types, a):
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_types(types, a)
     dt = types[0].dtype
     n = a.get("splits", 1)
-    if a.get("part_f16") and (n < 2 or dt is not f32):
-        raise ShapeError(f"attention_fwd: part_f16 needs an f32 forward split into chunks (got "
-                         f"{dt.name}, {n} chunk(s))")
-    odt = f16 if a.get("part_f16") else dt
-    return [TensorType((n * B, Hq, Sq, Dv), odt), TensorType((n * B, Hq, Sq), dt)]
+    return [TensorType((n * B, Hq, Sq, Dv), dt), TensorType((n * B, Hq, Sq), dt)]
 
 
 def _combine_infer(types, a):
     po, pl = types
     n = a["splits"]
-    if po.ndim != 4 or po.shape[0] % n or pl.shape != po.shape[:3] or po.dtype not in (
-            pl.dtype, f16):
-        raise ShapeError(f"attention_combine: partials {po}, {pl} do not split into {n} chunks")
+    if po.ndim != 4 or po.shape[0] % n or pl.shape != po.shape[:3] or po.dtype != pl.dtype:
+        raise ShapeError(f"attention_combine: partials {po.shape}, {pl.shape} do not split into "
+                         f"{n} chunks")
     B = po.shape[0] // n
-    return [TensorType((B,) + po.shape[1:], pl.dtype), TensorType((B,) + pl.shape[1:], pl.dtype)]
+    return [TensorType((B,) + po.shape[1:], po.dtype), TensorType((B,) + pl.shape[1:], po.dtype)]
 
 
 def _grad_operands(types, a):
@@ -598,12 +593,10 @@ def _expand_fwd(graph, node):
     precision "fast" wants fewer chunks than the strict kernel) and the chunks' combine."""
     q, k, v = node.inputs[:3]
     B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
-    attrs = {a: x for a, x in node.attrs.items() if a not in ("fwd_chunks", "fwd_part_f16")}
+    attrs = {a: x for a, x in node.attrs.items() if a != "fwd_chunks"}
     n = node.attrs.get("fwd_chunks") or fwd_splits(B, Hq, Hkv, Sq, Skv)
     if n == 1:
         return list(graph.apply("attention_fwd", *node.inputs, **attrs))
-    if node.attrs.get("fwd_part_f16"):
-        attrs["part_f16"] = True
     po, pl = graph.apply("attention_fwd", *node.inputs, **attrs, splits=n)
     return list(graph.apply("attention_combine", po, pl, splits=n))
 
