@@ -344,7 +344,7 @@ _MAIN = {"AF.SF_PAD": 2, "AF.PREFETCH": True, "AF.ROW_BLOCKS": 2, "AF.GROUP_KEYS
          "AF.SPLIT_PREFETCH": False, "AF.PACKED": True, "AF.VEC_LOADS": True,
          "AF.LANE_VEC": True, "AF.TREE_REDUCE": True, "AF.REG_STAGE": True,
          "AF.HOIST_FIRST": True, "AF.OUT_VEC": True, "AF.EXP_F16": False,
-         "AF.PACK_F32": True}
+         "AF.PACK_F32": True, "AF.TAIL_CHUNK": True}
 FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": False}),
                  "unpacked": dict(_MAIN, **{"AF.PACKED": False}),
                  "scalar-loads": dict(_MAIN, **{"AF.VEC_LOADS": False}),
@@ -356,6 +356,7 @@ FAST_VARIANTS = {"main": _MAIN, "no-prefetch": dict(_MAIN, **{"AF.PREFETCH": Fal
                  "exp16": dict(_MAIN, **{"AF.EXP_F16": True}),
                  "scalarcomb": dict(_MAIN, **{"AC.VEC_COMBINE": False}),
                  "f16vals": dict(_MAIN, **{"AF.PACK_F32": False}),
+                 "split": _MAIN, "even": dict(_MAIN, **{"AF.TAIL_CHUNK": False}),
                  "lanes-off-serial": dict(_MAIN, **{"AF.LANE_VEC": False,
                                                     "AF.TREE_REDUCE": False}),
                  "pad4": dict(_MAIN, **{"AF.SF_PAD": 4}),
@@ -382,6 +383,8 @@ FAST_AB = {"no": (((4, 64),), (3,)), "lanes": (((4, 64),), (3,)), "serial": (((4
            "loop": (((4, 64),), (3,)), "nohoist": (((4, 64),), (3,)),
            "scalarout": (((4, 64),), (3,)), "exp16": (((4, 64),), (3,)),
            "scalarcomb": (((4, 64),), (3,)), "f16vals": (((4, 64),), (3,)),
+           # key chunks 0: compile's split (attention_fast.fast_split; "even": no tail chunk)
+           "split": (((4, 64),), (0,)), "even": (((4, 64),), (0,)),
            "main": (((4, 64), (4, 32)), (2, 3, 4)),
            "rows3": (((4, 64), (4, 32)), (3, 4, 5, 6)),
            "rows1": (((4, 64),), (3, 6)),
@@ -406,15 +409,17 @@ def fast_ab(dev, names, shapes=("whisper", "smollm2"), rounds=2, smoke=False):
         got = {}
         for rnd in range(rounds):
             for name, cfg, n in (cells if rnd % 2 == 0 else cells[::-1]):
-                desc = dataclasses.replace(base, splits=n, config=cfg,
-                                           precision="strict" if name == "strict" else "fast")
                 with variant(FAST_VARIANTS.get(name, {})):
+                    ns, keys = AF.fast_split(*shape[:4], shape[3], n0) if n == 0 else (n, 0)
+                    desc = dataclasses.replace(
+                        base, splits=ns, config=cfg, chunk_keys=keys,
+                        precision="strict" if name == "strict" else "fast")
                     try:
                         _, err, us = run_config(dev, desc, x, ref)
                     except kernels.CodegenError as e:
                         print(f"{sname:8} {name:7} {cfg} x{n}: {e}", flush=True)
                         continue
-                got.setdefault((name, cfg, n), []).append((us, err))
+                got.setdefault((name, cfg, ns), []).append((us, err))
         fl = 4 * shape[0] * shape[1] * shape[3] ** 2 * shape[4] * (0.5 if shape[5] else 1)
         print(f"{sname:8} combine µs by chunks: " + ", ".join(
             f"x{n} {us:.1f}" for n, us in sorted(COMBINE_US.items())), flush=True)
@@ -608,7 +613,7 @@ def op_path(dev, sname, shape):
 
 def fast_fwd_us(dev, shape):
     """The forward compile runs under precision "fast" (the tensor-core kernel where it pays,
-    with compile's key chunks and ``PART_F16``, combine included): (µs, error, on tensor
+    with compile's key chunks (``fast_split``), combine included): (µs, error, on tensor
     cores?); the strict forward's where it does not apply."""
     B, Hq, Hkv, S, D, causal = shape
     x, a, ref = problem(shape)
@@ -617,8 +622,8 @@ def fast_fwd_us(dev, shape):
     desc = dataclasses.replace(describe("fwd", x, a), precision="fast", splits=n)
     tc = AF.usable(desc, t) and AF.pays(desc)
     if tc:
-        n = AF.fast_chunks(B, Hq, Hkv, S, S, n)
-        desc = dataclasses.replace(desc, splits=n, part_f16=AF.PART_F16 and n > 1)
+        n, keys = AF.fast_split(B, Hq, Hkv, S, S, n)
+        desc = dataclasses.replace(desc, splits=n, chunk_keys=keys)
     else:
         desc = dataclasses.replace(desc, precision="strict")
     _, err, us = run_config(dev, desc, x, ref)

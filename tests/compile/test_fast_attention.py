@@ -38,17 +38,31 @@ def _splits(program) -> dict[str, set]:
     return got
 
 
-def test_whisper_gets_three_chunks_on_tensor_cores():
-    """Whisper-tiny's (1, 6, 1500, 64): the strict kernel's 6 chunks, 3 for the tensor-core
-    forward (216 workgroups: one wave on the H200); forward and combine agree."""
+def test_whisper_gets_a_tail_chunk_on_tensor_cores():
+    """Whisper-tiny's (1, 6, 1500, 64): the strict kernel's 6 even chunks; for the tensor-core
+    forward 3 of 448 keys (216 workgroups) and a short fourth of 156 (its 72
+    workgroups in the wave's idle slots); forward and combine agree."""
     assert fwd_splits(1, 6, 6, 1500, 1500) == 6
     assert AF.fast_chunks(1, 6, 6, 1500, 1500, 6) == 3
     prog = _program(1, 6, 1500, 1500, 64)
     fast = FA.fast_attention_chunks(prog, TC, "fast")
-    hints = [n.attrs.get("fwd_chunks") for n in fast.graph.nodes if n.op == "attention"]
-    assert hints == [3]
-    assert _splits(fast) == {"attention_fwd": {3}, "attention_combine": {3}}
+    hints = [(n.attrs.get("fwd_chunks"), n.attrs.get("fwd_chunk_keys"))
+             for n in fast.graph.nodes if n.op == "attention"]
+    assert hints == [(4, 448)]
+    assert _splits(fast) == {"attention_fwd": {4}, "attention_combine": {4}}
+    keys = {n.attrs.get("chunk_keys") for n in run_pipeline(fast).graph.nodes
+            if n.op == "attention_fwd"}
+    assert keys == {448}
     assert _splits(prog) == {"attention_fwd": {6}, "attention_combine": {6}}
+
+
+def test_without_the_tail_chunk_whisper_gets_three(monkeypatch):
+    monkeypatch.setattr(AF, "TAIL_CHUNK", False)
+    fast = FA.fast_attention_chunks(_program(1, 6, 1500, 1500, 64), TC, "fast")
+    hints = [(n.attrs.get("fwd_chunks"), n.attrs.get("fwd_chunk_keys"))
+             for n in fast.graph.nodes if n.op == "attention"]
+    assert hints == [(3, None)]
+    assert _splits(fast) == {"attention_fwd": {3}, "attention_combine": {3}}
 
 
 def test_o_shared_layout_keeps_one_wave(monkeypatch):
@@ -72,15 +86,19 @@ def test_attention_the_fast_kernel_skips_is_untouched():
     assert AF.fast_chunks(8, 6, 6, 1500, 1500, fwd_splits(8, 6, 6, 1500, 1500)) == 1
 
 
-def test_fewer_chunks_compute_the_same(gpu, monkeypatch):
+@pytest.mark.parametrize("H,wave,split", [(1, 2, (2, 0)), (2, 3, (2, 384))])
+def test_fewer_chunks_compute_the_same(gpu, monkeypatch, H, wave, split):
     """Through a real session: with the hint (a small wave budget forces 2 chunks instead of
-    the op's 8 at this shape) the forward matches float64: to 1e-5 on lavapipe, where the fast
-    kernel is not there (the strict kernel at 2 chunks: the pass's plumbing is under test),
-    to the fast gate (1e-2) where the tensor cores run it (f16 operands)."""
+    the op's 8 at this shape; with 2 heads a budget of 3 leaves one slot idle, so a chunk of
+    384 keys and a short one of 128) the forward matches float64: to 1e-5 on lavapipe, where
+    the fast kernel is not there (the strict kernel at these chunks: the pass's plumbing is
+    under test), to the fast gate (1e-2) where the tensor cores run it (f16 operands)."""
     monkeypatch.setattr(FA, "has_tensor_cores", lambda target: True)
-    monkeypatch.setattr(AF, "FAST_WAVE_WGS", 2)
-    B, H, S, D = 1, 1, 512, 32
+    monkeypatch.setattr(AF, "FAST_WAVE_WGS", wave)
+    B, S, D = 1, 512, 32
     assert fwd_splits(B, H, H, 64, S) == 8
+    assert AF.fast_split(B, H, H, 64, S, 8) == split
+    label = "attention_fwd (2,"  # (chunks · B, …) partials
     rng = np.random.default_rng(0)
     qv = rng.standard_normal((B, H, 64, D)).astype(np.float32)
     kv, vv = (rng.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(2))
@@ -90,7 +108,7 @@ def test_fewer_chunks_compute_the_same(gpu, monkeypatch):
     out = ops.attention(q, k, v)
     sess = mn.compile(g, outputs={"out": out}, device=gpu, precision="fast")
     labels = [d.label for _, s in sess._streams() for d in s.stream.dispatches]
-    assert any(lb.startswith("attention_fwd (2,") for lb in labels), labels
+    assert any(lb.startswith(label) for lb in labels), labels
     sess.set_params({"k": kv, "v": vv})
     got = sess.run(q=qv)["out"]
     s = np.einsum("bhqd,bhkd->bhqk", qv.astype(np.float64), kv) / np.sqrt(D)

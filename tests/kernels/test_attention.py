@@ -175,18 +175,18 @@ def combine_units(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("n", [2, 5])
-def test_split_fwd_and_combine(run, rng, n, combine_units):
-    """Split-K forward (keys in n chunks, some chunks fully hidden by the causal rule or the
-    mask) then the combine kernel == the unsplit reference; the partials match the op's
-    reference of the split kernel."""
+@pytest.mark.parametrize("n,keys", [(2, 0), (5, 0), (2, 32), (5, 10)])
+def test_split_fwd_and_combine(run, rng, n, keys, combine_units):
+    """Split-K forward (keys in n chunks, even or of ``chunk_keys`` each with a short last one,
+    some chunks fully hidden by the causal rule or the mask) then the combine kernel == the
+    unsplit reference; the partials match the op's reference of the split kernel."""
     from meganeura.ops.attention import _split_fwd_ref
 
     dims = (2, 6, 2, 3, 45, 8, 8)
     x, a, ref = _problem(rng, dims, {"causal": True, "q_offset": 20},
                          mask_shape=(1, 1, 1, 45))
-    a = {**a, "splits": n}
-    desc = dataclasses.replace(_desc("fwd", x, a), splits=n)
+    a = {**a, "splits": n, "chunk_keys": keys}
+    desc = dataclasses.replace(_desc("fwd", x, a), splits=n, chunk_keys=keys)
     po, pl = run(desc, [x[k] for k in ("q", "k", "v", "mask")],
                  [((n * 2, 6, 3, 8), f32), ((n * 2, 6, 3), f32)])
     want = _split_fwd_ref([x[k].astype(np.float64) for k in ("q", "k", "v", "mask")], a)
@@ -198,6 +198,19 @@ def test_split_fwd_and_combine(run, rng, n, combine_units):
     bshd, _ = _combine(run, po, pl, n, out_bshd=True)
     want = ref["out"].transpose(0, 2, 1, 3)
     _check(bshd.reshape(want.shape), want, "combined out (bshd)")
+
+
+@pytest.mark.parametrize("kind,splits,keys", [("fwd", 3, 10), ("fwd", 3, 23), ("fwd", 1, 45),
+                                              ("dq", 3, 16)])
+def test_chunk_keys_that_do_not_split_are_refused(rng, kind, splits, keys):
+    """``chunk_keys`` must give exactly ``splits`` chunks of a forward (45 keys: 3 chunks of
+    10 leave keys out, of 23 one chunk is empty), else a CodegenError names it."""
+    x, a, _ = _problem(rng, (1, 2, 2, 5, 45, 8, 8), {"causal": False, "q_offset": 0})
+    if kind != "fwd":
+        x = {**x, "dout": x["q"], "lse": x["q"][..., 0], "delta": x["q"][..., 0]}
+    desc = dataclasses.replace(_desc(kind, x, a), splits=splits, chunk_keys=keys)
+    with pytest.raises(kernels.CodegenError, match="chunk_keys"):
+        kernels.emit(desc)
 
 
 def test_combine_empty_rows(run, combine_units):

@@ -121,8 +121,10 @@ def layout(request, monkeypatch):
 def test_fast_wgsl_is_valid(dev, rng, case, layout):
     dims, attrs, mshape = CASES[case]
     x, a, _ = _problem(rng, dims, attrs, mask_shape=mshape)
-    for splits in (1, 3):
-        desc = dataclasses.replace(_desc("fwd", x, a), precision="fast", splits=splits)
+    keys = x["k"].shape[2]
+    for splits, ck in ((1, 0), (3, 0), (3, -(-keys // 3) + 1)):  # even, and a short last chunk
+        desc = dataclasses.replace(_desc("fwd", x, a), precision="fast", splits=splits,
+                                   chunk_keys=ck)
         spec = kernels.emit(desc, H200_LIMITS, TC_FEATURES)
         assert spec.meta["precision"] == "fast"
         assert spec.meta["variant"].startswith("sgmat_attention_fwd")
@@ -194,6 +196,50 @@ def test_fast_forward(run, dev, rng, case, layout):
         assert ("bufferView" in spec.wgsl) == views
     assert _rel(out, ref["out"]) <= 1e-2
     assert _rel(lse, ref["lse"]) <= 1e-2
+
+
+def test_tail_chunk_split():
+    """``fast_split``: Whisper's (1, 6, 1500, 64) gets 4 chunks of 448 keys (7, 7, 7 and 2.4
+    tiles of 64: the last chunk's 72 workgroups in the 40 slots the 3 × 72 leave idle, then in
+    those it frees), 3 even chunks without ``TAIL_CHUNK``; where the even split fills the wave,
+    is capped by the op's count or the tail would not shorten the chunks, it is the even one."""
+    assert AF.fast_split(1, 6, 6, 1500, 1500, 6) == (4, 448)
+    assert AF.fast_split(1, 6, 6, 1500, 1500, 3) == (3, 0)  # the op's cap
+    assert AF.fast_split(1, 8, 8, 1024, 1024, 4) == (4, 0)  # 4 x 64 workgroups fill 256
+    assert AF.fast_split(1, 2, 2, 512, 512, 6) == (6, 0)
+    n, keys = AF.fast_split(1, 8, 8, 1500, 1500, 5)
+    assert (n, keys) == (3, 640) and keys * (n - 1) < 1500 <= keys * n
+
+
+def test_tail_chunk_switch(monkeypatch):
+    monkeypatch.setattr(AF, "TAIL_CHUNK", False)
+    assert AF.fast_split(1, 6, 6, 1500, 1500, 6) == (3, 0)
+
+
+@pytest.mark.parametrize("keys", [0, 40])
+def test_fast_forward_uneven_chunks(run, dev, rng, keys):
+    """The fast split forward with an even split and with ``chunk_keys`` (3 chunks: 40, 40 and
+    3 keys of 83), then the combine: the fast gate against float64 on tensor cores, the strict
+    kernel's 2e-5 elsewhere."""
+    from meganeura.dtypes import f32
+    from meganeura.kernels import Strided
+    from meganeura.kernels.attention_combine import AttentionCombineKernel
+
+    dims, attrs, mshape = CASES["cross_mask"]
+    x, a, ref = _problem(rng, dims, attrs, mask_shape=mshape)
+    n, (B, Hq, Sq, _), Dv = 3, x["q"].shape, x["v"].shape[3]
+    desc = dataclasses.replace(_desc("fwd", x, a), precision="fast", splits=n,
+                               chunk_keys=keys)
+    names = ["q", "k", "v"] + (["mask"] if "mask" in x else [])
+    po, pl = run(desc, [x[m] for m in names], [((n * B, Hq, Sq, Dv), f32),
+                                                ((n * B, Hq, Sq), f32)])
+    tc = AF.SG_FEATURE in dev.features
+    assert run.last_spec.meta["precision"] == ("fast" if tc else "strict")
+    comb = AttentionCombineKernel(Strided.contiguous(f32, po.shape),
+                                  Strided.contiguous(f32, pl.shape), n)
+    out, lse = run(comb, [po, pl], [((B, Hq, Sq, Dv), f32), ((B, Hq, Sq), f32)])
+    assert _rel(out, ref["out"]) <= (1e-2 if tc else 2e-5)
+    assert _rel(lse, ref["lse"]) <= (1e-2 if tc else 2e-5)
 
 
 def _fast_and_strict(gpu, B, H, S, D):

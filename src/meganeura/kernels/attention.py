@@ -174,6 +174,10 @@ class AttentionKernel:
     # anyway and O's units loaded beside it (no reduce kernel, no δ buffer; a short problem is
     # bound by its dispatches, H200 SmolLM2: ~8 µs per dispatch in a profiled step)
     delta_out: bool = False
+    # fwd with ``splits`` > 1 only: keys per chunk (0: ceil(Skv / splits)); the last chunk has
+    # the rest.  Uneven chunks let the tensor-core forward's short last chunk run in the tail
+    # of the first wave (``attention_fast.fast_split``)
+    chunk_keys: int = 0
 
 
 # One description type per family (the registry maps types to families); ``kind`` still says
@@ -489,6 +493,7 @@ class _Gen:
         if self.ns < 1 or (self.ns > 1 and k.out_bshd):
             raise CodegenError(f"kernel {k.name!r}: splits={k.splits} (>= 1, not with "
                                "out_bshd)")
+        self.chunk = chunk_len(k)
 
     def at(self, target: str) -> str:
         """Offset prefix of output ``target`` in its (packed) binding."""
@@ -766,6 +771,18 @@ def _lanes(g: _Gen, L, ind) -> None:
     L += [f"{ind}let tr = lid / {u(g.TC)};", f"{ind}let tc = lid % {u(g.TC)};"]
 
 
+def chunk_len(k: AttentionKernel) -> int:
+    """Keys per chunk of a split forward / dQ kernel (``chunk_keys`` or an even split);
+    ``CodegenError`` where ``chunk_keys`` does not give exactly ``splits`` chunks."""
+    n, skv = max(1, k.splits), k.k.shape[2]
+    if not k.chunk_keys:
+        return -(-skv // n)
+    if k.kind != "fwd" or n < 2 or not (k.chunk_keys * (n - 1) < skv <= k.chunk_keys * n):
+        raise CodegenError(f"kernel {k.name!r}: chunk_keys={k.chunk_keys} does not split "
+                           f"{skv} keys into {n} chunks of a {k.kind} kernel")
+    return int(k.chunk_keys)
+
+
 def _store(e: str, dt: DType) -> str:
     return e if dt is f32 else f"{dt.wgsl}({e})"
 
@@ -790,7 +807,7 @@ def _rows_head(g: _Gen, L, ind, grid, total) -> None:
     if k.window:
         L.append(f"{ind}kv_lo = max(0i, {_i(k.q_offset)} + i_first - {_i(k.window)} + 1i);")
     if g.ns > 1:  # this workgroup's chunk of the keys
-        ch = -(-g.Skv // g.ns)
+        ch = g.chunk
         L.append(f"{ind}kv_lo = max(kv_lo, i32(sc) * {_i(ch)});")
         L.append(f"{ind}kv_hi = min(kv_hi, i32(sc) * {_i(ch)} + {_i(ch)});")
     for i in range(g.RM):
@@ -1335,7 +1352,8 @@ def _make(kind):
                                 split_heads=bool(attrs.get("split_heads", False)),
                                 splits=int(attrs.get("splits", 1)),
                                 dq_block=int(attrs.get("dq_block", 0)),
-                                delta_out=bool(attrs.get("delta_out", False)))
+                                delta_out=bool(attrs.get("delta_out", False)),
+                                chunk_keys=int(attrs.get("chunk_keys", 0)))
 
     return make
 

@@ -65,6 +65,7 @@ of 16 rows per subgroup (and O, f32, with ``O_SHARED``)."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 from ..dtypes import f32
@@ -118,6 +119,8 @@ PACKED = True
 # binding is row-contiguous and 4-aligned: one 16-byte load per unit instead of four scalar
 # loads, each with its own bounds clamp under Dawn's robustness (``attention._Gen.vec_reads``)
 VEC_LOADS = True
+# one more, shorter key chunk in the idle slots of the first wave (``fast_split``)
+TAIL_CHUNK = True
 # lane (r, hh) owns the vec4 units 2j + hh of its row (was: the columns 2j + hh), so the
 # softmax's score reads, the O update's reads, the P stores and the output stores are one
 # 16-byte (8-byte for P) access per four values, through vec4 / vec2<u32> buffer views of the
@@ -237,6 +240,32 @@ def fast_chunks(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, n_strict: int) -> 
     return max(1, min(n_strict, wave // max(1, per_chunk)))
 
 
+def fast_split(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, n_strict: int) -> tuple[int, int]:
+    """(key chunks, keys per chunk or 0 for an even split) of the tensor-core forward.
+
+    ``fast_chunks``'s n even chunks leave ``F`` of the wave's ``FAST_WAVE_WGS`` slots idle
+    when n·P workgroups (P per chunk) do not fill it.  One more chunk of r key tiles, after n of
+    t tiles each, uses them: its first F workgroups start at once, the others as those finish
+    (dispatch order: the chunk index varies slowest in the grid), so it ends after about
+    ``rounds`` · (r + 1) tiles (``rounds`` = ceil(P / F), one tile's worth for the prologue),
+    and t is the fewest tiles that keep that within t + 1.  Taken where t is below the even
+    split's ceil(T / n) tiles and n + 1 chunks stay within the op's ``n_strict``.  H200,
+    Whisper (1, 6, 1500, 64): 3 even chunks of 8 tiles 64.6 µs (forward + combine), 4 chunks of
+    448 keys (7, 7, 7, 2.4 tiles) 61.1 (docs/benchmarks.md, twelfth session)."""
+    n = fast_chunks(B, Hq, Hkv, Sq, Skv, n_strict)
+    bk = FAST_CONFIGS[0][1]
+    per_chunk = B * Hkv * -(-Sq * (Hq // Hkv) // (16 * FAST_CONFIGS[0][0] * row_blocks()))
+    free = (FAST_WAVE_WGS_O_SHARED if O_SHARED else FAST_WAVE_WGS) - n * per_chunk
+    if not TAIL_CHUNK or free <= 0 or n + 1 > n_strict:
+        return n, 0
+    tiles, rounds = Skv / bk, -(-per_chunk // free)
+    t = math.ceil((rounds * (tiles + 1) - 1) / (1 + rounds * n))
+    ck = t * bk
+    if t >= math.ceil(tiles / n) or -(-Skv // ck) != n + 1:
+        return n, 0
+    return n + 1, ck
+
+
 def fast_words(cfg, D: int, Dv: int) -> int:
     """Bytes / 4 of workgroup storage of configuration ``cfg``."""
     nsg, bk = cfg
@@ -272,8 +301,10 @@ def chunk_group(k) -> int:
     """Key chunks one workgroup walks in turn: the largest divisor of ``k.splits`` whose chunks
     together stay within ``GROUP_KEYS`` keys (H200, Whisper's 6 chunks of 250 keys in pairs:
     135.7 against 141.0 µs ungrouped; a real 3-chunk launch runs 117.6)."""
+    from .attention import chunk_len
+
     n = max(1, k.splits)
-    chunk = -(-k.k.shape[2] // n)
+    chunk = chunk_len(k)
     return max(d for d in range(1, n + 1) if n % d == 0 and (d == 1 or d * chunk <= GROUP_KEYS))
 
 
@@ -403,7 +434,7 @@ def _kv_range(g, L, ind) -> None:
     if k.window:
         L.append(f"{ind}kv_lo = max(0i, {_i(k.q_offset)} + i_first - {_i(k.window)} + 1i);")
     if g.ns > 1:
-        ch = -(-g.Skv // g.ns)
+        ch = g.chunk
         L.append(f"{ind}kv_lo = max(kv_lo, i32(sc) * {_i(ch)});")
         L.append(f"{ind}kv_hi = min(kv_hi, i32(sc) * {_i(ch)} + {_i(ch)});")
 

@@ -209,7 +209,7 @@ def _split_fwd_ref(xs, a):
         return _attention_ref(xs, a)
     q, k = xs[:2]
     B, Hq, Sq, Skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    ch = -(-Skv // n)
+    ch = a.get("chunk_keys") or -(-Skv // n)
     base = xs[3] if a["has_mask"] else np.zeros((), q.dtype)
     outs, lses = [], []
     for c in range(n):
@@ -336,6 +336,10 @@ def _attention_infer(types, a):
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_types(types, a)
     dt = types[0].dtype
     n = a.get("splits", 1)
+    ck = a.get("chunk_keys", 0)
+    if ck and not (n > 1 and ck * (n - 1) < Skv <= ck * n):
+        raise ShapeError(f"attention_fwd: chunk_keys={ck} does not split {Skv} keys into {n} "
+                         "chunks")
     return [TensorType((n * B, Hq, Sq, Dv), dt), TensorType((n * B, Hq, Sq), dt)]
 
 
@@ -589,14 +593,17 @@ def fwd_splits(B: int, Hq: int, Hkv: int, Sq: int, Skv: int) -> int:
 
 def _expand_fwd(graph, node):
     """The forward kernel (split into key chunks where ``fwd_splits`` says so, or as many as
-    the ``fwd_chunks`` attribute asks: compile sets it where the tensor-core forward of
-    precision "fast" wants fewer chunks than the strict kernel) and the chunks' combine."""
+    the ``fwd_chunks`` attribute asks, of ``fwd_chunk_keys`` keys each when set: compile sets
+    them where the tensor-core forward of precision "fast" wants other chunks than the strict
+    kernel) and the chunks' combine."""
     q, k, v = node.inputs[:3]
     B, Hq, Hkv, G, Sq, Skv, D, Dv = _dims(q, k, v)
-    attrs = {a: x for a, x in node.attrs.items() if a != "fwd_chunks"}
+    attrs = {a: x for a, x in node.attrs.items() if a not in ("fwd_chunks", "fwd_chunk_keys")}
     n = node.attrs.get("fwd_chunks") or fwd_splits(B, Hq, Hkv, Sq, Skv)
     if n == 1:
         return list(graph.apply("attention_fwd", *node.inputs, **attrs))
+    if node.attrs.get("fwd_chunk_keys"):  # uneven chunks (attention_fast.fast_split)
+        attrs["chunk_keys"] = node.attrs["fwd_chunk_keys"]
     po, pl = graph.apply("attention_fwd", *node.inputs, **attrs, splits=n)
     return list(graph.apply("attention_combine", po, pl, splits=n))
 
