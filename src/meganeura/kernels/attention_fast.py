@@ -55,7 +55,8 @@ with ``HOIST_FIRST`` 66.1, the vec4 combine 65.1, ``PACK_F32`` 64.6 µs: 2.98x t
 192.4); in Whisper's model, at the 3 chunks compile gives it (``compile/fast_attention.py``),
 76.7 + 8.8 (combine) against 202.9 + 10.0 strict.  Eleventh session: 64.3–65.2 µs across
 runs (2.95–2.99x); Q through the scratch, Q's loads first, three row blocks: all slower
-(docs/rejected-optimizations.md).
+(docs/rejected-optimizations.md).  Twelfth session: a short fourth key chunk in the first
+wave's idle slots (``fast_split``) 60.8 µs, 3.16x the strict 192.3.
 Where the time goes: docs/benchmarks.md (sixth and seventh sessions).
 
 The stores (out = o / l, lse = (m + log2 l)·ln 2), causal/window tile bounds, masks, GQA
@@ -250,8 +251,8 @@ def fast_split(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, n_strict: int) -> t
     ``rounds`` · (r + 1) tiles (``rounds`` = ceil(P / F), one tile's worth for the prologue),
     and t is the fewest tiles that keep that within t + 1.  Taken where t is below the even
     split's ceil(T / n) tiles and n + 1 chunks stay within the op's ``n_strict``.  H200,
-    Whisper (1, 6, 1500, 64): 3 even chunks of 8 tiles 64.6 µs (forward + combine), 4 chunks of
-    448 keys (7, 7, 7, 2.4 tiles) 61.1 (docs/benchmarks.md, twelfth session)."""
+    Whisper (1, 6, 1500, 64): 3 even chunks of 8 tiles 64.3–64.4 µs (forward + combine), 4
+    chunks of 448 keys (7, 7, 7, 2.4 tiles) 60.8–61.1 (docs/benchmarks.md, twelfth session)."""
     n = fast_chunks(B, Hq, Hkv, Sq, Skv, n_strict)
     bk = FAST_CONFIGS[0][1]
     per_chunk = B * Hkv * -(-Sq * (Hq // Hkv) // (16 * FAST_CONFIGS[0][0] * row_blocks()))
