@@ -772,8 +772,9 @@ def _lanes(g: _Gen, L, ind) -> None:
 
 
 def chunk_len(k: AttentionKernel) -> int:
-    """Keys per chunk of a split forward / dQ kernel (``chunk_keys`` or an even split);
-    ``CodegenError`` where ``chunk_keys`` does not give exactly ``splits`` chunks."""
+    """Keys per chunk of a split forward / dQ kernel: ``chunk_keys`` (forwards only) or an
+    even split; ``CodegenError`` where ``chunk_keys`` does not give exactly ``splits``
+    chunks."""
     n, skv = max(1, k.splits), k.k.shape[2]
     if not k.chunk_keys:
         return -(-skv // n)
