@@ -219,3 +219,45 @@ def test_second_order_through_attention_is_a_clear_error():
     l2 = (gr["q"] * gr["q"]).sum()
     with pytest.raises(mn.AutodiffError, match="attention_grad"):
         grad(g1, l2)
+
+
+@pytest.mark.parametrize("chunks,keys", [(3, 0), (3, 16), (4, 12)])
+def test_split_forward_expansion_matches_reference(chunks, keys, rng):
+    """The forward's expansion into key chunks (even, or ``fwd_chunk_keys`` each with a short
+    last one: 16 + 16 + 13, 12 + 12 + 12 + 9 of 45 keys) and the combine compute the unsplit
+    attention's output and lse (float64 reference)."""
+    g = mn.Graph()
+    q, k, v = (g.input(n, s) for n, s in (("q", (1, 2, 5, 8)), ("k", (1, 2, 45, 8)),
+                                          ("v", (1, 2, 45, 8))))
+    env = {n: rand(rng, s) for n, s in (("q", (1, 2, 5, 8)), ("k", (1, 2, 45, 8)),
+                                        ("v", (1, 2, 45, 8)))}
+    attrs = dict(causal=True, scale=0.4, window=0, q_offset=40, has_mask=False,
+                 fwd_chunks=chunks, **({"fwd_chunk_keys": keys} if keys else {}))
+    outs = g.apply("attention", q, k, v, **attrs)
+    node = outs[0].node
+    expanded = node.opdef.lowering.expand(g, node)
+    fwd = next(n for n in g.nodes if n.op == "attention_fwd")
+    assert fwd.attrs["splits"] == chunks and fwd.attrs.get("chunk_keys", 0) == keys
+    # chunk c's lse is the log-sum-exp over its own keys only (numpy, independent of the ref)
+    (part_lse,) = evaluate(g, [fwd.outputs[1]], env, np.float64)
+    ck = keys or -(-45 // chunks)
+    sc = np.einsum("bhqd,bhkd->bhqk", env["q"], env["k"]) * 0.4
+    sc = np.where(np.arange(45)[None, :] <= 40 + np.arange(5)[:, None], sc, -np.inf)
+    for c in range(chunks):
+        part = sc[..., c * ck:(c + 1) * ck]
+        np.testing.assert_allclose(part_lse[c:c + 1],
+                                   np.log(np.exp(part).sum(-1)), rtol=1e-12)
+    want = evaluate(g, list(outs), env, np.float64)
+    got = evaluate(g, list(expanded), env, np.float64)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("splits,keys", [(3, 10), (3, 23), (1, 45)])
+def test_split_forward_refuses_chunk_keys_that_do_not_split(splits, keys):
+    g = mn.Graph()
+    q, k, v = (g.input(n, s) for n, s in (("q", (1, 2, 5, 8)), ("k", (1, 2, 45, 8)),
+                                          ("v", (1, 2, 45, 8))))
+    with pytest.raises(mn.ShapeError, match="chunk_keys"):
+        g.apply("attention_fwd", q, k, v, causal=False, scale=0.4, window=0, q_offset=0,
+                has_mask=False, splits=splits, chunk_keys=keys)

@@ -232,12 +232,16 @@ FAST_WAVE_WGS = 256
 FAST_WAVE_WGS_O_SHARED = 512
 
 
+def _wave(B: int, Hq: int, Hkv: int, Sq: int) -> tuple[int, int]:
+    """(workgroups per key chunk of the first fast configuration, the wave's workgroups)."""
+    blocks = -(-Sq * (Hq // Hkv) // (16 * FAST_CONFIGS[0][0] * row_blocks()))
+    return B * Hkv * blocks, FAST_WAVE_WGS_O_SHARED if O_SHARED else FAST_WAVE_WGS
+
+
 def fast_chunks(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, n_strict: int) -> int:
     """Key chunks the tensor-core forward wants (at most the strict kernel's ``n_strict``):
     the most that keep ``FAST_WAVE_WGS`` workgroups of the first fast configuration."""
-    blocks = -(-Sq * (Hq // Hkv) // (16 * FAST_CONFIGS[0][0] * row_blocks()))
-    per_chunk = B * Hkv * blocks
-    wave = FAST_WAVE_WGS_O_SHARED if O_SHARED else FAST_WAVE_WGS
+    per_chunk, wave = _wave(B, Hq, Hkv, Sq)
     return max(1, min(n_strict, wave // max(1, per_chunk)))
 
 
@@ -255,8 +259,8 @@ def fast_split(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, n_strict: int) -> t
     chunks of 448 keys (7, 7, 7, 2.4 tiles) 60.8–61.1 (docs/benchmarks.md, twelfth session)."""
     n = fast_chunks(B, Hq, Hkv, Sq, Skv, n_strict)
     bk = FAST_CONFIGS[0][1]
-    per_chunk = B * Hkv * -(-Sq * (Hq // Hkv) // (16 * FAST_CONFIGS[0][0] * row_blocks()))
-    free = (FAST_WAVE_WGS_O_SHARED if O_SHARED else FAST_WAVE_WGS) - n * per_chunk
+    per_chunk, wave = _wave(B, Hq, Hkv, Sq)
+    free = wave - n * per_chunk
     if not TAIL_CHUNK or free <= 0 or n + 1 > n_strict:
         return n, 0
     tiles, rounds = Skv / bk, -(-per_chunk // free)

@@ -202,6 +202,17 @@ def _attention_ref(xs, a):
     return [out.astype(q.dtype), lse.astype(q.dtype)]
 
 
+def _fwd_chunk(a, Skv: int) -> int:
+    """Keys per chunk of a split forward: ``chunk_keys`` (uneven chunks, the last one short)
+    or an even split; ShapeError where ``chunk_keys`` does not give exactly ``splits``
+    chunks (kernels/attention.py ``chunk_len`` checks the kernel description the same way)."""
+    n, ck = a.get("splits", 1), a.get("chunk_keys", 0)
+    if ck and not (n > 1 and ck * (n - 1) < Skv <= ck * n):
+        raise ShapeError(f"attention_fwd: chunk_keys={ck} does not split {Skv} keys into {n} "
+                         "chunks")
+    return ck or -(-Skv // n)
+
+
 def _split_fwd_ref(xs, a):
     """Per key chunk: the chunk's normalized output and lse, stacked as (n·B, ·)."""
     n = a.get("splits", 1)
@@ -209,7 +220,7 @@ def _split_fwd_ref(xs, a):
         return _attention_ref(xs, a)
     q, k = xs[:2]
     B, Hq, Sq, Skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    ch = a.get("chunk_keys") or -(-Skv // n)
+    ch = _fwd_chunk(a, Skv)
     base = xs[3] if a["has_mask"] else np.zeros((), q.dtype)
     outs, lses = [], []
     for c in range(n):
@@ -336,10 +347,7 @@ def _attention_infer(types, a):
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_types(types, a)
     dt = types[0].dtype
     n = a.get("splits", 1)
-    ck = a.get("chunk_keys", 0)
-    if ck and not (n > 1 and ck * (n - 1) < Skv <= ck * n):
-        raise ShapeError(f"attention_fwd: chunk_keys={ck} does not split {Skv} keys into {n} "
-                         "chunks")
+    _fwd_chunk(a, Skv)
     return [TensorType((n * B, Hq, Sq, Dv), dt), TensorType((n * B, Hq, Sq), dt)]
 
 
