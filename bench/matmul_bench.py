@@ -233,18 +233,22 @@ TC_F16 = [Cfg("sgmat", *x) for x in (
     (256, 256, 4, 8, 16, 1), (256, 256, 4, 8, 16, 5))]
 
 
-def _tc_problem(dev, rng, M, N, K, B, dt=f32):
+def _tc_problem(dev, rng, M, N, K, B, dt=f32, b_nk: bool = False):
     """A fast matmul of ``dt`` operands and its float64 reference (of the f16-rounded operands)
-    on every 37th row of each batch (all tile rows and fragment rows are hit)."""
+    on every 37th row of each batch (all tile rows and fragment rows are hit); ``b_nk``: B
+    stored (N, K) as a Linear weight is (read through a transposed view)."""
     npt = np.float16 if dt is f16 else np.float32
     a = rng.standard_normal((B, M, K), dtype=np.float32).astype(npt)
     b = rng.standard_normal((B, K, N), dtype=np.float32).astype(npt)
     rows = np.unique(np.r_[np.arange(0, M, 37), M - 1])
     r16 = lambda x: x.astype(np.float16).astype(np.float64)  # noqa: E731
     ref = np.stack([r16(a[i, rows]) @ r16(b[i]) for i in range(B)])
-    desc = MatmulKernel(B, M, N, K, Strided.contiguous(dt, (B, M, K)),
-                        Strided.contiguous(dt, (B, K, N)), precision="fast", out_dtype=f32)
-    bufs = [dev.upload(a), dev.upload(b), dev.create_buffer(4 * B * M * N)]
+    sb = (Strided(dt, (B, K, N), (N * K, 1, K), 0, B * N * K) if b_nk
+          else Strided.contiguous(dt, (B, K, N)))
+    desc = MatmulKernel(B, M, N, K, Strided.contiguous(dt, (B, M, K)), sb,
+                        precision="fast", out_dtype=f32)
+    bstore = np.ascontiguousarray(b.transpose(0, 2, 1)) if b_nk else b
+    bufs = [dev.upload(a), dev.upload(bstore), dev.create_buffer(4 * B * M * N)]
     return desc, bufs, ref, rows
 
 
@@ -313,9 +317,15 @@ def _tc_shape(dev, timer, rng, shape, lines: list[str]):
     return label, res[0] if res else None, ok[:3], flops
 
 
+ABLATIONS = ("noload", "nostage", "mmaonly", "mmanobar")
+
+
 def _ablated(spec, what: str):
-    """``spec`` with the K loop's global loads removed ("noload") or also its workgroup
-    stores ("nostage": the fragment loads and multiplies alone)."""
+    """``spec`` with parts of its K loop removed (wrong values, timing only): "noload" its
+    global loads; "nostage" also its workgroup stores (fragment loads, products, barriers);
+    "mmaonly" also its fragment loads (loaded once before the loop: products and barriers);
+    "mmanobar" also its barriers (the products alone: what the driver's matrix multiply
+    issues at, the ceiling of any staging scheme)."""
     import dataclasses
     import re
 
@@ -323,6 +333,16 @@ def _ablated(spec, what: str):
     pat = r"^\s+[ab]r\d+ = b[01]\[.*$" if what == "noload" else \
         r"^\s+([ab]r\d+ = b[01]\[|[AB][swq]\[).*$"  # element or packed stores
     loop = re.sub(pat, "", loop, flags=re.M)
+    if what in ("mmaonly", "mmanobar"):
+        frag = r"^\s+let \w+ = subgroupMatrixLoad<.*$"
+        hoisted = "\n".join(re.findall(frag, loop, flags=re.M))
+        loop = re.sub(frag, "", loop, flags=re.M)
+        head += hoisted + "\n    "
+    if what == "mmanobar":
+        body, tail = loop.rsplit("subgroupMatrixStore", 1) if "subgroupMatrixStore" in loop \
+            else (loop, None)
+        body = body.replace("workgroupBarrier();", "")
+        loop = body if tail is None else body + "subgroupMatrixStore" + tail
     return dataclasses.replace(spec, wgsl=head + "for (var k0" + loop)
 
 
@@ -547,16 +567,18 @@ def _interleaved(dev, timer, label, specs: dict, bufs, ref, rows, shape, rounds:
     return best
 
 
-def cfg_ab(dev, timer, rng, cfgs: list, rounds: int = 2, ablate: bool = True) -> None:
-    """``cfgs`` (None: the heuristic) at 4096³ with f32 and f16 operands, interleaved rounds;
-    with ``ablate`` also the heuristic tile without its K loop's global loads ("noload") and
-    without its staging ("nostage": fragment loads and products alone; wrong values, timing
-    only), which bound what better staging could gain."""
+def cfg_ab(dev, timer, rng, cfgs: list, rounds: int = 2,
+           ablate: tuple[str, ...] = ABLATIONS[:2], ablate_all: bool = False,
+           b_nk: bool = False) -> None:
+    """``cfgs`` (None: the heuristic) at 4096³ with f32 and f16 operands, interleaved rounds,
+    with the ``ablate`` variants (``_ablated``: parts of the K loop removed) of the heuristic
+    tile (``ablate_all``: of every tile), which bound what better staging could gain; ``b_nk``:
+    B stored (N, K)."""
     from dataclasses import replace
 
     for M, N, K, B, dt in TC_SHAPES[:2]:
-        desc, bufs, ref, rows = _tc_problem(dev, rng, M, N, K, B, dt)
-        label = f"{B}x{M}x{N}x{K}{' f16' if dt is f16 else ''}"
+        desc, bufs, ref, rows = _tc_problem(dev, rng, M, N, K, B, dt, b_nk)
+        label = f"{B}x{M}x{N}x{K}{' f16' if dt is f16 else ''}{' nk' if b_nk else ''}"
         specs = {}
         for g in cfgs:
             d = desc if g is None else replace(desc, config=tuple(g))
@@ -564,9 +586,9 @@ def cfg_ab(dev, timer, rng, cfgs: list, rounds: int = 2, ablate: bool = True) ->
                 specs[(g, "")] = codegen.emit(d, dev)
             except Exception as e:  # noqa: BLE001 - report, go on
                 print(f"  {label} {g} FAILED {str(e)[:200]}", flush=True)
-        if ablate and (None, "") in specs:
-            for what in ("noload", "nostage"):
-                specs[(None, what)] = _ablated(specs[(None, "")], what)
+        for g in [g for g in cfgs if (g, "") in specs and (ablate_all or g is None)]:
+            for what in ablate:
+                specs[(g, what)] = _ablated(specs[(g, "")], what)
         _interleaved(dev, timer, label, specs, bufs, ref, rows, (B, M, N, K), rounds)
 
 
@@ -618,6 +640,12 @@ def main() -> None:
                     help="tensor-core configurations 'tm,tn,rm,rn,bk,vr;...' ('heur': the "
                          "heuristic) at 4096³ f32/f16 in interleaved rounds, with the "
                          "heuristic's noload/nostage ablations")
+    ap.add_argument("--ablate", default="noload,nostage",
+                    help="--cfg-ab: the heuristic's ablations, comma-separated, of "
+                         + ", ".join(ABLATIONS))
+    ap.add_argument("--ablate-all", action="store_true",
+                    help="--cfg-ab: the ablations of every configuration")
+    ap.add_argument("--b-nk", action="store_true", help="--cfg-ab: B stored (N, K)")
     ap.add_argument("--sweep", action="store_true",
                     help="strict configurations at the workload GEMMs (WORKLOAD_GEMMS)")
     ap.add_argument("--out")
@@ -651,7 +679,9 @@ def main() -> None:
     if args.tc_sweep:
         return tc_sweep(dev, timer, rng, args.out)
     if args.cfg_ab:
-        return cfg_ab(dev, timer, rng, parse_cfgs(args.cfg_ab))
+        return cfg_ab(dev, timer, rng, parse_cfgs(args.cfg_ab),
+                      ablate=tuple(a for a in args.ablate.split(",") if a),
+                      ablate_all=args.ablate_all, b_nk=args.b_nk)
     if args.packed_ab:
         if args.set == "f16":
             return packed_ab(dev, timer, rng, shapes=TC_SHAPES[1:2], cfgs=PACKED_F16)

@@ -108,7 +108,8 @@ OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 3
                Cfg("sgmat", 64, 128, 2, 2, 32, 96), Cfg("sgmat", 128, 64, 2, 2, 16, 99),
                Cfg("sgmat", 128, 256, 2, 4, 32, 256), Cfg("sgmat", 64, 64, 2, 2, 16, 257 | 36),
                Cfg("sgmat", 128, 256, 2, 4, 32, 512), Cfg("sgmat", 64, 64, 2, 2, 32, 512 | 258),
-               Cfg("sgmat", 128, 256, 2, 4, 32, 1024), Cfg("sgmat", 64, 64, 2, 2, 16, 1024 | 258)]
+               Cfg("sgmat", 128, 256, 2, 4, 32, 1024), Cfg("sgmat", 64, 64, 2, 2, 16, 1024 | 258),
+               Cfg("sgmat", 128, 128, 2, 2, 32, 64), Cfg("sgmat", 64, 128, 2, 2, 16, 64 | 7)]
 
 
 def _loop_body(wgsl: str) -> str:
@@ -136,8 +137,8 @@ def test_option_bits_shape_the_code(vr):
         f"sgmat128x128_2x4k32{suffix}" if vr else "sgmat128")
     few_rows = codegen.emit(_desc(1, 1024, 256, 96, config=g), TC_LIMITS, TC_FEATURES)
     assert "let gs = min(" not in few_rows.wgsl  # 8 tile rows: one group, plain order
-    for bad in (4, 6, 64, 128):  # unrolling without double buffering, B transposed without
-        # constant offsets; unknown bits
+    for bad in (4, 6, 128):  # unrolling without double buffering; global fragments with
+        # BK 32
         with pytest.raises(CodegenError, match="option bits"):
             codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=bad)), TC_LIMITS,
                          TC_FEATURES)
@@ -328,6 +329,31 @@ def test_packed_staging_through_buffer_views(bk, vr):
                      TC_LIMITS, TC_FEATURES | {BV}).wgsl
     assert "Aw[" not in t and "Bw[" not in t and "As[" in t and "Bs[" in t
 
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_flat_transposed_b(packed):
+    """Option bit 64 without 32: B staged like A (TN rows of BK + 8, K-contiguous) and loaded
+    column-major, so a B stored (N, K) (a Linear weight) is staged with the same packed
+    K-contiguous stores as A; a (K, N) B still works (element stores)."""
+    from meganeura.kernels.common import BUFFER_VIEW_FEATURE as BV
+
+    g = Cfg("sgmat", 128, 128, 2, 2, 32, 64)
+    rng = np.random.default_rng(0)
+    _, _, sb = _operand(rng, 1, 256, 512, True)  # (N, K) storage
+    feats = TC_FEATURES | ({BV} if packed else set())
+    spec = codegen.emit(MatmulKernel(1, 512, 512, 256, Strided.contiguous(f32, (1, 512, 256)),
+                                     sb, precision="fast", config=g), TC_LIMITS, feats)
+    w = spec.wgsl
+    assert spec.meta["workgroup_storage"] == 2 * (128 * 40 + 128 * 40)
+    right = [ln for ln in w.splitlines() if "subgroup_matrix_right<f16, 16, 16>>(" in ln]
+    assert right and all(ln.rstrip().endswith("true, 40u);") for ln in right), right[:1]
+    assert "(fc + 16u) * 40u + 16u" in " ".join(right)  # fragment 1 at depth 16
+    assert ("Bw[((bx0) * 40u + bk0) / 4u]" in w) == packed
+    assert packed or "Bs[(bx0) * 40u + bk0] = f16(br0.x);" in w
+    kn = codegen.emit(_desc(1, 512, 512, 256, config=g), TC_LIMITS, feats).wgsl
+    assert "Bw[" not in kn and "* 40u + " in kn
+    assert config_name(g).endswith("k32t")
 
 
 def test_f16_operands_load_eight_at_once_with_packed_staging(monkeypatch):

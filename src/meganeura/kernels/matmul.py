@@ -301,13 +301,13 @@ def _check_config(g: Cfg, name: str) -> Cfg:
         elif min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
             bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
         elif (not 0 <= g.vr < 2048 or g.vr & 1025 == 1025 or g.vr & 1536 == 1536
-              or g.vr & 5 == 4 or g.vr & 96 == 64 or g.vr & 272 == 272
+              or g.vr & 5 == 4 or g.vr & 272 == 272
               or g.vr & 513 == 513
               or (g.vr & 128 and (g.vr & ~130 or g.bk != 16))):
             bad = ("vr holds the option bits 1 (double buffering), 2 (grouped rasterization), "
                    "4 (two K steps per iteration, with double buffering only), 8 (f16 "
                    "staging registers), 16 (A fragments loaded one at a time), 32 (constant "
-                   "fragment offsets), 64 (B transposed, with 32 only), 128 (fragments "
+                   "fragment offsets), 64 (B transposed), 128 (fragments "
                    "from global memory, BK 16, with 2 only), 256 (B fragments one at a "
                    "time, not with 16), 512 (loads before the barrier, not with 1) and 1024 "
                    "(loads two steps ahead, not with 1 or 512)")

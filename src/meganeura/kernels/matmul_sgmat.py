@@ -193,9 +193,9 @@ class _Layout:
         self.packed = packed and not self.blk
         self.amp = "" if self.packed else "&"  # views already are pointers
         self.astr = g.bk + SG_PAD  # A's row stride (and transposed B's), f16 elements
-        if not self.blk:
-            self.bstr = g.tn + SG_PAD
-            self.units = (g.tm * self.astr, g.bk * self.bstr)
+        if not self.blk:  # flat B: BK rows of TN (or, ``BT``, TN rows of BK like A's)
+            self.bstr = self.astr if self.bt else g.tn + SG_PAD
+            self.units = (g.tm * self.astr, (g.tn if self.bt else g.bk) * self.bstr)
         else:
             self.bsz = 16 * self.astr if self.bt else g.bk * BS_ROW + BS_PAD  # one B block
             self.units = (g.tm // 16, g.tn // 16)
@@ -235,7 +235,7 @@ class _Layout:
             if vec:
                 return None
             if not self.blk:
-                return (f"As[{off}({x}) * {u(astr)} + {kx}]" if arr == "As"
+                return (f"{arr}[{off}({x}) * {u(astr)} + {kx}]" if arr == "As" or self.bt
                         else f"Bs[{off}({kx}) * {u(self.bstr)} + {x}]")
             if arr == "As" or self.bt:
                 return f"{arr}[{off}({x}) / 16u][({x}) % 16u * {u(astr)} + {kx}]"
@@ -251,7 +251,7 @@ class _Layout:
 
         def f(arr, kx, x, along_k: bool, w: int = 4):
             view = f"{arr[0]}{'q' if w == 8 else 'w'}"  # vec4<u32> / vec2<u32> elements
-            if arr == "As":  # rows of A are K-contiguous
+            if arr == "As" or self.bt:  # rows of A (and of transposed B) are K-contiguous
                 return (f"{view}[({off}({x}) * {u(self.astr)} + {kx}) / {u(w)}]" if along_k
                         else None)
             return (None if along_k else
@@ -266,6 +266,9 @@ class _Layout:
                 return (f"{self.amp}As, {off}(fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, "
                         f"{u(astr)}")
             return f"&As[{off}fb + {u(i)}], {u(kk)}, false, {u(astr)}"
+        if not self.blk and self.bt:
+            return (f"{self.amp}Bs, {off}(fc + {u(16 * i)}) * {u(astr)} + {u(kk)}, true, "
+                    f"{u(astr)}")
         if not self.blk:
             return (f"{self.amp}Bs, {off}{u(kk * self.bstr)} + fc + {u(16 * i)}, false, "
                     f"{u(self.bstr)}")
