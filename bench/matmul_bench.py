@@ -635,7 +635,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tc-sweep", action="store_true")
     ap.add_argument("--packed-ab", action="store_true",
-                    help="tensor-core configurations with packed staging on and off")
+                    help="tensor-core configurations with packed staging on and off (with "
+                         "--cfg-ab: those, f16 operands at 4096³)")
     ap.add_argument("--cfg-ab", metavar="CFGS",
                     help="tensor-core configurations 'tm,tn,rm,rn,bk,vr;...' ('heur': the "
                          "heuristic) at 4096³ f32/f16 in interleaved rounds, with the "
@@ -678,11 +679,12 @@ def main() -> None:
     timer, rng = Timer(dev), np.random.default_rng(0)
     if args.tc_sweep:
         return tc_sweep(dev, timer, rng, args.out)
+    if args.packed_ab and args.cfg_ab:  # these configurations, f16 operands at 4096³
+        return packed_ab(dev, timer, rng, shapes=TC_SHAPES[1:2], cfgs=parse_cfgs(args.cfg_ab))
     if args.cfg_ab:
         return cfg_ab(dev, timer, rng, parse_cfgs(args.cfg_ab),
                       ablate=tuple(a for a in args.ablate.split(",") if a),
                       ablate_all=args.ablate_all, b_nk=args.b_nk)
-    if args.packed_ab:
         if args.set == "f16":
             return packed_ab(dev, timer, rng, shapes=TC_SHAPES[1:2], cfgs=PACKED_F16)
         return packed_ab(dev, timer, rng)

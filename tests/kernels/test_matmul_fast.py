@@ -13,6 +13,7 @@ from meganeura.dtypes import f16, f32
 from meganeura.errors import LimitError
 from meganeura.kernels import CodegenError, Instr, MatmulKernel, Strided
 from meganeura.kernels.matmul import (
+    GEMV,
     NAMED,
     SG_FEATURE,
     SGMAT,
@@ -22,6 +23,7 @@ from meganeura.kernels.matmul import (
     choose_config,
     choose_variant,
     config_name,
+    with_b_layout,
 )
 
 from ._util import assert_close, no_subgroup_matrix_reason, view_of
@@ -76,8 +78,9 @@ def test_short_k_keeps_big_gemms_strict():
 
 
 def test_variant_choice_and_errors():
-    assert choose_variant(1, 4096, 4096, 4096, tensor_cores=True) == "sgmat128x256_2x4k32"
-    assert choose_variant(1, 2048, 2048, 2048, tensor_cores=True) == "sgmat128x128_2x4k64g"
+    assert choose_variant(1, 4096, 4096, 4096, tensor_cores=True) == "sgmat128x128_2x2k32g"
+    assert choose_variant(1, 2048, 2048, 2048, tensor_cores=True) == "sgmat128x128_2x2k32g"
+    assert choose_variant(1, 1024, 2048, 2048, tensor_cores=True) == "sgmat128x64_2x2k32"
     assert choose_variant(1, 512, 512, 4096, tensor_cores=True).startswith("sgmat")
     assert choose_variant(1, 3, 512, 64, tensor_cores=True) == "gemv"
     # below TC_MIN_TILES 64×64 output tiles the strict kernels (split-K) are faster
@@ -354,6 +357,28 @@ def test_flat_transposed_b(packed):
     kn = codegen.emit(_desc(1, 512, 512, 256, config=g), TC_LIMITS, feats).wgsl
     assert "Bw[" not in kn and "* 40u + " in kn
     assert config_name(g).endswith("k32t")
+
+
+def test_k_contiguous_b_is_staged_transposed_by_default():
+    """The heuristic and the tuner's candidates stage a K-contiguous B (stored (N, K))
+    transposed (option bit 64) on flat tensor-core tiles; a (K, N) B, explicit configurations
+    and the constant-offset / global-fragment tiles keep their layout."""
+    rng = np.random.default_rng(0)
+    _, _, nk = _operand(rng, 1, 1024, 2048, True)
+    a = Strided.contiguous(f32, (1, 2048, 1024))
+    desc = MatmulKernel(1, 2048, 2048, 1024, a, nk, precision="fast")
+    target = codegen.make_target(TC_LIMITS, TC_FEATURES)
+    spec = codegen.emit(desc, TC_LIMITS, TC_FEATURES)
+    assert spec.meta["variant"] == "sgmat128x128_2x2k32gt"
+    cands = [d.config for d in codegen.candidates(desc, target)]
+    assert all(Cfg(*g).vr & 64 for g in cands if g[0] == "sgmat" and not g[6] & 160), cands
+    assert Cfg("sgmat", 256, 128, 4, 2, 32, 32) in cands  # constant offsets: unchanged
+    kn = codegen.emit(_desc(1, 2048, 2048, 1024), TC_LIMITS, TC_FEATURES)
+    assert kn.meta["variant"] == "sgmat128x128_2x2k32g"
+    forced = MatmulKernel(1, 2048, 2048, 1024, a, nk, precision="fast",
+                          config=Cfg("sgmat", 128, 128, 2, 2, 32, 2))
+    assert codegen.emit(forced, TC_LIMITS, TC_FEATURES).meta["variant"] == "sgmat128x128_2x2k32g"
+    assert with_b_layout(GEMV, True) == GEMV
 
 
 def test_f16_operands_load_eight_at_once_with_packed_staging(monkeypatch):

@@ -112,13 +112,15 @@ STRICT_LADDER = (
     Cfg("tiled", 64, 64, 8, 4, 16, 1),
     NAMED["tiled64v"],
 )
-# Tensor-core tiles (precision "fast"), H200, Dawn, 4096³ (bench/matmul_bench.py --tc-sweep,
-# docs/benchmarks.md): 128x256 (8 subgroups of 64x64 fragments, K step 32) 218.9 TFLOP/s,
-# 128x128 K step 64 182.2, the former default sgmat128 (64x32 per subgroup) 145.4.  Small
-# shapes: 32x64 tiles (1500x384x1536: 51 TFLOP/s against 2-17 for 64x64 and larger).
+# Tensor-core tiles (precision "fast"), H200, Dawn, 4096³, TFLOP/s with f32 / f16 operands
+# (bench/matmul_bench.py --cfg-ab, docs/benchmarks.md, thirteenth session): 128x128 with four
+# subgroups of 64x64 fragments, K step 32, grouped rasterization: 217.6-221.2 / 250.6-252.7
+# (249 registers x 128 invocations: two workgroups per SM, so one multiplies while the other
+# waits at its barrier); 128x256 with eight subgroups 217.9-218.1 / 242.6-244.2 (one per SM);
+# 128x128 with eight subgroups of 64x32 and K step 64 182.2 f32.  Small shapes: 32x64 tiles
+# (1500x384x1536: 51 TFLOP/s against 2-17 for 64x64 and larger).
 TC_LADDER = (
-    Cfg("sgmat", 128, 256, 2, 4, 32),
-    Cfg("sgmat", 128, 128, 2, 4, 64, 2),
+    Cfg("sgmat", 128, 128, 2, 2, 32, 2),
     Cfg("sgmat", 128, 64, 2, 2, 32),
     NAMED["sgmat64"],
     Cfg("sgmat", 32, 64, 1, 2, 32),
@@ -135,7 +137,8 @@ STRICT_EXTRAS = (
 # 4096³ (105.3 without; bench/matmul_bench.py --tc-sweep --set const, docs/benchmarks.md), not
 # above the ladder's 128x256.  (Double-buffered 128x128 with them, 154.4, needs 45.5 KiB: no
 # room for the edge tiles' 8 KiB result scratch.)
-TC_EXTRAS = (NAMED["sgmat128"], Cfg("sgmat", 128, 256, 2, 4, 32, 8),
+TC_EXTRAS = (Cfg("sgmat", 128, 256, 2, 4, 32), Cfg("sgmat", 128, 128, 2, 4, 64, 2),
+             NAMED["sgmat128"], Cfg("sgmat", 128, 256, 2, 4, 32, 8),
              Cfg("sgmat", 128, 256, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32, 32))
 FILL_WORKGROUPS = 256
 # With K of at least LONG_K (per chunk, after split-K) a strict tile bigger than 64x64 needs
@@ -193,8 +196,10 @@ def _candidates(k: MatmulKernel, target) -> list[MatmulKernel]:
     if first.kind == "gemv":
         return [replace(k, config=first)]
     ladder = TC_LADDER + TC_EXTRAS if fast else STRICT_LADDER + STRICT_EXTRAS
+    b_k_contiguous = _b_k_contiguous(k, B, K, N)
     out = []
     for g in (first,) + ladder:
+        g = with_b_layout(g, b_k_contiguous)
         if g in out or len(out) >= MAX_CANDIDATES:
             continue
         try:
@@ -285,6 +290,26 @@ def config_name(g: Cfg) -> str:
             f"{'' if g.vl else 's'}{ks}")
 
 
+def with_b_layout(g: Cfg, b_k_contiguous: bool) -> Cfg:
+    """``g`` with B staged transposed (``matmul_sgmat.BT``) where B is K-contiguous (a Linear
+    weight stored (N, K), the transposed operand of a backward matmul) and ``g`` is a flat
+    tensor-core tile: then B's registers run along K and are staged like A's, one packed store
+    each, instead of four 2-byte stores into four rows.  H200, 4096³ with B stored (N, K):
+    128x128 217.6 -> 219.7 TFLOP/s f32 operands, 128x256 163.8 -> 217.5
+    (bench/results/h200-2026-12-03b/tc-nk-ab.log)."""
+    from .matmul_sgmat import BT, CONST, GLOBAL
+
+    if g.kind != "sgmat" or not b_k_contiguous or g.vr & (CONST | GLOBAL):
+        return g
+    return g._replace(vr=g.vr | BT)
+
+
+def _b_k_contiguous(k: MatmulKernel, B: int, K: int, N: int) -> bool:
+    """Whether operand B's view runs along K (stride 1 along K, not along N)."""
+    _, sb = _norm(k.b, (B, K, N), "operand b", k.name)
+    return sb[1] == 1 and sb[2] != 1
+
+
 def _check_config(g: Cfg, name: str) -> Cfg:
     """A configuration the emitters can build (whole thread blocks and fragments)."""
     bad = ""
@@ -335,6 +360,8 @@ def _config(k: MatmulKernel, c: _Ctx, t) -> Cfg:
         g = NAMED[choose_variant(c.B, c.M, c.N, c.K, k.variant, name, fast)]
     else:
         g = choose_config(c.B, c.M, c.N, c.K, tensor_cores=fast)
+    if not k.config:
+        g = with_b_layout(g, c.sb[1] == 1 and c.sb[2] != 1)
     if g.kind == "sgmat" and not (op_dt.is_float and SG_FEATURE in t.features):
         raise CodegenError(f"kernel {name!r}: variant {config_name(g)!r} needs f16 subgroup "
                            f"matrices (Dawn, feature {SG_FEATURE!r}) and float operands")
