@@ -39,8 +39,10 @@ stores; with f32 operands 219 either way.
   16-column strips of ``BS_ROW``-element rows (``BS_PAD`` between strips).  H200, 4096³:
   256x128 198.5 TFLOP/s against 82-105 without it, but 128x256 82 against 219 (188 with
   robustness off): docs/benchmarks.md;
-* ``BT`` (with ``CONST``) — B stored transposed (16-column blocks of K-contiguous rows padded
-  like A's) and loaded column-major: the same footprint as A's layout, so K 48 fits at 128x256.
+* ``BT`` — B stored transposed and loaded column-major: flat, TN rows of BK + 8 like A's (a
+  K-contiguous B, e.g. a weight stored (N, K), then stages with A's packed stores: the
+  heuristic sets it for such a B, ``matmul.with_b_layout``; H200 4096³ 163.8 -> 217.5 TFLOP/s
+  at 128x256); with ``CONST``, 16-column blocks of K-contiguous rows padded like A's.
 * ``GLOBAL`` (f16 operands, whole tiles, K a multiple of 16, BK 16; with ``SWZ`` / nothing
   else) — no workgroup memory: every subgroup loads its fragments straight from the operand
   bindings (L1/L2 serve the reuse between subgroups), one 16-deep slice ahead of its products,
