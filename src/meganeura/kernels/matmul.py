@@ -133,10 +133,11 @@ STRICT_EXTRAS = (
     Cfg("tiled", 128, 128, 8, 8, 8, 1), Cfg("tiled", 64, 32, 4, 2, 16, 0),
     Cfg("tiled", 32, 32, 2, 2, 16, 0), Cfg("tiled", 32, 64, 2, 4, 16, 0),
 )
-# Tensor-core extras: constant fragment offsets (option bit 32) made 256x128 198.7 TFLOP/s at
-# 4096³ (105.3 without; bench/matmul_bench.py --tc-sweep --set const, docs/benchmarks.md), not
-# above the ladder's 128x256.  (Double-buffered 128x128 with them, 154.4, needs 45.5 KiB: no
-# room for the edge tiles' 8 KiB result scratch.)
+# Tensor-core extras: the former ladder rungs 128x256 (eight subgroups, 218.9 TFLOP/s at 4096³
+# f32) and 128x128 with K step 64 (182.2); constant fragment offsets (option bit 32) made
+# 256x128 198.7 (105.3 without; bench/matmul_bench.py --tc-sweep --set const,
+# docs/benchmarks.md).  (Double-buffered 128x128 with them, 154.4, needs 45.5 KiB: no room for
+# the edge tiles' 8 KiB result scratch.)
 TC_EXTRAS = (Cfg("sgmat", 128, 256, 2, 4, 32), Cfg("sgmat", 128, 128, 2, 4, 64, 2),
              NAMED["sgmat128"], Cfg("sgmat", 128, 256, 2, 4, 32, 8),
              Cfg("sgmat", 128, 256, 2, 4, 16), Cfg("sgmat", 256, 128, 4, 2, 32, 32))
@@ -196,7 +197,7 @@ def _candidates(k: MatmulKernel, target) -> list[MatmulKernel]:
     if first.kind == "gemv":
         return [replace(k, config=first)]
     ladder = TC_LADDER + TC_EXTRAS if fast else STRICT_LADDER + STRICT_EXTRAS
-    b_k_contiguous = _b_k_contiguous(k, B, K, N)
+    b_k_contiguous = _k_contiguous(_norm(k.b, (B, K, N), "operand b", k.name)[1])
     out = []
     for g in (first,) + ladder:
         g = with_b_layout(g, b_k_contiguous)
@@ -304,9 +305,8 @@ def with_b_layout(g: Cfg, b_k_contiguous: bool) -> Cfg:
     return g._replace(vr=g.vr | BT)
 
 
-def _b_k_contiguous(k: MatmulKernel, B: int, K: int, N: int) -> bool:
-    """Whether operand B's view runs along K (stride 1 along K, not along N)."""
-    _, sb = _norm(k.b, (B, K, N), "operand b", k.name)
+def _k_contiguous(sb) -> bool:
+    """Whether operand B's (batch, K, N) strides ``sb`` run along K (1 along K, not along N)."""
     return sb[1] == 1 and sb[2] != 1
 
 
@@ -361,7 +361,7 @@ def _config(k: MatmulKernel, c: _Ctx, t) -> Cfg:
     else:
         g = choose_config(c.B, c.M, c.N, c.K, tensor_cores=fast)
     if not k.config:
-        g = with_b_layout(g, c.sb[1] == 1 and c.sb[2] != 1)
+        g = with_b_layout(g, _k_contiguous(c.sb))
     if g.kind == "sgmat" and not (op_dt.is_float and SG_FEATURE in t.features):
         raise CodegenError(f"kernel {name!r}: variant {config_name(g)!r} needs f16 subgroup "
                            f"matrices (Dawn, feature {SG_FEATURE!r}) and float operands")
