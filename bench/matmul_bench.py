@@ -333,16 +333,13 @@ def _ablated(spec, what: str):
     pat = r"^\s+[ab]r\d+ = b[01]\[.*$" if what == "noload" else \
         r"^\s+([ab]r\d+ = b[01]\[|[AB][swq]\[).*$"  # element or packed stores
     loop = re.sub(pat, "", loop, flags=re.M)
-    if what in ("mmaonly", "mmanobar"):
+    if what in ("mmaonly", "mmanobar"):  # single-buffered tiles: offsets loop-invariant
         frag = r"^\s+let \w+ = subgroupMatrixLoad<.*$"
-        hoisted = "\n".join(re.findall(frag, loop, flags=re.M))
+        head += "\n".join(re.findall(frag, loop, flags=re.M)) + "\n    "
         loop = re.sub(frag, "", loop, flags=re.M)
-        head += hoisted + "\n    "
-    if what == "mmanobar":
-        body, tail = loop.rsplit("subgroupMatrixStore", 1) if "subgroupMatrixStore" in loop \
-            else (loop, None)
-        body = body.replace("workgroupBarrier();", "")
-        loop = body if tail is None else body + "subgroupMatrixStore" + tail
+    if what == "mmanobar":  # the K loop's barriers (the results' stores come after it)
+        cut = loop.find("subgroupMatrixStore") % (len(loop) + 1)  # -1: the whole text
+        loop = loop[:cut].replace("workgroupBarrier();", "") + loop[cut:]
     return dataclasses.replace(spec, wgsl=head + "for (var k0" + loop)
 
 
@@ -642,7 +639,8 @@ def main() -> None:
                          "heuristic) at 4096³ f32/f16 in interleaved rounds, with the "
                          "heuristic's noload/nostage ablations")
     ap.add_argument("--ablate", default="noload,nostage",
-                    help="--cfg-ab: the heuristic's ablations, comma-separated, of "
+                    help="--cfg-ab: the ablations (of the heuristic; --ablate-all: of every "
+                         "configuration), comma-separated, of "
                          + ", ".join(ABLATIONS))
     ap.add_argument("--ablate-all", action="store_true",
                     help="--cfg-ab: the ablations of every configuration")
@@ -685,6 +683,7 @@ def main() -> None:
         return cfg_ab(dev, timer, rng, parse_cfgs(args.cfg_ab),
                       ablate=tuple(a for a in args.ablate.split(",") if a),
                       ablate_all=args.ablate_all, b_nk=args.b_nk)
+    if args.packed_ab:
         if args.set == "f16":
             return packed_ab(dev, timer, rng, shapes=TC_SHAPES[1:2], cfgs=PACKED_F16)
         return packed_ab(dev, timer, rng)

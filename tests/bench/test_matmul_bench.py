@@ -61,3 +61,53 @@ def test_interleaved_times_every_spec_against_the_reference(mb, gpu, capsys):
         err = float(ln.rsplit("err ", 1)[1])
         assert err < 1e-5, ln
         assert len(ln.split("rounds ")[1].split(" err")[0].split(",")) == 2  # both rounds
+
+
+def test_ablations_remove_what_they_say(mb):
+    """``_ablated`` on the heuristic tensor-core tile at 4096³ (emitted for a target with f16
+    subgroup matrices; no device needed): each variant keeps the products and the results'
+    stores and removes its parts of the K loop only."""
+    from meganeura import kernels as codegen
+    from meganeura.dtypes import f16, f32
+    from meganeura.kernels import MatmulKernel, Strided
+    from meganeura.kernels.common import BUFFER_VIEW_FEATURE
+    from meganeura.kernels.matmul import SG_FEATURE
+
+    t = codegen.make_target({"max_compute_workgroup_storage_size": 49152,
+                             "max_compute_invocations_per_workgroup": 1024},
+                            frozenset({"shader-f16", SG_FEATURE, BUFFER_VIEW_FEATURE}))
+    n = 4096
+    spec = codegen.emit(MatmulKernel(1, n, n, n, Strided.contiguous(f16, (1, n, n)),
+                                     Strided.contiguous(f16, (1, n, n)), precision="fast",
+                                     out_dtype=f32), t)
+
+    def counts(wgsl):
+        head, rest = wgsl.split("for (var k0", 1)
+        loop, tail = rest.split("subgroupMatrixStore", 1)
+        return (loop.count("= b0["), loop.count("Aw["), loop.count("subgroupMatrixLoad"),
+                loop.count("workgroupBarrier"), loop.count("MultiplyAccumulate"),
+                head.count("subgroupMatrixLoad"), wgsl.count("subgroupMatrixStore"))
+
+    whole = counts(spec.wgsl)
+    loads, stores, frags, bars, mma, hoisted, out = whole
+    assert min(loads, stores, frags, bars, mma, out) > 0 and hoisted == 0
+    assert [counts(mb._ablated(spec, w).wgsl) for w in mb.ABLATIONS] == [
+        (0, stores, frags, bars, mma, 0, out), (0, 0, frags, bars, mma, 0, out),
+        (0, 0, 0, bars, mma, frags, out), (0, 0, 0, 0, mma, frags, out)]
+
+
+def test_b_stored_nk_reads_the_same_product(mb, gpu):
+    """``_tc_problem(b_nk=True)`` uploads B as (N, K) and reads it through a transposed view:
+    the same product as the (K, N) problem of the same numbers (on this device the strict tile
+    runs it; the reference is of f16-rounded operands, so about 1e-3 apart)."""
+    from meganeura import kernels as codegen
+    from meganeura.dtypes import f32
+
+    timer = mb.Timer(gpu)
+    for b_nk in (False, True):
+        desc, bufs, ref, rows = mb._tc_problem(gpu, np.random.default_rng(0), 70, 48, 40, 2,
+                                               f32, b_nk)
+        assert (desc.b.strides[1] == 1) == b_nk
+        timer([(codegen.emit(desc, gpu), bufs)])  # runs the kernel
+        y = gpu.read_array(bufs[-1], (2, 70, 48), f32)[:, rows].astype(np.float64)
+        assert np.abs(y - ref).max() / np.abs(ref).max() < 5e-3, b_nk
