@@ -53,7 +53,7 @@ def test_k_slices_epilogue_broadcast_and_rounds(run, rng):
 
 def test_k_slice_config_errors():
     s = Strided.contiguous(f32, (1, 64, 64))
-    for bad in (Cfg("tiled", 64, 64, 4, 4, 16, 1, 1, 3),  # not 1, 2 or 4
+    for bad in (Cfg("tiled", 64, 64, 4, 4, 16, 1, 1, 3),  # not a power of two ≤ 16
                 Cfg("tiled", 16, 16, 4, 4, 16, 1, 1, 2),  # 16 invocations per slice
                 Cfg("sgmat", 64, 64, 2, 2, 32, 0, 1, 2)):
         with pytest.raises(CodegenError, match="K slices"):

@@ -165,6 +165,7 @@ GEMV_MAX = 4  # M or N up to this use the gemv variant
 GEMV_THREADS = 256
 GEMV_UNROLL = 4
 MAX_CANDIDATES = 10
+K_SLICES = (1, 2, 4, 8, 16)  # in-workgroup K slice counts (``Cfg.ks``)
 SLICE_SUM_BYTES = 8192  # the K slices' exchange buffer (``_slice_sum``)
 # Epilogues calling a WGSL helper function (erf's gelu) are emitted once, bounds-checked, for
 # interior and edge tiles alike: an unchecked interior copy beside the checked one doubles
@@ -318,8 +319,9 @@ def _check_config(g: Cfg, name: str) -> Cfg:
             bad = "the tile must split into whole per-invocation blocks"
         elif g.vr and (g.rm % 4 or g.rn % 4):
             bad = "vec4 reads (vr) need RM and RN multiples of 4"
-        elif g.ks not in (1, 2, 4) or (g.ks > 1 and (g.tm * g.tn // (g.rm * g.rn)) % 32):
-            bad = "K slices (ks) must be 1, 2 or 4, each slice whole subgroups of 32"
+        elif g.ks not in K_SLICES or (g.ks > 1 and (g.tm * g.tn // (g.rm * g.rn)) % 32):
+            bad = (f"K slices (ks) must be one of {', '.join(map(str, K_SLICES))}, each slice "
+                   "whole subgroups of 32")
     elif g.kind == "sgmat":
         if g.ks != 1:
             bad = "K slices (ks) exist for the tiled kernel only"
