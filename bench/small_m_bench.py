@@ -35,11 +35,15 @@ from meganeura.runtime.device import get_device  # noqa: E402
 
 SHAPES = ("128x576x960", "128x576x576", "128x960x576", "128x1536x576", "128x3072x576",
           "128x576x1536", "128x576x3072")  # M x N x K (the profile's label order)
-TILES = ((16, 32, 4, 4), (32, 16, 4, 4), (32, 32, 4, 4), (16, 64, 4, 4), (64, 16, 4, 4),
-         (32, 64, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4), (64, 64, 8, 4))
-SLICES = (1, 2, 4, 8, 16)
-STEPS = (4, 8, 16)
-SPLITS = (1, 2, 3, 4, 6, 8, 12)
+# Round 1 (2026-12-03, bench/results/h200-2026-12-03c/small_m_r1.txt) swept 4x4-block tiles
+# 16x32 ... 64x64 with K steps 4-16, K slices 1-16 and split-K 1-12: 16x32 tiles of two K
+# slices won most shapes, and the time tracked the number of staged K steps (each one a
+# global-load latency), so round 2 (the default) takes longer staged steps and few splits.
+TILES = ((16, 32, 4, 4), (32, 32, 4, 4), (16, 64, 4, 4), (32, 16, 4, 4), (32, 64, 4, 4),
+         (64, 32, 4, 4), (64, 64, 4, 4))
+SLICES = (1, 2, 4, 8)
+STEPS = (8, 16, 32, 64)
+SPLITS = (1, 2, 3)
 
 
 class PassTimer:
@@ -93,7 +97,7 @@ def configs(M: int, N: int, K: int, smoke: bool = False):
         wgs = s * -(-M // tm) * -(-N // tn)
         if K % s or not 64 <= threads <= 1024 or not 96 <= wgs <= 1600 or ks * bk > K // s:
             continue
-        if ks == 1 and bk == 4 or ks >= 8 and bk == 16:
+        if ks * bk < 32 or ks * bk > 128:  # staged steps of 32-128 along K
             continue
         out.append((Cfg("tiled", tm, tn, rm, rn, bk, 1, 1, ks), s))
     return out

@@ -10,13 +10,21 @@ from meganeura import kernels as codegen
 from meganeura.compile.schedule import split_k
 from meganeura.dtypes import f32
 from meganeura.kernels import CodegenError, MatmulKernel, Strided
-from meganeura.kernels.matmul import FILL_WORKGROUPS, STRICT_LADDER, Cfg, choose_config
+from meganeura.kernels.matmul import (
+    FILL_WORKGROUPS,
+    SMALL_M_SLICED,
+    STRICT_LADDER,
+    Cfg,
+    choose_config,
+    small_m_sliced,
+)
 
 from ._util import assert_close
 from .test_matmul import BIAS_RELU, _operand
 
 SLICED = [Cfg("tiled", 32, 32, 4, 4, 16, 1, 1, 4), Cfg("tiled", 32, 64, 4, 4, 16, 1, 1, 2),
-          Cfg("tiled", 32, 32, 2, 2, 8, 0, 1, 2)]  # vec4 reads, and scalar reads
+          Cfg("tiled", 32, 32, 2, 2, 8, 0, 1, 2),  # vec4 reads, and scalar reads
+          SMALL_M_SLICED, Cfg("tiled", 16, 32, 4, 4, 4, 1, 1, 16)]  # two and sixteen slices
 
 
 @pytest.mark.parametrize("g", SLICED, ids=lambda g: f"{g.tm}x{g.tn}_{g.rm}x{g.rn}ks{g.ks}")
@@ -85,3 +93,26 @@ def test_split_k_where_it_was():
     assert (sk(1500, 384, 1536), sk(1536, 384, 1500), sk(128, 576, 960)) == (3, 3, 12)
     assert sk(1500, 1536, 384) == 1 and sk(4, 576, 3000) == 1  # many tiles; gemv
     assert choose_config(1, 4096, 4096, 4096) == STRICT_LADDER[0]
+
+
+def _sk(m, n, k):
+    return split_k(MatmulKernel(1, m, n, k, Strided.contiguous(f32, (1, m, k)),
+                                Strided.contiguous(f32, (1, k, n))))
+
+
+@pytest.mark.parametrize("m,n,k,sliced", [
+    (128, 576, 576, True), (128, 960, 576, True), (128, 1536, 576, True),  # measured wins
+    (128, 576, 960, False), (128, 576, 1536, False),  # K 960+: split-K stays
+    (128, 3072, 576, False),  # 96 64x64 tiles: the unsplit 64x64 tile
+    (128, 576, 128, False), (512, 576, 576, False), (4, 576, 576, False),  # K, M, gemv
+])
+def test_small_m_sliced_replaces_split_k(m, n, k, sliced):
+    """Small-M GEMMs of moderate K run as one dispatch of 16x32 K-sliced tiles and are not
+    split; the rest keep the ladder and split-K as before."""
+    assert small_m_sliced(1, m, n, k) is sliced
+    assert (choose_config(1, m, n, k) == SMALL_M_SLICED) is sliced
+    if sliced:
+        assert _sk(m, n, k) == 1
+        assert not small_m_sliced(2, m, n, k)  # batched GEMMs (and split-K partials) unchanged
+    elif (m, n, k) == (128, 576, 960):
+        assert _sk(m, n, k) == 12

@@ -29,6 +29,7 @@ from ..errors import GraphBuildError
 from ..graph import Graph, Node, TensorType, Value
 from ..kernels import ir
 from ..kernels.archetypes import archetype
+from ..kernels.matmul import small_m_sliced
 from ..kernels.reduce import split_plan
 from ..ops.lowering import Kernel, Matmul, Pointwise, Reduce, View
 from ..ops.lowering import resolve as _pointwise_expr
@@ -748,6 +749,8 @@ def split_k(desc: ir.MatmulKernel) -> int:
     64x64 tiles, the tile ``choose_config`` falls back to when a split leaves too few 128x64
     workgroups, so the split and the tile choice together fill the GPU."""
     if desc.batch != 1 or desc.m <= 4 or desc.n <= 4:
+        return 1
+    if small_m_sliced(desc.batch, desc.m, desc.n, desc.k):  # one K-sliced dispatch instead
         return 1
     small = -(-desc.m // 64) * -(-desc.n // 64)
     if small < SPLIT_K_SMALL_TILES and desc.k >= 4 * SPLIT_K_SMALL_CHUNK:

@@ -125,13 +125,29 @@ TC_LADDER = (
     NAMED["sgmat64"],
     Cfg("sgmat", 32, 64, 1, 2, 32),
 )
+# Small-M GEMMs of moderate K (SmolLM2's M = 128 projections with K = 576): one dispatch of
+# 16x32 tiles, each computed by two K slices of 32 invocations (K step 16), instead of a
+# split-K of 64x64 tiles plus the sum kernel.  H200, Dawn, two rounds (bench/small_m_bench.py,
+# 2026-12-03, bench/results/h200-2026-12-03c), µs back to back / each dispatch in its own
+# timestamped pass as sess.profile() times it, B (K, N) then (N, K); sliced against split-K:
+# 1x128x576x576 10.5-13.0 / 16.4-19.2 and 12.0-20.3 / 17.9-28.4 against 16.1-18.6 / 27.7-31.7
+# and 12.0-25.8 / 22.3-45.3; 1x128x960x576 10.6-13.6 / 16.5-20.0 and 12.0-12.1 / 18.2 against
+# 13.6-26.4 / 23.9-43.9 and 13.8-13.9 / 24.3; 1x128x1536x576 14.6-17.8 / 20.2-23.6 and
+# 17.0-21.0 / 22.6-26.7 against 17.4-20.4 / 28.0-31.1 and 17.8-21.1 / 28.4-32.1.  With K 960
+# and more split-K stays ahead back to back (1x128x576x960 14.5 against 15.8-23.9,
+# 1x128x576x1536 17 against 24-28), and at 96 or more 64x64 tiles (1x128x3072x576) the
+# unsplit 64x64 tile wins (26.4 against 28.8-34.4).
+SMALL_M_SLICED = Cfg("tiled", 16, 32, 4, 4, 16, 1, 1, 2)
+SMALL_M_MAX = 256  # rows (M) of the measured shapes' order
+SMALL_M_K = (256, 768)  # K range where it beat split-K
+SMALL_M_TILES = 64  # fewer 64x64 output tiles than this
 # further configurations the tuner times (candidates) besides the ladders, the ones that won
 # some workload GEMM of the sweep first: 128-invocation 32x64 tiles, K-sliced tiles (``ks``)
 STRICT_EXTRAS = (
     Cfg("tiled", 32, 64, 4, 4, 16, 1), Cfg("tiled", 32, 32, 4, 4, 16, 1, 1, 2),
     Cfg("tiled", 64, 64, 8, 4, 16, 1, 1, 2), NAMED["tiled128v"], Cfg("tiled", 64, 64, 4, 4, 32, 1),
     Cfg("tiled", 128, 128, 8, 8, 8, 1), Cfg("tiled", 64, 32, 4, 2, 16, 0),
-    Cfg("tiled", 32, 32, 2, 2, 16, 0), Cfg("tiled", 32, 64, 2, 4, 16, 0),
+    Cfg("tiled", 32, 32, 2, 2, 16, 0), Cfg("tiled", 32, 64, 2, 4, 16, 0), SMALL_M_SLICED,
 )
 # Tensor-core extras: the former ladder rungs 128x256 (eight subgroups, 218.9 TFLOP/s at 4096³
 # f32) and 128x128 with K step 64 (182.2); constant fragment offsets (option bit 32) made
@@ -370,13 +386,23 @@ def _config(k: MatmulKernel, c: _Ctx, t) -> Cfg:
     return g
 
 
+def small_m_sliced(B: int, M: int, N: int, K: int) -> bool:
+    """Whether a GEMM runs as one dispatch of ``SMALL_M_SLICED`` tiles (few rows, few output
+    tiles, moderate K); ``compile.schedule.split_k`` does not split these."""
+    return (B == 1 and GEMV_MAX < M <= SMALL_M_MAX and N > GEMV_MAX
+            and SMALL_M_K[0] <= K <= SMALL_M_K[1] and -(-M // 64) * -(-N // 64) < SMALL_M_TILES)
+
+
 def choose_config(B: int, M: int, N: int, K: int, tensor_cores: bool = False) -> Cfg:
-    """The heuristic default (what runs without a tuning cache): gemv when M or N ≤ 4, else
-    the biggest tile of the ladder that still gives ``FILL_WORKGROUPS`` workgroups (enough to
-    fill a big GPU; ``FILL_WORKGROUPS_LONG_K`` for strict tiles over 64x64 with K ≥ ``LONG_K``),
-    the smallest otherwise."""
+    """The heuristic default (what runs without a tuning cache): gemv when M or N ≤ 4, the
+    K-sliced small tile for small-M GEMMs (``small_m_sliced``), else the biggest tile of the
+    ladder that still gives ``FILL_WORKGROUPS`` workgroups (enough to fill a big GPU;
+    ``FILL_WORKGROUPS_LONG_K`` for strict tiles over 64x64 with K ≥ ``LONG_K``), the smallest
+    otherwise."""
     if min(M, N) <= GEMV_MAX:
         return GEMV
+    if small_m_sliced(B, M, N, K):
+        return SMALL_M_SLICED
     if B * -(-M // 64) * -(-N // 64) < TC_MIN_TILES:
         tensor_cores = False
     ladder = TC_LADDER if tensor_cores else STRICT_LADDER
