@@ -45,11 +45,11 @@ def _sessions(w, dev, k_range) -> dict:
 
 
 def _rows(prof, top: int = 12) -> list[dict]:
-    """The profile's matmul rows with M ≤ ``SMALL_M_MAX`` (and their split-K sums)."""
+    """The profile's matmul rows with M ≤ ``SMALL_M_ROWS[1]`` (and their split-K sums)."""
     out = []
     for r in prof.roofline():
         dims = r["label"].split()[1].split("x") if r["label"].startswith("matmul") else []
-        if len(dims) == 4 and dims[1].isdigit() and int(dims[1]) <= mm.SMALL_M_MAX:
+        if len(dims) == 4 and dims[1].isdigit() and int(dims[1]) <= mm.SMALL_M_ROWS[1]:
             out.append({k: r[k] for k in ("label", "calls", "mean_us", "tflops")})
     return sorted(out, key=lambda r: -r["mean_us"] * r["calls"])[:top]
 

@@ -105,6 +105,7 @@ def _sk(m, n, k):
     (128, 576, 960, False), (128, 576, 1536, False),  # K 960+: split-K stays
     (128, 3072, 576, False),  # 96 64x64 tiles: the unsplit 64x64 tile
     (128, 576, 128, False), (512, 576, 576, False), (4, 576, 576, False),  # K, M, gemv
+    (50, 960, 720, False), (16, 320, 320, False),  # SmolVLA's: these lost
 ])
 def test_small_m_sliced_replaces_split_k(m, n, k, sliced):
     """Small-M GEMMs of moderate K run as one dispatch of 16x32 K-sliced tiles and are not

@@ -136,10 +136,14 @@ TC_LADDER = (
 # 17.0-21.0 / 22.6-26.7 against 17.4-20.4 / 28.0-31.1 and 17.8-21.1 / 28.4-32.1.  With K 960
 # and more split-K stays ahead back to back (1x128x576x960 14.5 against 15.8-23.9,
 # 1x128x576x1536 17 against 24-28), and at 96 or more 64x64 tiles (1x128x3072x576) the
-# unsplit 64x64 tile wins (26.4 against 28.8-34.4).
+# unsplit 64x64 tile wins (26.4 against 28.8-34.4).  In whole steps (bench/small_m_ab.py, six
+# interleaved rounds, rule on / off): SmolLM2 inference 4.28 / 4.59 ms, training 12.87 /
+# 13.37 (worst round 0.968); but SmolVLA's M = 50, K = 720 GEMMs lost (inference 3.14 / 2.93
+# ms; 1x50x960x720 32.9 µs per pass against 17.7 + 8.2 split), so the rule keeps to M of 64
+# or more (16-row tiles waste less) and K up to 640.
 SMALL_M_SLICED = Cfg("tiled", 16, 32, 4, 4, 16, 1, 1, 2)
-SMALL_M_MAX = 256  # rows (M) of the measured shapes' order
-SMALL_M_K = (256, 768)  # K range where it beat split-K
+SMALL_M_ROWS = (64, 256)  # M range (measured: 128)
+SMALL_M_K = (256, 640)  # K range where it beat split-K (measured: 576)
 SMALL_M_TILES = 64  # fewer 64x64 output tiles than this
 # further configurations the tuner times (candidates) besides the ladders, the ones that won
 # some workload GEMM of the sweep first: 128-invocation 32x64 tiles, K-sliced tiles (``ks``)
@@ -389,7 +393,7 @@ def _config(k: MatmulKernel, c: _Ctx, t) -> Cfg:
 def small_m_sliced(B: int, M: int, N: int, K: int) -> bool:
     """Whether a GEMM runs as one dispatch of ``SMALL_M_SLICED`` tiles (few rows, few output
     tiles, moderate K); ``compile.schedule.split_k`` does not split these."""
-    return (B == 1 and GEMV_MAX < M <= SMALL_M_MAX and N > GEMV_MAX
+    return (B == 1 and SMALL_M_ROWS[0] <= M <= SMALL_M_ROWS[1] and N > GEMV_MAX
             and SMALL_M_K[0] <= K <= SMALL_M_K[1] and -(-M // 64) * -(-N // 64) < SMALL_M_TILES)
 
 
