@@ -86,7 +86,8 @@ class PassTimer:
 
 def configs(M: int, N: int, K: int, smoke: bool = False):
     """(Cfg, split) pairs worth timing at M x N x K: enough workgroups to fill a 132-SM GPU
-    (96-1600), 64-1024 invocations, a staged K step no longer than a chunk."""
+    (96-1600), 64-1024 invocations, a staged K step (slices x K step) of 32-128 and no longer
+    than a split-K chunk."""
     if smoke:
         return [(Cfg("tiled", 16, 32, 4, 4, 4, 1, 1, 8), 1),
                 (Cfg("tiled", 32, 32, 4, 4, 8, 1, 1, 4), 2),
@@ -104,6 +105,7 @@ def configs(M: int, N: int, K: int, smoke: bool = False):
 
 
 def heuristic(desc) -> tuple[Cfg, int]:
+    """What runs without a tuning cache: the scheduler's split and the tile of its partials."""
     s = split_k(desc)
     kc = desc.k // s
     return choose_config(s if s > 1 else 1, desc.m, desc.n, kc), s
