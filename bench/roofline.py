@@ -46,7 +46,9 @@ def markdown(results: dict, top: int) -> str:
            f"precision {results['precision']}; {results['date']}.\n"]
     for key, r in results["workloads"].items():
         out.append(f"\n## {key}: {r['gpu_ms']:.2f} ms GPU per step, {r['dispatches']} "
-                   f"dispatches, {r['weighted_pct']:.0f}% of roofline bound (time-weighted)\n")
+                   f"dispatches, {r['weighted_pct']:.0f}% of roofline bound (time-weighted)"
+                   + (f"; an empty dispatch takes {r['pass_floor_us']:.1f} µs timed this way"
+                      if r.get("pass_floor_us") is not None else "") + "\n")
         out.append("| kernel | calls | mean µs | TFLOP/s | GB/s | bound | % of bound |")
         out.append("|---|---|---|---|---|---|---|")
         for row in r["rows"][:top]:
@@ -84,6 +86,7 @@ def main(argv=None) -> None:
             key = f"{name}-{'infer' if inference else 'train'}"
             res["workloads"][key] = {"gpu_ms": prof.gpu_ms_per_step, "rows": rows,
                                      "dispatches": prof.dispatches_per_step,
+                                     "pass_floor_us": prof.pass_floor_us,
                                      "weighted_pct": weighted_pct(rows) or 0.0}
             print(f"{key:18} GPU {prof.gpu_ms_per_step:8.2f} ms/step  "
                   f"{res['workloads'][key]['weighted_pct']:5.1f}% of bound", flush=True)

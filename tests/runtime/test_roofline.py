@@ -61,3 +61,6 @@ def test_profile_reports_flops_bytes_and_bounds_per_kernel(gpu, monkeypatch):
     assert mm[0]["bytes"] == 4 * (64 * 96 + 96 * 32 + 64 * 32)
     assert mm[0]["pct_of_bound"] > 0 and mm[0]["bound"] in ("compute", "memory")
     assert "% bound" in str(prof) and "TFLOP/s" in str(prof)
+    # the empty dispatch's pass costs something, and no more than the step's median kernel
+    assert 0 < prof.pass_floor_us <= 2 * np.median([r["mean_us"] for r in rows])
+    assert f"floor of this timing: {prof.pass_floor_us:.1f} µs" in str(prof)

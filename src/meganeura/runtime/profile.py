@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import DeviceError
+from ..kernels.ir import KernelSpec
 from .executable import DispatchCommand
 from .roofline import DevicePeak, peaks_for
 
@@ -51,6 +52,7 @@ class Profile:
     dispatches_per_step: int
     events: list[dict] = field(default_factory=list)
     peak: DevicePeak | None = None
+    pass_floor_us: float | None = None  # an empty dispatch timed like the kernels
 
     @property
     def gpu_ms_per_step(self) -> float:
@@ -68,6 +70,9 @@ class Profile:
                  f"{self.step_wall_ms:.3f} ms; host encode/step: {self.encode_us_per_step:.1f} µs "
                  f"({self.encode_us_per_step / max(self.dispatches_per_step, 1):.2f} µs/dispatch)",
                  f"roofline: {self.peak.name if self.peak else 'no peaks known for this adapter'}",
+                 *([f"per-dispatch floor of this timing: {self.pass_floor_us:.1f} µs (an empty "
+                    "dispatch in its own timestamped pass: rows near it are launch-bound)"]
+                   if self.pass_floor_us is not None else []),
                  f"{'kernel':<56} {'calls':>5} {'mean µs':>9} {'total %':>7} {'TFLOP/s':>8} "
                  f"{'GB/s':>7} {'bound':>7} {'% bound':>7}"]
         for k in self.rows(25):
@@ -135,7 +140,7 @@ def profile_session(sess, steps: int, feeds: dict, inference: bool = False) -> P
                            "ts": t_cursor / 1e3, "dur": dur / 1e3})
             t_cursor += dur
     return Profile(dev.adapter_name, steps, list(times.values()), wall_ms, encode_us,
-                   len(dispatches), events, peaks_for(dev.adapter_name))
+                   len(dispatches), events, peaks_for(dev.adapter_name), _pass_floor_us(dev))
 
 
 def _warm_and_time_steps(dev, ex, steps: int) -> tuple[float, float]:
@@ -190,6 +195,40 @@ def _timestamped_steps(dev, ex, steps: int) -> list[np.ndarray]:
     ts = raw.astype(np.float64).reshape(steps, stride // 8)
     period = _timestamp_period(dev)
     return [np.maximum(t[1:2 * n:2] - t[0:2 * n:2], 0.0) * period for t in ts]
+
+
+FLOOR_PASSES = 32
+_FLOOR_SPEC = KernelSpec(
+    name="profile_floor", n_bindings=1, workgroups=(1, 1, 1),
+    wgsl="@group(0) @binding(0) var<storage, read_write> out: array<u32>;\n"
+         "@compute @workgroup_size(1) fn main() { out[0] = out[0] + 1u; }\n")
+
+
+def _pass_floor_us(dev) -> float:
+    """Median µs of a one-invocation dispatch in its own timestamped pass, timed as the
+    kernels are: what every row includes for the pass around it (H200, Dawn: 8.2 µs,
+    docs/benchmarks.md, fourteenth session), so a small kernel's row is read against it."""
+    import wgpu
+
+    n = FLOOR_PASSES
+    qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * n)
+    resolve = dev.device.create_buffer(size=16 * n, usage=wgpu.BufferUsage.QUERY_RESOLVE
+                                       | wgpu.BufferUsage.COPY_SRC)
+    pipe, buf = dev.pipeline(_FLOOR_SPEC), dev.create_buffer(4, label="profile_floor")
+    bg = dev.bind_group(_FLOOR_SPEC, [buf])
+    enc = dev.device.create_command_encoder()
+    for i in range(n):
+        cp = enc.begin_compute_pass(timestamp_writes={
+            "query_set": qs, "beginning_of_pass_write_index": 2 * i,
+            "end_of_pass_write_index": 2 * i + 1})
+        cp.set_pipeline(pipe)
+        cp.set_bind_group(0, bg)
+        cp.dispatch_workgroups(1, 1, 1)
+        cp.end()
+    enc.resolve_query_set(qs, 0, 2 * n, resolve, 0)
+    dev.queue.submit([enc.finish()])
+    t = np.frombuffer(dev.read_buffer(resolve, 0, 16 * n), dtype=np.uint64).astype(np.float64)
+    return float(np.median(np.maximum(t[1::2] - t[0::2], 0.0))) * _timestamp_period(dev) / 1e3
 
 
 def _timestamp_period(dev) -> float:
