@@ -1,24 +1,15 @@
 """bench/matmul_bench.py: the ``--cfg-ab`` configuration list and the interleaved timing loop
 (on this device with strict tiles; the tensor-core configurations need Dawn)."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-BENCH = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from ._util import load_bench
 
 
 @pytest.fixture
 def mb():
-    sys.path.insert(0, BENCH)
-    try:
-        import matmul_bench
-
-        yield matmul_bench
-    finally:
-        sys.path.remove(BENCH)
+    return load_bench("matmul_bench")
 
 
 def test_parse_cfgs(mb):

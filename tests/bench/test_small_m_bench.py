@@ -2,25 +2,17 @@
 scheduler builds it, the per-pass timer against the back-to-back one on this device, and the
 A/B's switch and profile-row filter."""
 
-import os
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-BENCH = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from ._util import load_bench
 
 
 @pytest.fixture
 def sm():
-    sys.path.insert(0, BENCH)
-    try:
-        import small_m_bench
-
-        yield small_m_bench
-    finally:
-        sys.path.remove(BENCH)
+    return load_bench("small_m_bench")
 
 
 def test_configs_keep_to_their_bounds(sm):
@@ -65,11 +57,7 @@ def test_pass_timer_and_split_calls_compute_the_product(sm, gpu):
 
 
 def test_ab_switch_and_rows():
-    sys.path.insert(0, BENCH)
-    try:
-        import small_m_ab
-    finally:
-        sys.path.remove(BENCH)
+    small_m_ab = load_bench("small_m_ab")
     from meganeura.kernels import matmul as mm
 
     saved = mm.SMALL_M_K

@@ -179,13 +179,7 @@ def _timestamped_steps(dev, ex, steps: int) -> list[np.ndarray]:
         i = 0
         for cmd in ex.commands:
             if isinstance(cmd, DispatchCommand):
-                cp = enc.begin_compute_pass(timestamp_writes={
-                    "query_set": qs, "beginning_of_pass_write_index": 2 * i,
-                    "end_of_pass_write_index": 2 * i + 1})
-                cp.set_pipeline(cmd.pipeline)
-                cp.set_bind_group(0, cmd.bind_group)
-                cp.dispatch_workgroups(*cmd.workgroups)
-                cp.end()
+                _timed_pass(enc, qs, i, cmd.pipeline, cmd.bind_group, cmd.workgroups)
                 i += 1
             else:
                 cmd.record(enc)
@@ -195,6 +189,18 @@ def _timestamped_steps(dev, ex, steps: int) -> list[np.ndarray]:
     ts = raw.astype(np.float64).reshape(steps, stride // 8)
     period = _timestamp_period(dev)
     return [np.maximum(t[1:2 * n:2] - t[0:2 * n:2], 0.0) * period for t in ts]
+
+
+def _timed_pass(enc, qs, i: int, pipeline, bind_group, workgroups) -> None:
+    """One dispatch in its own compute pass, timestamps at its begin and end into query slots
+    2i and 2i + 1 of ``qs``: how every row of the profile (and its floor) is timed."""
+    cp = enc.begin_compute_pass(timestamp_writes={
+        "query_set": qs, "beginning_of_pass_write_index": 2 * i,
+        "end_of_pass_write_index": 2 * i + 1})
+    cp.set_pipeline(pipeline)
+    cp.set_bind_group(0, bind_group)
+    cp.dispatch_workgroups(*workgroups)
+    cp.end()
 
 
 FLOOR_PASSES = 32
@@ -218,13 +224,7 @@ def _pass_floor_us(dev) -> float:
     bg = dev.bind_group(_FLOOR_SPEC, [buf])
     enc = dev.device.create_command_encoder()
     for i in range(n):
-        cp = enc.begin_compute_pass(timestamp_writes={
-            "query_set": qs, "beginning_of_pass_write_index": 2 * i,
-            "end_of_pass_write_index": 2 * i + 1})
-        cp.set_pipeline(pipe)
-        cp.set_bind_group(0, bg)
-        cp.dispatch_workgroups(1, 1, 1)
-        cp.end()
+        _timed_pass(enc, qs, i, pipe, bg, _FLOOR_SPEC.workgroups)
     enc.resolve_query_set(qs, 0, 2 * n, resolve, 0)
     dev.queue.submit([enc.finish()])
     t = np.frombuffer(dev.read_buffer(resolve, 0, 16 * n), dtype=np.uint64).astype(np.float64)
