@@ -151,7 +151,7 @@ STRICT_EXTRAS = (
     Cfg("tiled", 32, 64, 4, 4, 16, 1), Cfg("tiled", 32, 32, 4, 4, 16, 1, 1, 2),
     Cfg("tiled", 64, 64, 8, 4, 16, 1, 1, 2), NAMED["tiled128v"], Cfg("tiled", 64, 64, 4, 4, 32, 1),
     Cfg("tiled", 128, 128, 8, 8, 8, 1), Cfg("tiled", 64, 32, 4, 2, 16, 0),
-    Cfg("tiled", 32, 32, 2, 2, 16, 0), Cfg("tiled", 32, 64, 2, 4, 16, 0), SMALL_M_SLICED,
+    Cfg("tiled", 32, 32, 2, 2, 16, 0), Cfg("tiled", 32, 64, 2, 4, 16, 0),
 )
 # Tensor-core extras: the former ladder rungs 128x256 (eight subgroups, 218.9 TFLOP/s at 4096³
 # f32) and 128x128 with K step 64 (182.2); constant fragment offsets (option bit 32) made
