@@ -21,13 +21,14 @@ import meganeura as mn  # noqa: E402
 from meganeura import optim  # noqa: E402
 
 
-def profile_workload(w, dev, precision: str, inference: bool, steps: int):
+def profile_workload(w, dev, precision: str, inference: bool, steps: int,
+                     repeats: int | None = None):
     kw = dict(outputs=w.outputs) if inference else dict(
         loss=w.loss, optimizer=optim.SGD(lr=1e-4))
     sess = mn.compile(w.graph, precision=precision, device=dev, **kw)
     sess.set_params(w.params)
     feeds = sess.program.inference_feeds() if inference else sess.program.feeds
-    return sess.profile(steps=steps, inference=inference,
+    return sess.profile(steps=steps, inference=inference, repeats=repeats,
                         **{k: v for k, v in w.feeds.items() if k in feeds})
 
 
@@ -47,15 +48,31 @@ def markdown(results: dict, top: int) -> str:
     for key, r in results["workloads"].items():
         out.append(f"\n## {key}: {r['gpu_ms']:.2f} ms GPU per step, {r['dispatches']} "
                    f"dispatches, {r['weighted_pct']:.0f}% of roofline bound (time-weighted)"
-                   + (f"; an empty dispatch takes {r['pass_floor_us']:.1f} µs timed this way"
-                      if r.get("pass_floor_us") is not None else "") + "\n")
-        out.append("| kernel | calls | mean µs | TFLOP/s | GB/s | bound | % of bound |")
-        out.append("|---|---|---|---|---|---|---|")
+                   + _floor_note(r) + "\n")
+        out.append("| kernel | calls | µs in stream | µs alone | TFLOP/s | GB/s | bound | "
+                   "% of bound |")
+        out.append("|---|---|---|---|---|---|---|---|")
         for row in r["rows"][:top]:
             pct = "" if row["pct_of_bound"] is None else f"{row['pct_of_bound']:.0f}"
-            out.append(f"| `{row['label'][:70]}` | {row['calls']} | {row['mean_us']:.1f} | "
-                       f"{row['tflops']:.2f} | {row['gbps']:.0f} | {row['bound']} | {pct} |")
+            est = "~" if row.get("estimated") else ""
+            out.append(f"| `{row['label'][:70]}` | {row['calls']} | {row['mean_us']:.1f}{est} | "
+                       f"{row.get('alone_us', row['mean_us']):.1f} | {row['tflops']:.2f} | "
+                       f"{row['gbps']:.0f} | {row['bound']} | {pct} |")
+        if r.get("split_k"):
+            out.append("\n| split-K GEMM (partials + sum) | calls | µs in stream | TFLOP/s |")
+            out.append("|---|---|---|---|")
+            out += [f"| `{g['label'][:70]}` | {g['calls']} | {g['mean_us']:.1f} | "
+                    f"{g['tflops']:.2f} |" for g in r["split_k"][:top]]
     return "\n".join(out) + "\n"
+
+
+def _floor_note(r: dict) -> str:
+    if r.get("pass_floor_us") is None:
+        return ""
+    if r.get("stream_floor_us") is None or not r.get("repeats"):
+        return f"; an empty dispatch takes {r['pass_floor_us']:.1f} µs timed this way"
+    return (f"; an empty dispatch: {r['stream_floor_us']:.1f} µs in stream, "
+            f"{r['pass_floor_us']:.1f} µs alone in its pass (~: in place, estimated)")
 
 
 def main(argv=None) -> None:
@@ -73,6 +90,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--inference", action="store_true")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="in-stream timing repeats (Session.profile; 0: alone times only)")
     a = p.parse_args(argv)
     dev = get_device(a.impl)
     res = {"device": dev.adapter_name, "impl": a.impl, "precision": a.precision,
@@ -81,12 +100,17 @@ def main(argv=None) -> None:
     for name in a.workloads.split(","):
         w = WORKLOADS[name](quick=False, variant="main")
         for inference in ((False, True) if a.inference else (False,)):
-            prof = profile_workload(w, dev, a.precision, inference, a.steps)
+            prof = profile_workload(w, dev, a.precision, inference, a.steps, a.repeats)
             rows = prof.roofline()
             key = f"{name}-{'infer' if inference else 'train'}"
             res["workloads"][key] = {"gpu_ms": prof.gpu_ms_per_step, "rows": rows,
                                      "dispatches": prof.dispatches_per_step,
                                      "pass_floor_us": prof.pass_floor_us,
+                                     "stream_floor_us": prof.stream_floor_us,
+                                     "repeats": prof.repeats,
+                                     "alone_ms": prof.alone_ms_per_step,
+                                     "wall_ms": prof.step_wall_ms,
+                                     "split_k": prof.split_k_groups(),
                                      "weighted_pct": weighted_pct(rows) or 0.0}
             print(f"{key:18} GPU {prof.gpu_ms_per_step:8.2f} ms/step  "
                   f"{res['workloads'][key]['weighted_pct']:5.1f}% of bound", flush=True)

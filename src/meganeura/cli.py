@@ -77,6 +77,7 @@ def _float_at_least(low: float, inclusive: bool):
 
 
 _positive_int = _int_at_least(1)
+_nonnegative_int = _int_at_least(0)
 
 
 def _fraction(text: str) -> float:
@@ -451,7 +452,7 @@ def cmd_profile(args) -> int:
     m = _model(args.model, args.batch_size)
     sess = compile(m.graph, loss=m.loss, optimizer=_optimizer(args, 100), backend=args.backend)
     xb, yb = xtr[: args.batch_size], ytr[: args.batch_size]
-    table = sess.profile(steps=args.steps, x=xb, y=yb.astype(np.int32))
+    table = sess.profile(steps=args.steps, repeats=args.repeats, x=xb, y=yb.astype(np.int32))
     print(table)
     if args.trace:
         sess.export_trace(args.trace)
@@ -850,6 +851,10 @@ def _parser() -> argparse.ArgumentParser:
                         formatter_class=_HelpFormatter)
     _add_common(pp)
     pp.add_argument("--steps", type=_positive_int, default=10, help="training steps to time")
+    pp.add_argument("--repeats", type=_nonnegative_int, default=None,
+                    help="back-to-back copies of each kernel beyond the first in its timed "
+                    "pass, for its in-stream time (default 7; 0: each kernel alone in its "
+                    "pass, pass overhead included)")
     pp.add_argument("--backend", type=_backend(False), default=None,
                     help="wgpu | dawn | auto (default: $MEGANEURA_WEBGPU, else wgpu)")
     pp.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")

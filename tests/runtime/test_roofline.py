@@ -7,7 +7,11 @@ import numpy as np
 import pytest
 
 import meganeura as mn
-from meganeura.runtime.profile import KernelTime
+from meganeura import optim
+from meganeura.compile.executable import Dispatch, Loc
+from meganeura.kernels.ir import KernelSpec
+from meganeura.models.mlp import mlp_classifier
+from meganeura.runtime.profile import REPEATS, KernelTime, Profile, repeatable
 from meganeura.runtime.roofline import DevicePeak, peaks_for
 
 PEAK = DevicePeak("test", f32_flops=10e12, f16_tensor_flops=100e12, bandwidth=1e12)
@@ -62,5 +66,71 @@ def test_profile_reports_flops_bytes_and_bounds_per_kernel(gpu, monkeypatch):
     assert mm[0]["pct_of_bound"] > 0 and mm[0]["bound"] in ("compute", "memory")
     assert "% bound" in str(prof) and "TFLOP/s" in str(prof)
     # the empty dispatch's pass costs something, and no more than the step's median kernel
-    assert 0 < prof.pass_floor_us <= 2 * np.median([r["mean_us"] for r in rows])
-    assert f"floor of this timing: {prof.pass_floor_us:.1f} µs" in str(prof)
+    assert 0 < prof.pass_floor_us <= 2 * np.median([r["alone_us"] for r in rows])
+    assert 0 <= prof.stream_floor_us < prof.pass_floor_us
+    assert f"an empty dispatch: {prof.stream_floor_us:.1f} µs in stream, " \
+           f"{prof.pass_floor_us:.1f} µs alone" in str(prof)
+    # in stream, the pass's own cost is gone: the matmul takes less than alone in its pass
+    assert 0 < mm[0]["mean_us"] < mm[0]["alone_us"] and not mm[0]["estimated"]
+    alone = s.profile(steps=2, inference=True, repeats=0, x=np.ones((64, 96), np.float32))
+    assert alone.repeats == 0 and alone.gpu_ms_per_step == alone.alone_ms_per_step
+    assert f"floor of this timing: {alone.pass_floor_us:.1f} µs" in str(alone)
+    with pytest.raises(ValueError, match="repeats must be an int >= 0, got -1"):
+        s.profile(steps=1, inference=True, repeats=-1, x=np.ones((64, 96), np.float32))
+
+
+def _dispatch(binds, inplace=()):
+    return Dispatch("k", KernelSpec("k", "", len(binds), (1, 1, 1)), tuple(binds), inplace)
+
+
+def test_only_dispatches_without_read_written_ranges_repeat():
+    a, b = Loc("temp", "", 0, 64), Loc("temp", "", 64, 64)
+    assert repeatable(_dispatch([a, b]))
+    assert repeatable(_dispatch([a, Loc("param", "w", 0, 64)]))
+    assert not repeatable(_dispatch([a, b], inplace=(1,)))  # an in-place update
+    assert not repeatable(_dispatch([a, Loc("temp", "", 32, 64)]))  # ranges overlap
+    assert repeatable(_dispatch([a, Loc("out", "y", 0, 64)]))  # same offsets, other buffer
+
+
+def test_a_repeated_timing_step_equals_a_plain_step(gpu):
+    """The in-stream timing dispatches every repeatable kernel 8 times: the step must still
+    leave exactly the parameters and optimizer state of one plain step (AdamW's in-place
+    updates are the dispatches that must not repeat)."""
+    from meganeura.runtime.profile import _timestamped_steps
+
+    m = mlp_classifier(16, in_dim=24, hidden=(32,), classes=5)
+    sessions = []
+    for _ in range(2):
+        s = mn.compile(m.graph, loss=m.loss, optimizer=optim.AdamW(lr=1e-2, weight_decay=0.1))
+        s.init_params(seed=3)
+        s.train.pinned.materialize()
+        rng = np.random.default_rng(0)
+        s._upload_feeds({"x": rng.standard_normal((16, 24)).astype(np.float32),
+                         "y": rng.integers(0, 5, 16).astype(np.int32)})
+        sessions.append(s)
+    timed, plain = sessions
+    reps = [REPEATS if repeatable(d) else 0 for d in timed.train.stream.dispatches]
+    assert 0 < reps.count(0) < len(reps)
+    _timestamped_steps(timed.dev, timed.train, 1, reps)
+    plain.dev.queue.submit([plain.train.encode()])
+    for get in ("get_params", "get_state"):
+        got, want = getattr(timed, get)(), getattr(plain, get)()
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_split_k_partials_and_sum_count_as_one_gemm():
+    part = KernelTime("matmul 1x8x8x64 [split-K 4]", calls=2, total_ns=6e3, flops=8192,
+                      alone_ns=20e3)
+    red = KernelTime("matmul 1x8x8x64 [split-K sum] +relu", calls=2, total_ns=2e3,
+                     estimated=True)
+    other = KernelTime("matmul 1x8x8x8", calls=2, total_ns=1e3, flops=1024)
+    prof = Profile("d", 2, [part, red, other], 1.0, 1.0, 3)
+    (g,) = prof.split_k_groups()
+    assert (g["label"], g["calls"], g["dispatches"], g["estimated"]) == \
+        ("matmul 1x8x8x64", 2, 2, True)
+    assert g["mean_us"] == pytest.approx(4.0)  # (6 + 2) µs over 2 calls
+    assert g["tflops"] == pytest.approx(8192 / 4e-6 / 1e12)
+    assert "split-K GEMMs, partials + sum per call" in str(prof)
+    assert prof.alone_ms_per_step == pytest.approx(0.01)

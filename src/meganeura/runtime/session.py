@@ -404,13 +404,17 @@ class GPUSession(Session):
                                  for lf in leaves if lf.kind == "input")
         return rep
 
-    def profile(self, steps: int = 10, inference: bool = False, **feeds):
+    def profile(self, steps: int = 10, inference: bool = False, repeats: int | None = None,
+                **feeds):
         """Per-kernel GPU times (timestamp queries) over ``steps`` steps; returns a Profile
-        whose ``str`` is a table.  Profiling runs the kernels but applies no updates twice:
-        the parameters do change, as in ``steps`` real steps."""
-        from .profile import profile_session
+        whose ``str`` is a table.  Each kernel's time is its in-stream cost, from passes that
+        dispatch it 1 and 1 + ``repeats`` times (default ``profile.REPEATS``; 0 times each
+        dispatch alone in its pass only, pass overhead included).  Profiling runs the kernels
+        but applies no updates twice: the parameters do change, as in real steps."""
+        from .profile import REPEATS, profile_session
 
-        self._last_profile = profile_session(self, steps, feeds, inference)
+        reps = REPEATS if repeats is None else repeats
+        self._last_profile = profile_session(self, steps, feeds, inference, reps)
         return self._last_profile
 
     def export_trace(self, path: str) -> None:
