@@ -44,6 +44,15 @@ TILES = ((16, 32, 4, 4), (32, 32, 4, 4), (16, 64, 4, 4), (32, 16, 4, 4), (32, 64
 SLICES = (1, 2, 4, 8)
 STEPS = (8, 16, 32, 64)
 SPLITS = (1, 2, 3)
+# ``--wide`` (fifteenth session): what the profile's in-stream column (1 + R back-to-back
+# dispatches, like "b2b" here) asks at K >= 960: many splits of short chunks, staged steps from
+# 16, and the 64x64 tile the heuristic picks for split partials
+WIDE = {"tiles": ((16, 32, 4, 4), (32, 32, 4, 4), (32, 64, 4, 4), (64, 32, 4, 4),
+                  (64, 64, 4, 4), (64, 64, 8, 4)),
+        "slices": (1, 2), "steps": (8, 16, 32),
+        "splits": (2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20, 24), "staged": (16, 64)}
+NARROW = {"tiles": TILES, "slices": SLICES, "steps": STEPS, "splits": SPLITS,
+          "staged": (32, 128)}
 
 
 class PassTimer:
@@ -84,21 +93,23 @@ class PassTimer:
         return float(np.median([self.once(seq) for _ in range(3)]))
 
 
-def configs(M: int, N: int, K: int, smoke: bool = False):
+def configs(M: int, N: int, K: int, smoke: bool = False, space: dict = NARROW):
     """(Cfg, split) pairs worth timing at M x N x K: enough workgroups to fill a 132-SM GPU
-    (96-1600), 64-1024 invocations, a staged K step (slices x K step) of 32-128 and no longer
-    than a split-K chunk."""
+    (96-1600), 64-1024 invocations, a staged K step (slices x K step) within
+    ``space["staged"]`` (32-128) and no longer than a split-K chunk."""
     if smoke:
         return [(Cfg("tiled", 16, 32, 4, 4, 4, 1, 1, 8), 1),
                 (Cfg("tiled", 32, 32, 4, 4, 8, 1, 1, 4), 2),
                 (Cfg("tiled", 16, 32, 4, 4, 8, 1, 1, 2), 1), (Cfg("tiled", 64, 64, 8, 4, 16, 1), 2)]
     out = []
-    for (tm, tn, rm, rn), ks, bk, s in itertools.product(TILES, SLICES, STEPS, SPLITS):
+    lo, hi = space["staged"]
+    for (tm, tn, rm, rn), ks, bk, s in itertools.product(
+            space["tiles"], space["slices"], space["steps"], space["splits"]):
         threads = ks * (tm // rm) * (tn // rn)
         wgs = s * -(-M // tm) * -(-N // tn)
         if K % s or not 64 <= threads <= 1024 or not 96 <= wgs <= 1600 or ks * bk > K // s:
             continue
-        if ks * bk < 32 or ks * bk > 128:  # staged steps of 32-128 along K
+        if not lo <= ks * bk <= hi:  # the staged step along K
             continue
         out.append((Cfg("tiled", tm, tn, rm, rn, bk, 1, 1, ks), s))
     return out
@@ -118,12 +129,13 @@ def calls_for(dev, desc, bufs, g: Cfg, s: int):
     return _split_calls(dev, desc, bufs, s, emit)
 
 
-def bench_shape(dev, timers, rng, shape: str, b_nk: bool, budget: float, smoke: bool):
+def bench_shape(dev, timers, rng, shape: str, b_nk: bool, budget: float, smoke: bool,
+                space: dict = NARROW):
     M, N, K = (int(x) for x in shape.split("x"))
     desc, bufs, ref, rows = _problem(dev, rng, M, N, K, False, b_nk)
     flops, res, t_end = 2 * M * N * K, [], time.perf_counter() + budget
     hg, hs = heuristic(desc)
-    todo = [(hg, hs, True)] + [(g, s, False) for g, s in configs(M, N, K, smoke)
+    todo = [(hg, hs, True)] + [(g, s, False) for g, s in configs(M, N, K, smoke, space)
                                if (g, s) != (hg, hs)]
     label = f"1x{M}x{N}x{K} B {'nk' if b_nk else 'kn'}"
     timers[0].warm(calls_for(dev, desc, bufs, hg, hs), 0.5)
@@ -154,6 +166,10 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per shape and layout")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--wide", action="store_true", help="the WIDE space (many splits)")
+    ap.add_argument("--sort", choices=("pass", "b2b"), default="pass",
+                    help="rank each shape's best by per-pass time (the profile with "
+                    "repeats=0) or back-to-back time (its in-stream column)")
     ap.add_argument("--out")
     a = ap.parse_args()
     dev = get_device(a.impl)
@@ -165,8 +181,10 @@ def main() -> None:
     lines = [f"device {dev.adapter_name} ({a.impl}); per-pass floor (8x8x8 matmul) "
              f"{floor * 1e6:.1f} µs"]
     for shape, lay in itertools.product(shapes, a.layouts.split(",")):
-        label, flops, res = bench_shape(dev, timers, rng, shape, lay == "nk", a.budget, a.smoke)
-        ok = sorted(r for r in res if r[3] < 1e-4)
+        label, flops, res = bench_shape(dev, timers, rng, shape, lay == "nk", a.budget, a.smoke,
+                                        WIDE if a.wide else NARROW)
+        ok = sorted((r for r in res if r[3] < 1e-4), key=lambda r: r[1] if a.sort == "b2b"
+                    else r[0])
         bad = [r[2] for r in res if not r[3] < 1e-4]
         lines.append(f"== {label}" + (f" ({len(bad)} WRONG: {', '.join(bad[:4])})" if bad else ""))
         lines += [f"  {n:44} per-pass {tp * 1e6:7.1f} µs {flops / tp / 1e12:6.2f} TFLOP/s  "
