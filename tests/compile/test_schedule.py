@@ -243,6 +243,32 @@ def test_head_concats_are_written_in_place_even_nested(gpu):
     np.testing.assert_allclose(s.run()["out"], want, rtol=1e-5)
 
 
+def test_plain_split_k_sums_are_vec4_pointwise_kernels(gpu, monkeypatch):
+    """A split-K sum without an epilogue is a pointwise kernel over the partials' views
+    (``SPLIT_SUM_POINTWISE``: vec4 where the output allows, scalar otherwise), the reduction
+    when switched off; both give the float64 reference."""
+    from meganeura import ops, reference
+    from meganeura.compile import schedule
+
+    rng = np.random.default_rng(4)
+    for m, n, vec in ((8, 12, True), (6, 5, False)):  # 96 outputs: vec4; 30: scalar
+        g = mn.Graph()
+        a, b = g.param("a", (m, 3000)), g.param("b", (n, 3000))
+        y = ops.matmul(a, b, transpose_b=True)
+        env = {"a": rng.normal(size=(m, 3000)).astype(np.float32),
+               "b": rng.normal(size=(n, 3000)).astype(np.float32)}
+        want = reference.evaluate(g, [y], env, np.float64)[0]
+        for pointwise in (True, False):
+            monkeypatch.setattr(schedule, "SPLIT_SUM_POINTWISE", pointwise)
+            sess = mn.compile(g, outputs={"y": y})
+            (d,) = [d for d in sess.infer.stream.dispatches if "[split-K sum]" in d.label]
+            kind = d.spec.meta.get("archetype")
+            assert kind == ("pointwise" if pointwise else "reduce"), (kind, d.spec.meta)
+            assert ("x4" in d.spec.meta.get("label_tag", "")) == (pointwise and vec), d.spec.meta
+            sess.set_params(env)
+            np.testing.assert_allclose(sess.run()["y"], want, rtol=1e-4, atol=1e-3)
+
+
 def test_split_k_counts_64x64_tiles_to_three_per_sm():
     """GEMMs of 64+ 64x64 tiles but few 128x128 ones split K until SPLIT_K_FILL 64x64 tiles,
     and the split batch then runs on 64x64 tiles (choose_config): Whisper's long-K GEMMs get 3

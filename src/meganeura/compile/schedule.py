@@ -336,8 +336,7 @@ class _Planner:
         self.emit(dataclasses.replace(desc, out_dtype=acc), bases, [tmp],
                   f"{label} [split-K {desc.split_k}]")
         if epilogue is None:
-            self.emit(_split_k_sum(tmp, out.dtype, "splitk_sum"), [tmp], [out],
-                      f"{label} [split-K sum]")
+            self._split_k_plain_sum(tmp, out, f"{label} [split-K sum]")
             return
         instrs, extras, ebases, ops = epilogue
         red = _split_k_sum(tmp, out.dtype, "splitk_sum_ep", instrs, tuple(extras))
@@ -547,7 +546,18 @@ class _Planner:
             self.emit(desc, bases, [v], label)
             return
         tmp, label = self._split_k_partials(desc, bases, v)
-        self.emit(_split_k_sum(tmp, v.dtype, "splitk_sum"), [tmp], [v], f"{label} [split-K sum]")
+        self._split_k_plain_sum(tmp, v, f"{label} [split-K sum]")
+
+    def _split_k_plain_sum(self, tmp: Value, out: Value, label: str) -> None:
+        """Split-K partials ``tmp`` (split, *out.shape) added in order into ``out``: as a
+        pointwise kernel over the ``split`` views of ``tmp`` (vec4 loads, four outputs per
+        invocation) where ``SPLIT_SUM_POINTWISE`` and ``out`` is f32, else as the reduction
+        over the split axis (one output per invocation) that also serves epilogues."""
+        if SPLIT_SUM_POINTWISE and out.dtype == tmp.dtype == f32:
+            self.emit(split_k_sum_pointwise(tmp.dtype, tmp.shape), [tmp] * tmp.shape[0], [out],
+                      label)
+        else:
+            self.emit(_split_k_sum(tmp, out.dtype, "splitk_sum"), [tmp], [out], label)
 
     def _split_k_partials(self, desc, bases, v: Value):
         """Few output tiles and a long K (weight gradients, small-M GEMMs): K split into
@@ -764,6 +774,22 @@ def split_k(desc: ir.MatmulKernel) -> int:
         if desc.k % s == 0:
             return s
     return 1
+
+
+SPLIT_SUM_POINTWISE = True  # plain split-K sums as vec4 pointwise kernels (bench/splitk_sum_bench)
+
+
+def split_k_sum_pointwise(dtype, tmp_shape) -> ir.PointwiseKernel:
+    """Partials of ``tmp_shape`` (split, *shape) summed over the first axis in split order, as
+    a pointwise kernel whose input ``j`` is partial ``j`` (a view at element offset j·size)."""
+    split, shape = tmp_shape[0], tuple(tmp_shape[1:])
+    size = int(np.prod(shape, dtype=np.int64))
+    strides = ir.contiguous_strides(shape)
+    views = tuple(ir.Strided(dtype, shape, strides, j * size, split * size)
+                  for j in range(split))
+    instrs = [ir.Instr("{0}", (("in", 0),), dtype)]
+    instrs += [ir.Instr("({0} + {1})", (("t", j - 1), ("in", j)), dtype) for j in range(1, split)]
+    return ir.PointwiseKernel(shape, views, tuple(instrs), (split - 1,), name="splitk_sum")
 
 
 def _split_k_sum(tmp: Value, out_dtype, name: str, epilogue=(), extra=()) -> ir.ReduceKernel:
