@@ -186,3 +186,24 @@ def test_concat_of_one_buffer_twice(run, rng):
     x = rng.standard_normal(37).astype(np.float32)
     (y,) = run(_concat(), [x, x], [((74,), f32)], alias=(0, 0, 2))
     np.testing.assert_array_equal(y, np.concatenate([x, x]))
+
+
+def test_limit_counts_shared_ranges_once(run, rng):
+    """The storage-buffer limit counts declared bindings, not slots: the split-K sum of 16
+    partials reads 16 views of one temp (17 slots, 2 ranges), which must emit under WebGPU's
+    default of 8 (Dawn on the H200 allows 16: counting slots failed Whisper's 16-way sum) and
+    sum the partials in order; unshared, the same slots exceed the limit."""
+    from meganeura.compile.schedule import split_k_sum_pointwise
+    from meganeura.errors import LimitError
+
+    desc = split_k_sum_pointwise(f32, (16, 3, 8))
+    alias = (0,) * 16 + (16,)
+    assert _emit(desc, alias).n_bindings == 2
+    with pytest.raises(LimitError, match="17 storage buffers"):
+        _emit(desc)
+    tmp = rng.standard_normal((16, 3, 8)).astype(np.float32)
+    (y,) = run(desc, [tmp] * 16, [((3, 8), f32)], alias=alias)
+    want = tmp[0].copy()
+    for j in range(1, 16):
+        want = want + tmp[j]  # f32, in split order
+    np.testing.assert_array_equal(y, want)

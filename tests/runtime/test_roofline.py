@@ -125,9 +125,12 @@ def test_split_k_partials_and_sum_count_as_one_gemm():
                       alone_ns=20e3)
     red = KernelTime("matmul 1x8x8x64 [split-K sum] +relu", calls=2, total_ns=2e3,
                      estimated=True)
+    vec = KernelTime("matmul x4 1x8x8x32 [split-K sum]", calls=2, total_ns=2e3)  # the vec4 sum
+    part2 = KernelTime("matmul 1x8x8x32 [split-K 2]", calls=2, total_ns=4e3, flops=4096)
     other = KernelTime("matmul 1x8x8x8", calls=2, total_ns=1e3, flops=1024)
-    prof = Profile("d", 2, [part, red, other], 1.0, 1.0, 3)
-    (g,) = prof.split_k_groups()
+    prof = Profile("d", 2, [part, red, other, vec, part2], 1.0, 1.0, 5)
+    g, g2 = prof.split_k_groups()
+    assert (g2["label"], g2["dispatches"], g2["mean_us"]) == ("matmul 1x8x8x32", 2, 3.0)
     assert (g["label"], g["calls"], g["dispatches"], g["estimated"]) == \
         ("matmul 1x8x8x64", 2, 2, True)
     assert g["mean_us"] == pytest.approx(4.0)  # (6 + 2) µs over 2 calls

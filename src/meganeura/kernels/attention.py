@@ -1304,7 +1304,7 @@ def emit(k: AttentionKernel, limits=None, features=None, alias=None) -> KernelSp
     g.k = k
     if g.dt not in (f32, f16):
         raise CodegenError(f"kernel {k.name!r}: attention of {g.dt.name} tensors")
-    check_bindings(k.name, len(g.dts), t)
+    check_bindings(k.name, g.bd.n, t)
     uses_f16 = check_dtypes(k.name, g.dts, t) or fast
     body = {"fwd": AF.fast_body if fast else _fwd_kernel, "dq": _dq_kernel,
             "dkdv": _dkdv_kernel}.get(k.kind)

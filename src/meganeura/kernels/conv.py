@@ -951,7 +951,7 @@ def _emit_gemm(gm: _Gemm, t) -> tuple[list[str], list[str], int, object, set, in
 
 def _module(name, bd, extra_dts, gemm, t, meta) -> KernelSpec:
     body, shared, nbytes, grid, helpers, nth, vec4 = gemm
-    check_bindings(name, len(bd.dtypes), t)
+    check_bindings(name, bd.n, t)
     uses_f16 = check_dtypes(name, bd.dtypes + list(extra_dts), t)
     # operands read as vec4 (ST >= 3) are declared as arrays of vec4 (``_quad_ok``)
     decls = [ln.replace(": array<f32>;", ": array<vec4<f32>>;")

@@ -255,7 +255,7 @@ def emit_dynamic_slice(k: DynamicSliceKernel, limits=None, features=None,
         shape = tuple(x.shape)
     total = prod(shape)
     bd = Bindings([dt, sdt, dt] if upd is None else [dt, dt, sdt, dt], alias)
-    check_bindings(name, len(bd.dtypes), t)
+    check_bindings(name, bd.n, t)
     uses_f16 = check_dtypes(name, [dt], t)
     check_binding_size(name, "output", total, dt, t)
     grid = make_grid(name, -(-max(total, 1) // WG), t)

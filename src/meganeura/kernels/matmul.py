@@ -252,11 +252,11 @@ def emit(k: MatmulKernel, limits=None, features=None, alias=None) -> KernelSpec:
     out_dt: DType = k.out_dtype or res_dt
     check_binding_size(name, "output", B * M * N, out_dt, t)
     n_in = 2 + len(k.extra)
-    check_bindings(name, n_in + 1, t)
     dts = [op_dt, op_dt] + [s.dtype for s in k.extra] + [out_dt]
     uses_f16 = check_dtypes(name, dts + [i.dtype for i in k.epilogue], t)
 
     bd = Bindings(dts, alias)
+    check_bindings(name, bd.n, t)
     ctx = _Ctx(name, B, M, N, K, a, sa, b, sb, k, xs, op_dt, acc_t, out_dt, n_in, bd)
     g = _config(k, ctx, t)
     ops = []

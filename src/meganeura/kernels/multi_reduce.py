@@ -166,10 +166,10 @@ class _Chain(_Reduce):
                 slots.append(len(bind) if f else None)
                 bind += [dt] if f else []
             self.slots.append(slots)
-        check_bindings(name, len(bind), t)
         instrs = [i for m in k.members for i in m.prologue + m.epilogue + m.post]
         self.uses_f16 = check_dtypes(name, bind + [i.dtype for i in instrs], t)
         self.bd = Bindings(bind, alias)
+        check_bindings(name, self.bd.n, t)
         self.used = sorted({i for m in k.members for i in _used(m.prologue, "in", self.n_in,
                                                                 "prologue reads input", name)})
         self.used_p = sorted({i for m in k.members

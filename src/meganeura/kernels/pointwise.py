@@ -237,7 +237,7 @@ def emit(k: PointwiseKernel, limits=None, features=None, alias=None) -> KernelSp
     out_dtypes, used, strides = _check(k, shape, t)
     in_dtypes = [s.dtype for s in k.inputs]
     bd = Bindings(in_dtypes + out_dtypes, alias)
-    check_bindings(name, len(bd.dtypes), t)
+    check_bindings(name, bd.n, t)
     check_invocations(name, WG, t)
     uses_f16 = check_dtypes(name, in_dtypes + out_dtypes + [i.dtype for i in k.instrs], t)
     modes = vector_modes(k, shape, used, strides, bd.alias)

@@ -105,7 +105,7 @@ def _idx(terms, offset=0) -> str:
 
 
 def _module(name, bd: Bindings, total, body, t, meta) -> KernelSpec:
-    check_bindings(name, len(bd.dtypes), t)
+    check_bindings(name, bd.n, t)
     uses_f16 = check_dtypes(name, bd.dtypes, t)
     grid = make_grid(name, -(-total // WG), t)
     body = flat_index(grid, total) + body

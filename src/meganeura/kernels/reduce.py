@@ -201,10 +201,10 @@ class _Reduce:
         for j, dt in enumerate(self.out_t):
             self.out_b.append(len(bind_dtypes))
             bind_dtypes += [dt] + self.post_dts[j]
-        check_bindings(name, len(bind_dtypes), t)
         instrs = [i for m in k.members for i in m.prologue + m.epilogue + m.post]
         self.uses_f16 = check_dtypes(name, bind_dtypes + [i.dtype for i in instrs], t)
         self.bd = Bindings(bind_dtypes, alias)
+        check_bindings(name, self.bd.n, t)
         self.used = sorted({i for m in k.members for i in self._reads(m)})
         self.used_x = sorted({i for m in k.members
                               for i in _used(m.epilogue, "x", self.n_x,

@@ -12,6 +12,7 @@ an empty dispatch."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -85,8 +86,8 @@ class Profile:
         groups: dict[str, list[KernelTime]] = {}
         for k in self.kernels:
             base, sep, _ = k.label.partition(" [split-K ")
-            if sep:
-                groups.setdefault(base, []).append(k)
+            if sep:  # the vec4 sum's label carries its variant tag: "matmul x4 1x128x…"
+                groups.setdefault(re.sub(r"^(\S+) x\d+ ", r"\1 ", base), []).append(k)
         out = []
         for base, parts in groups.items():
             calls = next((p for p in parts if "[split-K sum]" not in p.label), parts[0]).calls
