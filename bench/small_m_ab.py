@@ -5,10 +5,12 @@ programs of each workload compiled first ("on", and "off" with the switch flippe
 GEMMs as partials + sum).  Switches (``SWITCHES``): ``small_m``, the small-M rule
 (``kernels.matmul.small_m_sliced``: one K-sliced dispatch instead of split-K; off = the
 previous heuristic); ``split_sum``, plain split-K sums as vec4 pointwise kernels
-(``compile.schedule.SPLIT_SUM_POINTWISE``; off = the reduction).
+(``compile.schedule.SPLIT_SUM_POINTWISE``; off = the reduction); ``small_m_split``, the
+small-M split rule for K past the sliced range (``kernels.matmul.small_m_split``: chunks of
+about 192 on 16x32 K-sliced tiles; off = split 12 of 64x64 tiles).
 
     python3 bench/small_m_ab.py --workloads smollm2,smolvla,unet --impl dawn --out $OUT/ab.json
-        [--switch small_m|split_sum]
+        [--switch small_m|split_sum|small_m_split]
 
 Prints per workload and mode the median ms per step of both and their ratio (range over
 rounds), then the profiled rows."""
@@ -35,7 +37,8 @@ from meganeura.runtime.device import get_device  # noqa: E402
 
 OFF = (1, 0)  # an empty K range: small_m_sliced is never true
 SWITCHES = {"small_m": (mm, "SMALL_M_K", OFF),  # (module, attribute, its value when off)
-            "split_sum": (schedule, "SPLIT_SUM_POINTWISE", False)}
+            "split_sum": (schedule, "SPLIT_SUM_POINTWISE", False),
+            "small_m_split": (mm, "SMALL_M_SPLIT_K", OFF)}
 
 
 def _sessions(w, dev, switch: str, on: bool) -> dict:

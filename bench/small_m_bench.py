@@ -30,7 +30,7 @@ from matmul_bench import Timer, _err, _problem, _split_calls  # noqa: E402
 
 from meganeura import kernels as codegen  # noqa: E402
 from meganeura.compile.schedule import split_k  # noqa: E402
-from meganeura.kernels.matmul import Cfg, choose_config, config_name  # noqa: E402
+from meganeura.kernels.matmul import Cfg, choose_config, config_name, partials_config  # noqa: E402,E501
 from meganeura.runtime.device import get_device  # noqa: E402
 
 SHAPES = ("128x576x960", "128x576x576", "128x960x576", "128x1536x576", "128x3072x576",
@@ -50,9 +50,10 @@ SPLITS = (1, 2, 3)
 WIDE = {"tiles": ((16, 32, 4, 4), (32, 32, 4, 4), (32, 64, 4, 4), (64, 32, 4, 4),
                   (64, 64, 4, 4), (64, 64, 8, 4)),
         "slices": (1, 2), "steps": (8, 16, 32),
-        "splits": (2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20, 24), "staged": (16, 64)}
+        "splits": (2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20, 24), "staged": (16, 64),
+        "max_wgs": 3600}
 NARROW = {"tiles": TILES, "slices": SLICES, "steps": STEPS, "splits": SPLITS,
-          "staged": (32, 128)}
+          "staged": (32, 128), "max_wgs": 1600}
 
 
 class PassTimer:
@@ -107,7 +108,8 @@ def configs(M: int, N: int, K: int, smoke: bool = False, space: dict = NARROW):
             space["tiles"], space["slices"], space["steps"], space["splits"]):
         threads = ks * (tm // rm) * (tn // rn)
         wgs = s * -(-M // tm) * -(-N // tn)
-        if K % s or not 64 <= threads <= 1024 or not 96 <= wgs <= 1600 or ks * bk > K // s:
+        if K % s or not 64 <= threads <= 1024 or not 96 <= wgs <= space["max_wgs"] or \
+                ks * bk > K // s:
             continue
         if not lo <= ks * bk <= hi:  # the staged step along K
             continue
@@ -115,11 +117,23 @@ def configs(M: int, N: int, K: int, smoke: bool = False, space: dict = NARROW):
     return out
 
 
+def _restricted(space: dict, tiles: str | None, splits: str | None) -> dict:
+    """``space`` cut to the tiles ("TMxTN", any blocks) and split counts asked for."""
+    out = dict(space)
+    if tiles:
+        want = {tuple(int(x) for x in t.split("x")) for t in tiles.split(",")}
+        out["tiles"] = tuple(t for t in space["tiles"] if t[:2] in want)
+    if splits:
+        out["splits"] = tuple(int(x) for x in splits.split(","))
+    return out
+
+
 def heuristic(desc) -> tuple[Cfg, int]:
     """What runs without a tuning cache: the scheduler's split and the tile of its partials."""
     s = split_k(desc)
-    kc = desc.k // s
-    return choose_config(s if s > 1 else 1, desc.m, desc.n, kc), s
+    if s == 1:
+        return choose_config(1, desc.m, desc.n, desc.k), 1
+    return partials_config(s, desc.m, desc.n, desc.k), s
 
 
 def calls_for(dev, desc, bufs, g: Cfg, s: int):
@@ -170,8 +184,11 @@ def main() -> None:
     ap.add_argument("--sort", choices=("pass", "b2b"), default="pass",
                     help="rank each shape's best by per-pass time (the profile with "
                     "repeats=0) or back-to-back time (its in-stream column)")
+    ap.add_argument("--tiles", help="only these tiles of the space, e.g. 16x32,64x64")
+    ap.add_argument("--splits", help="only these split counts, e.g. 3,5,8")
     ap.add_argument("--out")
     a = ap.parse_args()
+    space = _restricted(WIDE if a.wide else NARROW, a.tiles, a.splits)
     dev = get_device(a.impl)
     rng = np.random.default_rng(0)
     timers = (Timer(dev), PassTimer(dev, 8 if a.smoke else 64))
@@ -182,7 +199,7 @@ def main() -> None:
              f"{floor * 1e6:.1f} µs"]
     for shape, lay in itertools.product(shapes, a.layouts.split(",")):
         label, flops, res = bench_shape(dev, timers, rng, shape, lay == "nk", a.budget, a.smoke,
-                                        WIDE if a.wide else NARROW)
+                                        space)
         ok = sorted((r for r in res if r[3] < 1e-4), key=lambda r: r[1] if a.sort == "b2b"
                     else r[0])
         bad = [r[2] for r in res if not r[3] < 1e-4]

@@ -26,10 +26,11 @@ def test_configs_keep_to_their_bounds(sm):
 
 
 def test_heuristic_is_what_the_scheduler_runs(sm, gpu):
-    from meganeura.kernels.matmul import SMALL_M_SLICED
+    from meganeura.kernels.matmul import SMALL_M_SLICED, SMALL_M_SPLIT
 
     rng = np.random.default_rng(0)
-    for (m, n, k), want in (((128, 576, 576), (SMALL_M_SLICED, 1)), ((128, 576, 960), None)):
+    for (m, n, k), want in (((128, 576, 576), (SMALL_M_SLICED, 1)),
+                            ((128, 576, 960), (SMALL_M_SPLIT, 5)), ((128, 576, 1536), None)):
         desc, *_ = sm._problem(gpu, rng, m, n, k, False, False)
         g, s = sm.heuristic(desc)
         if want:

@@ -289,5 +289,32 @@ def test_split_k_counts_64x64_tiles_to_three_per_sm():
         assert s == want, (m, n, k, s)
         assert s * -(-m // 64) * -(-n // 64) >= SPLIT_K_FILL
         assert choose_config(s, m, n, k // s) == STRICT_LADDER[1]  # 64x64, 8x4 per thread
-    assert (sk(384, 384, 1500), sk(128, 576, 960), sk(128, 576, 1536)) == (6, 12, 12)
+    assert (sk(384, 384, 1500), sk(128, 576, 960), sk(128, 576, 1536)) == (6, 5, 12)
     assert sk(1500, 1536, 384) == 1 and sk(1500, 384, 384) == 1 and sk(2048, 2048, 4096) == 1
+
+
+def test_small_m_split_partials_run_the_small_m_split_tile(gpu):
+    """SmolLM2's 1x128x576x960 (K past the sliced rule's range, at most 1024) splits K into
+    chunks of about 192 (5) computed on ``SMALL_M_SPLIT`` tiles, the partials knowing the
+    whole GEMM (``split_of``); 1x128x576x1536 keeps split 12 of the ladder's 64x64 tiles; both
+    give the float64 product."""
+    from meganeura import ops, reference
+    from meganeura.kernels.matmul import SMALL_M_SPLIT, config_name, partials_config
+
+    rng = np.random.default_rng(5)
+    for k, split, tile in ((960, 5, config_name(SMALL_M_SPLIT)),
+                           (1536, 12, config_name(partials_config(12, 128, 576, 1536)))):
+        g = mn.Graph()
+        a, b = g.param("a", (128, k)), g.param("b", (k, 576))
+        y = ops.matmul(a, b)
+        env = {"a": rng.normal(size=(128, k)).astype(np.float32),
+               "b": rng.normal(size=(k, 576)).astype(np.float32)}
+        sess = mn.compile(g, outputs={"y": y})
+        (d,) = [d for d in sess.infer.stream.dispatches if "[split-K " in d.label
+                and "sum" not in d.label]
+        assert d.label.endswith(f"[split-K {split}]"), d.label
+        assert d.spec.meta["variant"] == tile, (k, d.spec.meta["variant"])
+        assert (tile == "tiled16x32_4x4k8v_ks2") == (k == 960)
+        sess.set_params(env)
+        want = reference.evaluate(g, [y], env, np.float64)[0]
+        np.testing.assert_allclose(sess.run()["y"], want, rtol=1e-4, atol=1e-3)

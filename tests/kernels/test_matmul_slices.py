@@ -13,10 +13,13 @@ from meganeura.kernels import CodegenError, MatmulKernel, Strided
 from meganeura.kernels.matmul import (
     FILL_WORKGROUPS,
     SMALL_M_SLICED,
+    SMALL_M_SPLIT,
     STRICT_LADDER,
     Cfg,
     choose_config,
+    partials_config,
     small_m_sliced,
+    small_m_split,
 )
 
 from ._util import assert_close
@@ -90,7 +93,7 @@ def test_split_k_where_it_was():
         return split_k(MatmulKernel(1, m, n, k, Strided.contiguous(f32, (1, m, k)),
                                     Strided.contiguous(f32, (1, k, n))))
 
-    assert (sk(1500, 384, 1536), sk(1536, 384, 1500), sk(128, 576, 960)) == (3, 3, 12)
+    assert (sk(1500, 384, 1536), sk(1536, 384, 1500), sk(128, 576, 1536)) == (3, 3, 12)
     assert sk(1500, 1536, 384) == 1 and sk(4, 576, 3000) == 1  # many tiles; gemv
     assert choose_config(1, 4096, 4096, 4096) == STRICT_LADDER[0]
 
@@ -115,5 +118,9 @@ def test_small_m_sliced_replaces_split_k(m, n, k, sliced):
     if sliced:
         assert _sk(m, n, k) == 1
         assert not small_m_sliced(2, m, n, k)  # batched GEMMs (and split-K partials) unchanged
-    elif (m, n, k) == (128, 576, 960):
-        assert _sk(m, n, k) == 12
+    elif (m, n, k) == (128, 576, 960):  # the small-M split rule: chunks of about 192
+        assert small_m_split(1, m, n, k) and _sk(m, n, k) == 5
+        assert partials_config(5, m, n, k) == SMALL_M_SPLIT
+    elif (m, n, k) == (128, 576, 1536):  # past it (lost in the step): split 12 of 64x64
+        assert not small_m_split(1, m, n, k) and _sk(m, n, k) == 12
+        assert partials_config(12, m, n, k) == choose_config(12, m, n, 128)

@@ -29,7 +29,7 @@ from ..errors import GraphBuildError
 from ..graph import Graph, Node, TensorType, Value
 from ..kernels import ir
 from ..kernels.archetypes import archetype
-from ..kernels.matmul import small_m_sliced
+from ..kernels.matmul import SMALL_M_SPLIT_CHUNK, small_m_sliced, small_m_split
 from ..kernels.reduce import split_plan
 from ..ops.lowering import Kernel, Matmul, Pointwise, Reduce, View
 from ..ops.lowering import resolve as _pointwise_expr
@@ -573,7 +573,8 @@ class _Planner:
         acc = f32 if v.dtype.is_float else v.dtype
         tmp = self.temp_value((split, desc.m, desc.n), acc)
         self.emit(ir.MatmulKernel(split, desc.m, desc.n, kc, a_s, b_s, out_dtype=acc,
-                                  name="matmul_splitk", tensor_cores=desc.tensor_cores),
+                                  name="matmul_splitk", tensor_cores=desc.tensor_cores,
+                                  split_of=desc.k),
                   bases, [tmp],
                   f"{label} [split-K {split}]")
         return tmp, label
@@ -762,6 +763,8 @@ def split_k(desc: ir.MatmulKernel) -> int:
         return 1
     if small_m_sliced(desc.batch, desc.m, desc.n, desc.k):  # one K-sliced dispatch instead
         return 1
+    if small_m_split(desc.batch, desc.m, desc.n, desc.k):
+        return _divisor_at_most(desc.k, max(2, round(desc.k / SMALL_M_SPLIT_CHUNK)))
     small = -(-desc.m // 64) * -(-desc.n // 64)
     if small < SPLIT_K_SMALL_TILES and desc.k >= 4 * SPLIT_K_SMALL_CHUNK:
         want = min(desc.k // SPLIT_K_SMALL_CHUNK, -(-SPLIT_K_TARGET // small), SPLIT_K_SMALL_MAX)
@@ -770,8 +773,13 @@ def split_k(desc: ir.MatmulKernel) -> int:
         if tiles >= SPLIT_K_MIN_TILES or desc.k < 4 * SPLIT_K_MIN_CHUNK:
             return 1
         want = min(desc.k // SPLIT_K_MIN_CHUNK, -(-SPLIT_K_FILL // small), 64)
+    return _divisor_at_most(desc.k, want)
+
+
+def _divisor_at_most(k: int, want: int) -> int:
+    """The largest divisor of ``k`` from 2 to ``want`` (1 when there is none)."""
     for s in range(want, 1, -1):
-        if desc.k % s == 0:
+        if k % s == 0:
             return s
     return 1
 

@@ -179,6 +179,9 @@ class MatmulKernel:
     # matmuls, ops/conv.py: like every convolution they keep f32; their batch-norm gradients
     # are too ill-conditioned for f16 operands)
     tensor_cores: bool = True
+    # A split-K partial batch (``batch`` K chunks) of a GEMM with this K; 0: not one.  The
+    # heuristic picks the partials' tile knowing the whole GEMM (``matmul.partials_config``).
+    split_of: int = 0
 
 
 @dataclass(frozen=True)

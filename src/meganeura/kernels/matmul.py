@@ -145,6 +145,19 @@ SMALL_M_SLICED = Cfg("tiled", 16, 32, 4, 4, 16, 1, 1, 2)
 SMALL_M_ROWS = (64, 256)  # M range (measured: 128)
 SMALL_M_K = (256, 640)  # K range where it beat split-K (measured: 576)
 SMALL_M_TILES = 64  # fewer 64x64 output tiles than this
+# Small-M GEMMs of K just past the sliced rule's range (SmolLM2's 1x128x576x960, the input
+# gradient of the fused q/k/v projection): split-K, chunks of about SMALL_M_SPLIT_CHUNK on
+# 16x32 tiles of two K slices with K step 8.  H200, Dawn, sixteenth session, µs back to back
+# incl. the sum (bench/small_m_bench.py --wide --sort b2b, two runs): split 5 12.0-13.2 (10.7-
+# 11.8 TFLOP/s), splits 3-8 12.4-13.9, against 14.4 for split 12 of 64x64 tiles (the rule
+# before); K step 16 13.0-15.6.  Inside SmolLM2's training step (bench/small_m_ab.py --switch
+# small_m_split, the profile's in-stream column, partials + sum): 12.1 against 13.7 µs.  The
+# same rule lost at K 1536 (the forward's B (N, K), +add: 19.9 against 17.1 µs) and 3072 (27.0
+# against 25.5), though back to back alone with B (K, N) it won there too (16.3 against 17.9+,
+# 26.6 against 28.6+): so K stays at most 1024.
+SMALL_M_SPLIT = Cfg("tiled", 16, 32, 4, 4, 8, 1, 1, 2)
+SMALL_M_SPLIT_K = (SMALL_M_K[1] + 1, 1024)  # K range (measured: 960)
+SMALL_M_SPLIT_CHUNK = 192
 # further configurations the tuner times (candidates) besides the ladders, the ones that won
 # some workload GEMM of the sweep first: 128-invocation 32x64 tiles, K-sliced tiles (``ks``)
 STRICT_EXTRAS = (
@@ -211,10 +224,10 @@ def _candidates(k: MatmulKernel, target) -> list[MatmulKernel]:
     from dataclasses import replace
 
     t = make_target(target) if not hasattr(target, "lim") else target
-    B, M, N, K = int(k.batch), int(k.m), int(k.n), int(k.k)
+    B, N, K = int(k.batch), int(k.n), int(k.k)
     fast = (k.precision == "fast" and k.a.dtype.is_float and SG_FEATURE in t.features
             and t.has_f16)
-    first = choose_config(B, M, N, K, tensor_cores=fast)
+    first = _heuristic(k, fast)
     if first.kind == "gemv":
         return [replace(k, config=first)]
     ladder = TC_LADDER + TC_EXTRAS if fast else STRICT_LADDER + STRICT_EXTRAS
@@ -381,7 +394,7 @@ def _config(k: MatmulKernel, c: _Ctx, t) -> Cfg:
     elif k.variant:
         g = NAMED[choose_variant(c.B, c.M, c.N, c.K, k.variant, name, fast)]
     else:
-        g = choose_config(c.B, c.M, c.N, c.K, tensor_cores=fast)
+        g = _heuristic(k, fast)
     if not k.config:
         g = with_b_layout(g, _k_contiguous(c.sb))
     if g.kind == "sgmat" and not (op_dt.is_float and SG_FEATURE in t.features):
@@ -395,6 +408,30 @@ def small_m_sliced(B: int, M: int, N: int, K: int) -> bool:
     tiles, moderate K); ``compile.schedule.split_k`` does not split these."""
     return (B == 1 and SMALL_M_ROWS[0] <= M <= SMALL_M_ROWS[1] and N > GEMV_MAX
             and SMALL_M_K[0] <= K <= SMALL_M_K[1] and -(-M // 64) * -(-N // 64) < SMALL_M_TILES)
+
+
+def small_m_split(B: int, M: int, N: int, K: int) -> bool:
+    """Whether a GEMM is split into chunks of about ``SMALL_M_SPLIT_CHUNK`` computed on
+    ``SMALL_M_SPLIT`` tiles (few rows and output tiles, K past the sliced rule's range)."""
+    return (B == 1 and SMALL_M_ROWS[0] <= M <= SMALL_M_ROWS[1] and N > GEMV_MAX
+            and SMALL_M_SPLIT_K[0] <= K <= SMALL_M_SPLIT_K[1]
+            and -(-M // 64) * -(-N // 64) < SMALL_M_TILES)
+
+
+def _heuristic(k: MatmulKernel, fast: bool) -> Cfg:
+    """The default configuration of ``k`` (no tuned one): split-K partials by their whole
+    GEMM (``partials_config``, strict), the rest by their shape (``choose_config``)."""
+    if k.split_of and not fast:
+        return partials_config(int(k.batch), int(k.m), int(k.n), int(k.split_of))
+    return choose_config(int(k.batch), int(k.m), int(k.n), int(k.k), tensor_cores=fast)
+
+
+def partials_config(split: int, M: int, N: int, K: int) -> Cfg:
+    """The strict heuristic's tile for the ``split`` partials of a single M x N x K GEMM:
+    ``SMALL_M_SPLIT`` for small-M GEMMs (``small_m_split``), else by the partials' shape."""
+    if small_m_split(1, M, N, K):
+        return SMALL_M_SPLIT
+    return choose_config(split, M, N, K // split)
 
 
 def choose_config(B: int, M: int, N: int, K: int, tensor_cores: bool = False) -> Cfg:
