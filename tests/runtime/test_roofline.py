@@ -67,11 +67,14 @@ def test_profile_reports_flops_bytes_and_bounds_per_kernel(gpu, monkeypatch):
     assert "% bound" in str(prof) and "TFLOP/s" in str(prof)
     # the empty dispatch's pass costs something, and no more than the step's median kernel
     assert 0 < prof.pass_floor_us <= 2 * np.median([r["alone_us"] for r in rows])
-    assert 0 <= prof.stream_floor_us < prof.pass_floor_us
+    assert prof.stream_floor_us >= 0 and mm[0]["mean_us"] > 0 and not mm[0]["estimated"]
     assert f"an empty dispatch: {prof.stream_floor_us:.1f} µs in stream, " \
            f"{prof.pass_floor_us:.1f} µs alone" in str(prof)
-    # in stream, the pass's own cost is gone: the matmul takes less than alone in its pass
-    assert 0 < mm[0]["mean_us"] < mm[0]["alone_us"] and not mm[0]["estimated"]
+    if not gpu.is_cpu:  # on a GPU the pass's own cost is gone in stream (H200, Dawn: 1.9 vs
+        # 6.5 µs); a CPU rasterizer's dispatches cost about a pass each, in stream or alone
+        # (lavapipe under CI load: 49.6 vs 45.1 µs), so there the relation is noise
+        assert prof.stream_floor_us < prof.pass_floor_us
+        assert mm[0]["mean_us"] < mm[0]["alone_us"]
     alone = s.profile(steps=2, inference=True, repeats=0, x=np.ones((64, 96), np.float32))
     assert alone.repeats == 0 and alone.gpu_ms_per_step == alone.alone_ms_per_step
     assert f"floor of this timing: {alone.pass_floor_us:.1f} µs" in str(alone)
