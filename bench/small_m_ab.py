@@ -7,10 +7,12 @@ GEMMs as partials + sum).  Switches (``SWITCHES``): ``small_m``, the small-M rul
 previous heuristic); ``split_sum``, plain split-K sums as vec4 pointwise kernels
 (``compile.schedule.SPLIT_SUM_POINTWISE``; off = the reduction); ``small_m_split``, the
 small-M split rule for K past the sliced range (``kernels.matmul.small_m_split``: chunks of
-about 192 on 16x32 K-sliced tiles; off = split 12 of 64x64 tiles).
+about 192 on 16x32 K-sliced tiles; off = split 12 of 64x64 tiles); ``split_576``, a
+candidate: the K 256-640 GEMMs split that way too instead of one sliced dispatch (off = the
+rules as they are).
 
     python3 bench/small_m_ab.py --workloads smollm2,smolvla,unet --impl dawn --out $OUT/ab.json
-        [--switch small_m|split_sum|small_m_split]
+        [--switch small_m|split_sum|small_m_split|split_576]
 
 Prints per workload and mode the median ms per step of both and their ratio (range over
 rounds), then the profiled rows."""
@@ -36,21 +38,29 @@ from meganeura.kernels import matmul as mm  # noqa: E402
 from meganeura.runtime.device import get_device  # noqa: E402
 
 OFF = (1, 0)  # an empty K range: small_m_sliced is never true
-SWITCHES = {"small_m": (mm, "SMALL_M_K", OFF),  # (module, attribute, its value when off)
-            "split_sum": (schedule, "SPLIT_SUM_POINTWISE", False),
-            "small_m_split": (mm, "SMALL_M_SPLIT_K", OFF)}
+KEEP = object()  # "on" = the module's value as it is
+# switch -> [(module, attribute, its value when on (KEEP: as is), its value when off)]
+SWITCHES = {"small_m": [(mm, "SMALL_M_K", KEEP, OFF)],
+            "split_sum": [(schedule, "SPLIT_SUM_POINTWISE", KEEP, False)],
+            "small_m_split": [(mm, "SMALL_M_SPLIT_K", KEEP, OFF)],
+            # a candidate: the K 256-640 GEMMs split too (chunks of ~192 on the split tile)
+            # instead of one sliced dispatch; off = the rules as they are
+            "split_576": [(mm, "SMALL_M_K", OFF, KEEP), (mm, "SMALL_M_SPLIT_K", (256, 1024), KEEP)]}
 
 
 def _sessions(w, dev, switch: str, on: bool) -> dict:
-    mod, attr, off = SWITCHES[switch]
-    saved = getattr(mod, attr)
-    setattr(mod, attr, saved if on else off)
+    saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _, _ in SWITCHES[switch]]
+    for mod, attr, v_on, v_off in SWITCHES[switch]:
+        v = v_on if on else v_off
+        if v is not KEEP:
+            setattr(mod, attr, v)
     try:
         inf = mn.compile(w.graph, outputs=w.outputs, device=dev)
         tr = mn.compile(w.graph, loss=w.loss, outputs={}, optimizer=optim.SGD(lr=1e-4),
                         device=dev)
     finally:
-        setattr(mod, attr, saved)
+        for mod, attr, v in saved:
+            setattr(mod, attr, v)
     inf.set_params(w.params)
     tr.set_params(w.params)
     return {"infer": inf, "train": tr}
