@@ -76,3 +76,25 @@ def test_ab_switch_and_rows():
     assert [r["label"] for r in got] == ["matmul 1x128x576x960 [split-K 12]",
                                          "matmul 1x128x576x576"]
     assert "x" not in got[0]
+
+
+@pytest.mark.parametrize("switch", ["small_m", "split_sum", "small_m_split", "split_576"])
+def test_ab_sessions_compile_each_mode_with_its_values_and_restore_them(switch, monkeypatch):
+    """``_sessions`` compiles "on" with each attribute's on value (KEEP: as it is) and "off"
+    with its off value, and leaves every attribute as it found it."""
+    small_m_ab = load_bench("small_m_ab")
+    entries = small_m_ab.SWITCHES[switch]
+    before = [getattr(mod, attr) for mod, attr, _, _ in entries]
+    seen = []
+    monkeypatch.setattr(small_m_ab.mn, "compile", lambda *a, **k: seen.append(
+        [getattr(mod, attr) for mod, attr, _, _ in entries]) or SimpleNamespace(
+        set_params=lambda p: None))
+    w = SimpleNamespace(graph=None, outputs={}, loss=None, params={})
+    for on in (True, False):
+        seen.clear()
+        small_m_ab._sessions(w, None, switch, on)
+        want = [b if (v := (v_on if on else v_off)) is small_m_ab.KEEP else v
+                for b, (_, _, v_on, v_off) in zip(before, entries)]
+        assert seen == [want, want]  # the inference and the training session
+        assert [getattr(mod, attr) for mod, attr, _, _ in entries] == before
+    assert any(v is not small_m_ab.KEEP for _, _, v, _ in small_m_ab.SWITCHES["split_576"])
