@@ -202,8 +202,11 @@ class GPUStream:
     def launch(self, extra_copies=()) -> None:
         """Encode and submit one step, in segments (``segment_bounds``): the GPU starts on
         the first few dispatches while the host still encodes the rest, instead of idling for
-        the whole encode (≈ 1.4 µs per dispatch on Dawn: 0.1 ms for a 71-dispatch inference,
-        1.4 ms for a 1,000-dispatch training step).  ``extra_copies`` go at the very end."""
+        the whole encode.  On the H200 through Dawn a dispatch costs 4-10 µs of host time
+        (bench/step_split.py, docs/benchmarks.md sixteenth session): with the default cuts
+        the last segment's encode is most of the step and the GPU starves meanwhile (wall ≈
+        launch + GPU); finer cuts are the open next step.  ``extra_copies`` go at the very
+        end."""
         raw = os.environ.get(SEGMENTS_ENV)
         if self._bounds is None or self._bounds[0] != raw:  # parsed once per setting
             self._bounds = (raw, segment_bounds(len(self.commands), raw))
