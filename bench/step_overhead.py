@@ -2,7 +2,7 @@
 commands submitted as one command buffer vs in segments (``$MEGANEURA_SUBMIT_SEGMENTS``),
 against the sum of its kernels' GPU times (``sess.profile``) and the host encode time.
 
-  python bench/step_overhead.py [workloads] [--impl dawn] [--segments 0 12,96 4,32]
+  python bench/step_overhead.py [workloads] [--impl dawn] [--segments 12,96 0 8,20,40,...]
 
 Prints per workload and mode: wall ms per step (median of ``--steps``, sync each step,
 inputs resident), kernel-sum ms, and the difference (gaps between dispatches + submit +
@@ -54,7 +54,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workloads", nargs="?", default="whisper,resnet50")
     p.add_argument("--impl", default="dawn")
-    p.add_argument("--segments", nargs="+", default=["0", "12,96", "4,32"])
+    # the default cuts, one command buffer, and cuts that grow with the step (the candidate
+    # from bench/step_split.py: the host encodes 4-10 µs per dispatch on Dawn, so with 12,96
+    # the GPU starves while the last segment is encoded; docs/benchmarks.md sixteenth session)
+    p.add_argument("--segments", nargs="+", default=["12,96", "0", "8,20,40,80,160,320,640"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
