@@ -24,9 +24,9 @@ import time
 import numpy as np
 
 from meganeura import kernels as codegen
-from meganeura.compile.schedule import SPLIT_SUM_POINTWISE, split_k_sum_pointwise
+from meganeura.compile.schedule import split_k_sum_kernel
 from meganeura.dtypes import f16, f32
-from meganeura.kernels import MatmulKernel, ReduceKernel, Strided
+from meganeura.kernels import MatmulKernel, Strided
 from meganeura.kernels.ir import Instr
 from meganeura.kernels.matmul import SG_FEATURE, Cfg, config_name
 from meganeura.runtime.device import get_device
@@ -116,14 +116,12 @@ def _split_calls(dev, desc, bufs, s, emit=None):
     tmp = dev.create_buffer(4 * s * desc.m * desc.n)
     shape = (s, desc.m, desc.n)
     extra = tuple(Strided(x.dtype, x.shape[1:], x.strides[1:], 0, x.extent) for x in desc.extra)
-    first = ((emit or codegen.emit)(part, dev), bufs[:2] + [tmp])
-    if not desc.epilogue and SPLIT_SUM_POINTWISE:  # the scheduler's vec4 sum over s views
-        alias = (0,) * s + (s,)
-        return [first, (codegen.emit(split_k_sum_pointwise(f32, shape), dev, None, alias),
-                        [tmp] + bufs[2:])]
-    red = ReduceKernel(shape, (0,), "sum", (Strided.contiguous(f32, shape),),
-                       (Instr("{0}", (("in", 0),), f32),), desc.epilogue, extra, out_dtype=f32)
-    return [first, (codegen.emit(red, dev), [tmp] + bufs[2:])]
+    red, n_views = split_k_sum_kernel(shape, f32, f32, desc.epilogue, extra)
+    binds = [tmp] * n_views + bufs[2:]
+    alias = codegen.binding_aliases(binds)
+    return [((emit or codegen.emit)(part, dev), bufs[:2] + [tmp]),
+            (codegen.emit(red, dev, None, alias),
+             [b for i, b in enumerate(binds) if alias[i] == i])]
 
 
 def _load_before(path):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from matmul_bench import Timer  # noqa: E402
 
 from meganeura import kernels as codegen  # noqa: E402
-from meganeura.compile.schedule import _split_k_sum, split_k_sum_pointwise  # noqa: E402
+from meganeura.compile.schedule import split_k_sum_pointwise, split_k_sum_reduce  # noqa: E402
 from meganeura.dtypes import f32  # noqa: E402
 from meganeura.runtime.device import get_device  # noqa: E402
 
@@ -30,8 +29,8 @@ SHAPES = ("12x128x576", "12x128x1536", "12x128x3072", "3x1500x384", "6x50x960")
 
 
 def reduce_sum(s: int, m: int, n: int):
-    """The reduction the scheduler emits for a plain split-K sum (``schedule._split_k_sum``)."""
-    return _split_k_sum(SimpleNamespace(shape=(s, m, n), dtype=f32), f32, "splitk_sum")
+    """The reduction the scheduler emits for a plain split-K sum with the vec4 sum off."""
+    return split_k_sum_reduce((s, m, n), f32, f32, "splitk_sum")
 
 
 def pointwise_sum(s: int, m: int, n: int):

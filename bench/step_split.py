@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness import _feed_arrays  # noqa: E402
-from roofline import profile_workload  # noqa: E402
 
 import meganeura as mn  # noqa: E402
 from meganeura import optim  # noqa: E402
@@ -75,7 +74,9 @@ def run(name: str, dev, steps: int) -> list[dict]:
         sess.set_params(w.params)
         rec = {"workload": name, "mode": "infer" if inference else "train",
                **split_times(sess, inference, w.feeds, steps)}
-        prof = profile_workload(w, dev, "strict", inference, 2)
+        feeds = sess.program.inference_feeds() if inference else sess.program.feeds
+        prof = sess.profile(steps=2, inference=inference,
+                            **{k: v for k, v in w.feeds.items() if k in feeds})
         rec["gpu_us"] = prof.gpu_ms_per_step * 1e3
         rec["gap_us_per_dispatch"] = (rec["wall_us"] - rec["gpu_us"]) / rec["dispatches"]
         out.append(rec)

@@ -182,3 +182,21 @@ def test_helper_epilogue_one_store_path(run, dev, rng, monkeypatch, g, B, m, n, 
     monkeypatch.setattr(matmul, "ONE_STORE_PATH_FOR_HELPERS", True)
     relu = codegen.emit(plain, limits or dev.limits, dev.features).wgsl
     assert relu.count("max(q0, 0.0)") == (1 + edges) * g.rm * g.rn  # no helper: both copies
+
+
+def test_split_partials_default_and_first_candidate_know_their_gemm(dev):
+    """Split-K partials carry the whole GEMM's K (``split_of``): the default tile and the
+    tuner's first candidate are the small-M split tile for SmolLM2's 1x128x576x960 split 5,
+    while the same batch of partials without ``split_of`` gets the ladder's tile."""
+    from dataclasses import replace
+
+    from meganeura.kernels.matmul import SMALL_M_SPLIT, config_name
+
+    a = Strided(f32, (5, 128, 192), (192, 960, 1), 0, 128 * 960)
+    b = Strided(f32, (5, 192, 576), (192 * 576, 576, 1), 0, 960 * 576)
+    part = MatmulKernel(5, 128, 576, 192, a, b, name="matmul_splitk", split_of=960)
+    assert codegen.emit(part, dev).meta["variant"] == config_name(SMALL_M_SPLIT)
+    assert codegen.candidates(part, codegen.make_target(dev))[0].config == SMALL_M_SPLIT
+    plain = replace(part, split_of=0)
+    assert codegen.candidates(plain, codegen.make_target(dev))[0].config == \
+        choose_config(5, 128, 576, 192) != SMALL_M_SPLIT

@@ -128,7 +128,8 @@ def test_split_k_partials_and_sum_count_as_one_gemm():
                       alone_ns=20e3)
     red = KernelTime("matmul 1x8x8x64 [split-K sum] +relu", calls=2, total_ns=2e3,
                      estimated=True)
-    vec = KernelTime("matmul x4 1x8x8x32 [split-K sum]", calls=2, total_ns=2e3)  # the vec4 sum
+    vec = KernelTime("matmul x4 1x8x8x32 [split-K sum]", calls=2, total_ns=2e3,  # the vec4 sum
+                     plan_label="matmul 1x8x8x32 [split-K sum]")
     part2 = KernelTime("matmul 1x8x8x32 [split-K 2]", calls=2, total_ns=4e3, flops=4096)
     other = KernelTime("matmul 1x8x8x8", calls=2, total_ns=1e3, flops=1024)
     prof = Profile("d", 2, [part, red, other, vec, part2], 1.0, 1.0, 5)
@@ -140,3 +141,19 @@ def test_split_k_partials_and_sum_count_as_one_gemm():
     assert g["tflops"] == pytest.approx(8192 / 4e-6 / 1e12)
     assert "split-K GEMMs, partials + sum per call" in str(prof)
     assert prof.alone_ms_per_step == pytest.approx(0.01)
+
+
+def test_a_profiled_split_gemm_is_one_group_with_its_vec4_sum(gpu):
+    """A real split-K matmul whose sum runs as the vec4 pointwise kernel (its row label then
+    carries the variant tag): the partials and the sum still form one GEMM row."""
+    g = mn.Graph("split")
+    a, b = g.param("a", (8, 3000)), g.param("b", (12, 3000))
+    s = mn.compile(g, outputs={"y": a @ b.T})
+    labels = [d.label for d in s.infer.stream.dispatches]
+    assert any("[split-K sum]" in lb for lb in labels), labels
+    s.set_params({"a": np.ones((8, 3000), np.float32), "b": np.ones((12, 3000), np.float32)})
+    prof = s.profile(steps=1, inference=True, repeats=1)
+    assert any(k.label.startswith("matmul x4 ") for k in prof.kernels), \
+        [k.label for k in prof.kernels]
+    (grp,) = prof.split_k_groups()
+    assert (grp["label"], grp["dispatches"]) == ("matmul 1x8x12x3000", 2)

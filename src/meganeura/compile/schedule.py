@@ -339,7 +339,8 @@ class _Planner:
             self._split_k_plain_sum(tmp, out, f"{label} [split-K sum]")
             return
         instrs, extras, ebases, ops = epilogue
-        red = _split_k_sum(tmp, out.dtype, "splitk_sum_ep", instrs, tuple(extras))
+        red = split_k_sum_reduce(tmp.shape, tmp.dtype, out.dtype, "splitk_sum_ep", instrs,
+                                 tuple(extras))
         self.emit(red, [tmp] + list(ebases), [out], f"{label} [split-K sum] +{ops}")
 
     def _heads_last_reader(self, v: Value) -> bool:
@@ -528,7 +529,8 @@ class _Planner:
             tmp, label = self._split_k_partials(desc, mm_bases, mm)
             extra = tuple(ir.Strided(x.dtype, x.shape[1:], x.strides[1:], x.offset, x.extent)
                           for x in extras)
-            red = _split_k_sum(tmp, out.dtype, "splitk_sum_ep", instrs, extra)
+            red = split_k_sum_reduce(tmp.shape, tmp.dtype, out.dtype, "splitk_sum_ep", instrs,
+                                     extra)
             self.emit(red, [tmp] + bases, [out], f"{label} [split-K sum] +{ops}")
             return True
         desc = ir.MatmulKernel(desc.batch, desc.m, desc.n, desc.k, desc.a, desc.b, tuple(extras),
@@ -549,15 +551,10 @@ class _Planner:
         self._split_k_plain_sum(tmp, v, f"{label} [split-K sum]")
 
     def _split_k_plain_sum(self, tmp: Value, out: Value, label: str) -> None:
-        """Split-K partials ``tmp`` (split, *out.shape) added in order into ``out``: as a
-        pointwise kernel over the ``split`` views of ``tmp`` (vec4 loads, four outputs per
-        invocation) where ``SPLIT_SUM_POINTWISE`` and ``out`` is f32, else as the reduction
-        over the split axis (one output per invocation) that also serves epilogues."""
-        if SPLIT_SUM_POINTWISE and out.dtype == tmp.dtype == f32:
-            self.emit(split_k_sum_pointwise(tmp.dtype, tmp.shape), [tmp] * tmp.shape[0], [out],
-                      label)
-        else:
-            self.emit(_split_k_sum(tmp, out.dtype, "splitk_sum"), [tmp], [out], label)
+        """Split-K partials ``tmp`` (split, *out.shape) added in order into ``out``
+        (``split_k_sum_kernel``)."""
+        desc, n_views = split_k_sum_kernel(tmp.shape, tmp.dtype, out.dtype)
+        self.emit(desc, [tmp] * n_views, [out], label)
 
     def _split_k_partials(self, desc, bases, v: Value):
         """Few output tiles and a long K (weight gradients, small-M GEMMs): K split into
@@ -800,11 +797,24 @@ def split_k_sum_pointwise(dtype, tmp_shape) -> ir.PointwiseKernel:
     return ir.PointwiseKernel(shape, views, tuple(instrs), (split - 1,), name="splitk_sum")
 
 
-def _split_k_sum(tmp: Value, out_dtype, name: str, epilogue=(), extra=()) -> ir.ReduceKernel:
-    """The kernel summing split-K partial products ``tmp`` (split, m, n) in order, with an
-    optional pointwise ``epilogue`` over ``extra`` inputs."""
-    return ir.ReduceKernel(tmp.shape, (0,), "sum", (ir.Strided.contiguous(tmp.dtype, tmp.shape),),
-                           (ir.Instr("{0}", (("in", 0),), tmp.dtype),), tuple(epilogue),
+def split_k_sum_kernel(tmp_shape, dtype, out_dtype, epilogue=(), extra=()) -> tuple:
+    """The kernel adding split-K partials of ``tmp_shape`` (split, *out) in order, and how many
+    inputs read the partials: the vec4 pointwise sum over their ``split`` views where the sum
+    is plain, f32 and ``SPLIT_SUM_POINTWISE``, else the reduction over the split axis (one
+    input; it also runs a pointwise ``epilogue`` over ``extra`` inputs)."""
+    if SPLIT_SUM_POINTWISE and not epilogue and dtype == out_dtype == f32:
+        return split_k_sum_pointwise(dtype, tmp_shape), tmp_shape[0]
+    name = "splitk_sum_ep" if epilogue else "splitk_sum"
+    return split_k_sum_reduce(tmp_shape, dtype, out_dtype, name, epilogue, extra), 1
+
+
+def split_k_sum_reduce(tmp_shape, dtype, out_dtype, name: str, epilogue=(),
+                       extra=()) -> ir.ReduceKernel:
+    """The reduction summing split-K partial products of ``tmp_shape`` (split, m, n) in order,
+    with an optional pointwise ``epilogue`` over ``extra`` inputs."""
+    shape = tuple(tmp_shape)
+    return ir.ReduceKernel(shape, (0,), "sum", (ir.Strided.contiguous(dtype, shape),),
+                           (ir.Instr("{0}", (("in", 0),), dtype),), tuple(epilogue),
                            tuple(extra), out_dtype=out_dtype, name=name)
 
 

@@ -406,15 +406,18 @@ def _config(k: MatmulKernel, c: _Ctx, t) -> Cfg:
 def small_m_sliced(B: int, M: int, N: int, K: int) -> bool:
     """Whether a GEMM runs as one dispatch of ``SMALL_M_SLICED`` tiles (few rows, few output
     tiles, moderate K); ``compile.schedule.split_k`` does not split these."""
-    return (B == 1 and SMALL_M_ROWS[0] <= M <= SMALL_M_ROWS[1] and N > GEMV_MAX
-            and SMALL_M_K[0] <= K <= SMALL_M_K[1] and -(-M // 64) * -(-N // 64) < SMALL_M_TILES)
+    return _small_m(B, M, N) and SMALL_M_K[0] <= K <= SMALL_M_K[1]
 
 
 def small_m_split(B: int, M: int, N: int, K: int) -> bool:
     """Whether a GEMM is split into chunks of about ``SMALL_M_SPLIT_CHUNK`` computed on
     ``SMALL_M_SPLIT`` tiles (few rows and output tiles, K past the sliced rule's range)."""
+    return _small_m(B, M, N) and SMALL_M_SPLIT_K[0] <= K <= SMALL_M_SPLIT_K[1]
+
+
+def _small_m(B: int, M: int, N: int) -> bool:
+    """One GEMM of few rows (``SMALL_M_ROWS``) and few output tiles, not a GEMV."""
     return (B == 1 and SMALL_M_ROWS[0] <= M <= SMALL_M_ROWS[1] and N > GEMV_MAX
-            and SMALL_M_SPLIT_K[0] <= K <= SMALL_M_SPLIT_K[1]
             and -(-M // 64) * -(-N // 64) < SMALL_M_TILES)
 
 

@@ -12,7 +12,6 @@ an empty dispatch."""
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +33,7 @@ class KernelTime:
     tensor_cores: bool = False
     alone_ns: float = 0.0  # summed over calls: each dispatch alone in its timestamped pass
     estimated: bool = False  # in place: total_ns is alone_ns less the pass overhead
+    plan_label: str = ""  # the dispatch's label without the variant tag (``shown_label``)
 
     @property
     def mean_s(self) -> float:
@@ -85,9 +85,9 @@ class Profile:
         split GEMM's rate is its flops over partials + sum, which the table shows apart."""
         groups: dict[str, list[KernelTime]] = {}
         for k in self.kernels:
-            base, sep, _ = k.label.partition(" [split-K ")
-            if sep:  # the vec4 sum's label carries its variant tag: "matmul x4 1x128x…"
-                groups.setdefault(re.sub(r"^(\S+) x\d+ ", r"\1 ", base), []).append(k)
+            base, sep, _ = (k.plan_label or k.label).partition(" [split-K ")
+            if sep:
+                groups.setdefault(base, []).append(k)
         out = []
         for base, parts in groups.items():
             calls = next((p for p in parts if "[split-K sum]" not in p.label), parts[0]).calls
@@ -217,7 +217,8 @@ def _kernel_times(dispatches, reps: list[int], alone, stream, overhead_ns: float
     alone time itself when no step was repeated at all)."""
     labels = [shown_label(d) for d in dispatches]
     any_rep = stream is not alone
-    times = {lb: KernelTime(lb, flops=d.flops, bytes=d.bytes, tensor_cores=d.tensor_cores)
+    times = {lb: KernelTime(lb, flops=d.flops, bytes=d.bytes, tensor_cores=d.tensor_cores,
+                            plan_label=d.label)
              for lb, d in zip(labels, dispatches, strict=True)}
     for lb, r in zip(labels, reps, strict=True):
         times[lb].estimated |= any_rep and not r
