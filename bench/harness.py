@@ -66,7 +66,9 @@ def step_seconds(step, sync, warmup: int, steps: int) -> list[float]:
 
 
 def time_ours(sess, inference: bool, feeds: dict, warmup: int, steps: int) -> dict:
-    """Per step: encode the fixed kernel list, submit (in segments), wait (no readback).
+    """Per step: submit the step encoded ahead, encode the next one while the GPU runs
+    (``GPUStream.submit``; ``$MEGANEURA_PREENCODE=0``: encode and submit in segments), wait
+    (no readback).
     The feeds are uploaded once before the timed steps, as PyTorch's timed steps read
     tensors already on the GPU; ``feed_upload_ms`` is that upload on its own (write +
     wait), so neither side's step includes a host → device copy."""
@@ -98,7 +100,7 @@ def ours_step_times(sess, inference: bool, feeds: dict, warmup: int, steps: int)
     """Seconds per timed step (see ``time_ours``)."""
     ex = sess.infer if inference else sess.train
     sess._upload_feeds(_feed_arrays(sess, inference, feeds))  # resident, like PyTorch's
-    return step_seconds(ex.launch, sess.dev.sync, warmup, steps)
+    return step_seconds(lambda: ex.submit(fetch=False), sess.dev.sync, warmup, steps)
 
 
 def ours_peak_bytes(sess, inference: bool) -> int:

@@ -320,7 +320,10 @@ def _tc_shape(dev, timer, rng, shape, lines: list[str]):
     return label, res[0] if res else None, ok[:3], flops
 
 
-ABLATIONS = ("noload", "nostage", "mmaonly", "mmanobar")
+ABLATIONS = ("noload", "nostage", "mmaonly", "mmanobar", "l1hit", "l2hit", "nofrag", "nobar")
+# "l1hit" / "l2hit": the global loads wrap K at these many elements, so after the first steps
+# they hit L1 (a workgroup's 2 x 16 KB) or L2 (4 MB per operand); same instructions and bytes
+WRAP_K = {"l1hit": 64, "l2hit": 512}
 
 
 def _ablated(spec, what: str):
@@ -328,11 +331,27 @@ def _ablated(spec, what: str):
     global loads; "nostage" also its workgroup stores (fragment loads, products, barriers);
     "mmaonly" also its fragment loads (loaded once before the loop: products and barriers);
     "mmanobar" also its barriers (the products alone: what the driver's matrix multiply
-    issues at, the ceiling of any staging scheme)."""
+    issues at, the ceiling of any staging scheme); "l1hit" / "l2hit" (``WRAP_K``) the same
+    loads from a K range that stays in L1 / L2 (latency against load throughput); "nofrag"
+    the whole loop but fragments loaded once; "nobar" the whole loop without barriers."""
     import dataclasses
     import re
 
     head, loop = spec.wgsl.split("for (var k0", 1)
+    if what in WRAP_K:
+        def wrap(m):
+            return m.group(0).replace("(kb + ", f"((kb % {WRAP_K[what]}u) + ")
+        loop = re.sub(r"^\s+[ab]r\d+ = b[01]\[.*$", wrap, loop, flags=re.M)
+        return dataclasses.replace(spec, wgsl=head + "for (var k0" + loop)
+    if what == "nobar":
+        cut = loop.find("subgroupMatrixStore") % (len(loop) + 1)
+        loop = loop[:cut].replace("workgroupBarrier();", "") + loop[cut:]
+        return dataclasses.replace(spec, wgsl=head + "for (var k0" + loop)
+    if what == "nofrag":  # fragments loaded once before the loop; loads and stores stay
+        frag = r"^\s+let \w+ = subgroupMatrixLoad<.*$"
+        head += "\n".join(re.findall(frag, loop, flags=re.M)) + "\n    "
+        loop = re.sub(frag, "", loop, flags=re.M)
+        return dataclasses.replace(spec, wgsl=head + "for (var k0" + loop)
     pat = r"^\s+[ab]r\d+ = b[01]\[.*$" if what == "noload" else \
         r"^\s+([ab]r\d+ = b[01]\[|[AB][swq]\[).*$"  # element or packed stores
     loop = re.sub(pat, "", loop, flags=re.M)

@@ -1,15 +1,17 @@
-"""Where a step's wall time goes, per workload: the host's part (``launch``: encode and submit,
-in segments) and the wait after it (``dev.sync``), against the GPU's own time (the profile's
-in-stream kernel sum) and an idle queue's sync round trip.  The paired benchmark times launch +
-sync; the profile's sum of kernels is 1-5 µs per dispatch below it (docs/benchmarks.md,
-sixteenth session): this says whether that gap is host time, the wait's own latency, or GPU
-time between kernels.
+"""Where a step's wall time goes, per workload: the host's part (``submit``: the step encoded
+ahead submitted and the next one encoded, or with ``--preencode 0`` the step encoded and
+submitted in segments) and the wait after it (``dev.sync``), against the GPU's own time (the
+profile's in-stream kernel sum) and an idle queue's sync round trip.  The paired benchmark
+times submit + sync the same way: this says whether the gap to the profile's sum of kernels is
+host time, the wait's own latency, or GPU time between kernels (docs/benchmarks.md, sixteenth
+session).
 
   python3 bench/step_split.py [workloads] [--impl dawn] [--steps 30] [--segments 12,96|0]
+      [--preencode 0|1]
       [--out FILE.json]
 
-Prints per workload and mode the median µs of launch (host), wait, wall, the profile's GPU sum
-and wall − GPU per dispatch."""
+Prints per workload and mode the median µs of the host part (``launch_us``), wait, wall, the
+profile's GPU sum and wall − GPU per dispatch."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def split_times(sess, inference: bool, feeds: dict, steps: int) -> dict:
     host, wait = [], []
     for i in range(2 * steps):
         t0 = time.perf_counter()
-        ex.launch()
+        ex.submit(fetch=False)  # with the next step encoded ahead unless $MEGANEURA_PREENCODE=0
         t1 = time.perf_counter()
         sess.dev.sync()
         t2 = time.perf_counter()
@@ -94,12 +96,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--segments", help="$MEGANEURA_SUBMIT_SEGMENTS for this run (0: one "
                     "command buffer)")
+    ap.add_argument("--preencode", choices=("0", "1"), help="$MEGANEURA_PREENCODE for this "
+                    "run (1, the default: the host part includes encoding the next step)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.segments is not None:
         os.environ["MEGANEURA_SUBMIT_SEGMENTS"] = a.segments
+    if a.preencode is not None:
+        os.environ["MEGANEURA_PREENCODE"] = a.preencode
     dev = get_device(a.impl)
     res = {"device": dev.adapter_name, "impl": a.impl, "segments": a.segments,
+           "preencode": a.preencode,
            "idle_sync_us": idle_sync_us(dev), "date": time.strftime("%Y-%m-%d"), "rows": []}
     print(f"device {dev.adapter_name} ({a.impl}); idle sync round trip "
           f"{res['idle_sync_us']:.0f} µs", flush=True)

@@ -112,7 +112,9 @@ OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 3
                Cfg("sgmat", 128, 256, 2, 4, 32, 256), Cfg("sgmat", 64, 64, 2, 2, 16, 257 | 36),
                Cfg("sgmat", 128, 256, 2, 4, 32, 512), Cfg("sgmat", 64, 64, 2, 2, 32, 512 | 258),
                Cfg("sgmat", 128, 256, 2, 4, 32, 1024), Cfg("sgmat", 64, 64, 2, 2, 16, 1024 | 258),
-               Cfg("sgmat", 128, 128, 2, 2, 32, 64), Cfg("sgmat", 64, 128, 2, 2, 16, 64 | 7)]
+               Cfg("sgmat", 128, 128, 2, 2, 32, 64), Cfg("sgmat", 64, 128, 2, 2, 16, 64 | 7),
+               Cfg("sgmat", 128, 128, 2, 2, 32, 2048 | 2), Cfg("sgmat", 64, 64, 2, 2, 16, 6144),
+               Cfg("sgmat", 64, 128, 2, 2, 16, 2048 | 64)]
 
 
 def _loop_body(wgsl: str) -> str:
@@ -199,6 +201,40 @@ def test_two_register_sets(k):
         with pytest.raises(CodegenError, match="option bits"):
             codegen.emit(_desc(1, 256, 256, 64, config=g._replace(vr=bad)), TC_LIMITS,
                          TC_FEATURES)
+
+
+@pytest.mark.parametrize("k,far", [(128, False), (96, False), (4096, True)])
+def test_touch_loads(k, far):
+    """Option bit 2048: besides its real loads each step issues one touch per 32-byte sector
+    of the tiles ``TOUCH_AHEAD`` (+2 with 4096) steps ahead, clamped to the last whole step,
+    into set x (even steps) or y (odd); each set is summed after the other step's products,
+    and the sum reaches a workgroup element after the loop.  K < 2 BK: the plain loop."""
+    from meganeura.kernels.matmul_sgmat import TOUCH_AHEAD
+
+    g = Cfg("sgmat", 128, 128, 2, 2, 32, 2 | 2048 | (4096 if far else 0))
+    sa, sb = Strided.contiguous(f16, (1, 256, k)), Strided.contiguous(f16, (1, k, 256))
+    desc = MatmulKernel(1, 256, 256, k, sa, sb, out_dtype=f32, precision="fast", config=g)
+    wgsl = codegen.emit(desc, TC_LIMITS, TC_FEATURES).wgsl
+    ahead = 32 * (TOUCH_AHEAD + (2 if far else 0))
+    body = wgsl.split("for (var k0", 1)[1]
+    first, second = body.split("let k1 = k0 + 32u;", 1)
+    assert f"let ktx = min(k0 + {ahead}u, {k - 32}u);" in first
+    assert f"let kty = min(k1 + {ahead}u, {k - 32}u);" in second
+    # A: 128 rows x 64 bytes, B: 32 rows x 256 bytes -> 256 sectors each, 2 per invocation
+    for st, part in (("x", first), ("y", second)):
+        assert part.count(f"t{st}a") == 2 and part.count(f"t{st}b") == 2  # issued
+        other = "y" if st == "x" else "x"
+        assert part.count(f"tacc = tacc + f32(t{other}") == 4  # the other set consumed
+        assert part.index(f"t{st}a0 = ") < part.index("subgroupMatrixMultiplyAccumulate")
+    assert ("if (k1 < " in body) == bool(-(-k // 32) % 2)
+    assert "= f16(tacc);" in wgsl.split("for (var k0", 1)[1].rsplit("workgroupBarrier", 1)[1]
+    short = MatmulKernel(1, 256, 256, 48, Strided.contiguous(f16, (1, 256, 48)),
+                         Strided.contiguous(f16, (1, 48, 256)), out_dtype=f32,
+                         precision="fast", config=g)
+    assert "tacc" not in codegen.emit(short, TC_LIMITS, TC_FEATURES).wgsl
+    with pytest.raises(CodegenError, match="2048"):
+        codegen.emit(desc.__class__(1, 256, 256, k, sa, sb, out_dtype=f32, precision="fast",
+                                    config=g._replace(vr=2048 | 1)), TC_LIMITS, TC_FEATURES)
 
 
 def test_results_go_straight_to_c_only_where_they_can():

@@ -1,6 +1,8 @@
 """A step is submitted as several command buffers (``GPUStream.launch``) so the GPU starts
 while the host still encodes: the cut points parse strictly, and a step cut anywhere gives
-bit-identical results to one command buffer (training updates and fetched outputs)."""
+bit-identical results to one command buffer (training updates and fetched outputs).  After
+each submit the next step is encoded ahead (``GPUStream.prepare``); it must run on the feeds,
+parameters and initial values written after it was encoded."""
 
 import numpy as np
 import pytest
@@ -8,7 +10,13 @@ import pytest
 import meganeura as mn
 from meganeura import optim
 from meganeura.models.mlp import mlp_classifier
-from meganeura.runtime.executable import SEGMENTS_ENV, segment_bounds
+from meganeura.runtime.executable import (
+    PREENCODE_ENV,
+    PREPARED_SEGMENTS,
+    SEGMENTS_ENV,
+    preencode_enabled,
+    segment_bounds,
+)
 
 
 def test_segment_bounds_default_env_and_clipping():
@@ -50,3 +58,60 @@ def test_segmented_steps_are_bit_identical(monkeypatch, gpu):
         assert loss1 == loss2, cuts
         assert all(np.array_equal(p1[k], p2[k]) for k in p1), cuts
         assert np.array_equal(out1, out2), cuts
+
+
+def _mlp_session():
+    m = mlp_classifier(8, in_dim=12, hidden=(16, 16), classes=5)
+    return mn.compile(m.graph, loss=m.loss, outputs={"logits": m.logits},
+                      optimizer=optim.Adam(lr=1e-2))
+
+
+def _feeds(i: int) -> dict:
+    r = np.random.default_rng(i)
+    return {"x": r.normal(size=(8, 12)).astype(np.float32),
+            "y": r.integers(0, 5, 8).astype(np.int32)}
+
+
+def _history(monkeypatch, ahead: str):
+    """Steps and runs on changing feeds, a set_params and an init_params in between."""
+    monkeypatch.setenv(PREENCODE_ENV, ahead)
+    monkeypatch.delenv(SEGMENTS_ENV, raising=False)
+    sess = _mlp_session()
+    out = [float(sess.step(**_feeds(i)).loss) for i in range(3)]
+    out.append(sess.run(x=_feeds(7)["x"])["logits"])
+    out.append(sess.run(x=_feeds(8)["x"])["logits"])
+    params = sess.get_params()
+    sess.set_params({k: v * 0.5 for k, v in params.items()})  # written after the encode ahead
+    out.append(sess.run(x=_feeds(7)["x"])["logits"])
+    out.append(float(sess.step(**_feeds(3)).loss))
+    sess.init_params(seed=5)  # every parameter and state rewritten after the encode ahead
+    out.append(float(sess.step(**_feeds(4)).loss))
+    out.append(sess.run(x=_feeds(9)["x"])["logits"])
+    return sess, out, sess.get_params()
+
+
+def test_steps_encoded_ahead_match_steps_encoded_on_demand(monkeypatch, gpu):
+    _, want, want_p = _history(monkeypatch, "0")
+    sess, got, got_p = _history(monkeypatch, "1")
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a, b)
+    assert all(np.array_equal(got_p[k], want_p[k]) for k in want_p)
+    # the next step of each stream is waiting, cut where PREPARED_SEGMENTS says
+    n = len(sess.train.commands)
+    cuts = ",".join(map(str, PREPARED_SEGMENTS))
+    assert len(sess.train.prepared.command_buffers) == len(segment_bounds(n, cuts)) - 1
+    assert sess.train.prepared.readback is not None and sess.infer.prepared is not None
+    monkeypatch.setenv(PREENCODE_ENV, "0")
+    sess.step(**_feeds(5))
+    assert sess.train.prepared is None  # submitted, and nothing encoded ahead
+
+
+def test_preencode_setting_is_checked_before_anything_runs(monkeypatch, gpu):
+    assert preencode_enabled("1") and not preencode_enabled("0") and preencode_enabled(" 1 ")
+    sess = _mlp_session()
+    sess.step(**_feeds(0))
+    before = sess.get_params()
+    monkeypatch.setenv(PREENCODE_ENV, "yes")
+    with pytest.raises(ValueError, match=PREENCODE_ENV):
+        sess.step(**_feeds(1))
+    assert all(np.array_equal(v, sess.get_params()[k]) for k, v in before.items())

@@ -317,7 +317,8 @@ def config_name(g: Cfg) -> str:
     if g.kind == "sgmat":
         opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g"), (8, "h"), (16, "l"),
                                           (32, "c"), (64, "t"), (128, "x"), (256, "o"),
-                                          (512, "e"), (1024, "p"))
+                                          (512, "e"), (1024, "p"), (2048, "f"),
+                                          (4096, "z"))
                        if g.vr & bit)
         return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{opts}{'' if g.vl else 's'}"
     ks = f"_ks{g.ks}" if g.ks != 1 else ""
@@ -360,9 +361,10 @@ def _check_config(g: Cfg, name: str) -> Cfg:
             bad = "K slices (ks) exist for the tiled kernel only"
         elif min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
             bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
-        elif (not 0 <= g.vr < 2048 or g.vr & 1025 == 1025 or g.vr & 1536 == 1536
+        elif (not 0 <= g.vr < 8192 or g.vr & 1025 == 1025 or g.vr & 1536 == 1536
               or g.vr & 5 == 4 or g.vr & 272 == 272
-              or g.vr & 513 == 513
+              or g.vr & 513 == 513 or (g.vr & 2048 and g.vr & (1 | 512 | 1024))
+              or g.vr & 6144 == 4096
               or (g.vr & 128 and (g.vr & ~130 or g.bk != 16))):
             bad = ("vr holds the option bits 1 (double buffering), 2 (grouped rasterization), "
                    "4 (two K steps per iteration, with double buffering only), 8 (f16 "
@@ -370,7 +372,8 @@ def _check_config(g: Cfg, name: str) -> Cfg:
                    "fragment offsets), 64 (B transposed), 128 (fragments "
                    "from global memory, BK 16, with 2 only), 256 (B fragments one at a "
                    "time, not with 16), 512 (loads before the barrier, not with 1) and 1024 "
-                   "(loads two steps ahead, not with 1 or 512)")
+                   "(loads two steps ahead, not with 1 or 512), 2048 (L1 touch loads, not with 1, "
+                   "512 or 1024) and 4096 (touches two steps further, with 2048 only)")
     elif g != GEMV:
         bad = "unknown kind"
     if bad:

@@ -28,6 +28,13 @@ stores; with f32 operands 219 either way.
 * ``PF2`` (single buffer) — two sets of staging registers, used in turn (the K loop does two
   steps per iteration): step k issues step k + 2's loads, so two steps of products cover
   their latency instead of one (the ``noload`` ablation puts 23 % of the 4096³ time on it).
+* ``TOUCH`` (single buffer, vector loads) — L1 prefetch: every K step also issues one small
+  "touch" load per 32-byte sector of step k + ``TOUCH_AHEAD``'s tiles (``FAR``: two steps
+  further), consumed two steps later (the K loop does two steps per iteration, so two touch
+  sets live), so when that step's real loads are issued they hit L1.  The idea: the staging
+  registers bound how many bytes are in flight (two sets do not fit, ``PF2``), a touch holds
+  one register per sector instead of four per 32 bytes.  Where K < 2 BK or an operand loads
+  scalars, the plain single-buffer loop;
 * ``SWZ`` — grouped rasterization: consecutive workgroups walk ``SWZ_ROWS`` tile rows column by
   column, so the operand tiles a wave of workgroups shares stay in L2;
 * ``CONST`` — constant fragment offsets: the workgroup tiles are arrays of 16-row (A) / 16-column
@@ -60,8 +67,10 @@ from __future__ import annotations
 from ..dtypes import f16
 from .common import BUFFER_VIEW_FEATURE, CodegenError, make_grid, packed_staging, u
 
-DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL, BSTREAM, EARLY, PF2 = (  # Cfg.vr bits
-    1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL, BSTREAM, EARLY, PF2, TOUCH, FAR = (  # Cfg.vr
+    1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # bits
+TOUCH_AHEAD = 3  # ``TOUCH``: steps ahead of the products a touch load reads (``FAR``: + 2)
+SECTOR = 32  # bytes the memory system moves per request (a touch load per sector)
 SWZ_ROWS = 8  # tile rows per rasterization group
 SG_PAD = 8  # f16 elements of padding per workgroup-memory row (keeps rows 16-byte aligned)
 BS_ROW = 16 + SG_PAD  # ``CONST`` B strips: row stride (rows of a fragment on distinct banks)
@@ -108,6 +117,10 @@ def sgmat(c, t, g):
     edges = not (full_m and full_n) or live_check
     if g.vr & PF2:
         _k_loop_pf2(c, L, ind, BK, edges, live_check, ops, lay)
+    elif g.vr & TOUCH and c.K >= 2 * BK and all(o.w > 1 for o in ops):
+        ahead = TOUCH_AHEAD + (2 if g.vr & FAR else 0)
+        _k_loop_touch(c, L, ind, BK, edges, live_check, ops, lay, _Toucher(c, ops, nthreads,
+                                                                            ahead))
     elif db:
         _k_loop_db(c, L, ind, BK, edges, live_check, ops, lay, bool(g.vr & UNROLL))
     else:
@@ -390,6 +403,94 @@ def _k_loop_single(c, L, ind, bk, edges, live_check, ops, lay, early: bool = Fal
         _next_loads(c, L, i2, bk, load)
     compute(L, i2, "", "")
     L += [f"{i2}workgroupBarrier();", f"{ind}}}"]
+
+
+class _Toucher:
+    """``TOUCH``: the touch loads of both operands, one per ``SECTOR`` bytes of a step's tiles,
+    spread over the invocations (module docstring); every touch's first element is summed
+    into ``tacc``, which goes to a dead workgroup element after the loop so the loads stay."""
+
+    def __init__(self, c, ops, nthreads: int, ahead: int):
+        self.c, self.ops, self.nthreads, self.ahead = c, ops, nthreads, ahead
+
+    def _plan(self, o) -> tuple[int, int, int]:
+        """(items per touch, touches per step, touches per invocation) of operand ``o``."""
+        item_bytes = o.w * (2 if o.elem == "f16" else 4)
+        along = (o.bk if o.k_fast else o.T) // o.w
+        s = max(1, min(SECTOR // item_bytes, along))
+        while along % s:
+            s -= 1
+        n_t = o.items // s
+        return s, n_t, -(-n_t // self.nthreads)
+
+    def decls(self, L: list[str], ind: str) -> None:
+        L.append(f"{ind}var tacc = 0.0;")
+        for o in self.ops:
+            t = f"vec4<{o.bt}>"
+            L += [f"{ind}var t{st}{o.p}{m}: {t};" for st in "xy"
+                  for m in range(self._plan(o)[2])]
+
+    def issue(self, L: list[str], ii: str, k: str, st: str) -> None:
+        """Set ``st``'s touches of step ``k`` + ``ahead`` (clamped to the last whole step)."""
+        from .matmul import index_code
+
+        c, kf = self.c, self.c.K - self.c.K % self.ops[0].bk
+        bk = self.ops[0].bk
+        L.append(f"{ii}let kt{st} = min({k} + {u(self.ahead * bk)}, {u(kf - bk)});")
+        for o in self.ops:
+            s, n_t, per = self._plan(o)
+            along = (o.bk if o.k_fast else o.T) // o.w
+            origin = "row0" if o.which == "a" else "col0"
+            for m in range(per):
+                e = f"(min(lid + {u(m * self.nthreads)}, {u(n_t - 1)}) * {u(s)})"
+                fast, slow = f"({e} % {u(along)} * {u(o.w)})", f"({e} / {u(along)})"
+                x, kx = (slow, fast) if o.k_fast else (fast, slow)
+                idx = f"{o.p}base + " + index_code(
+                    [f"min({origin} + {x}, {u(o.dim - 1)})", f"(kt{st} + {kx})"],
+                    [o.s_x, o.s_k])
+                L.append(f"{ii}t{st}{o.p}{m} = {c.bd.name(o.slot)}[({idx}) / {u(o.w)}];")
+
+    def consume(self, L: list[str], ii: str, st: str) -> None:
+        for o in self.ops:
+            L += [f"{ii}tacc = tacc + f32(t{st}{o.p}{m}.x);" for m in range(self._plan(o)[2])]
+
+    def finish(self, L: list[str], ind: str, lay) -> None:
+        tm = self.ops[0].T
+        L.append(f"{ind}{lay.sh('')('As', '0u', f'(lid % {u(tm)})', False)} = f16(tacc);")
+
+
+def _k_loop_touch(c, L, ind, bk, edges, live_check, ops, lay, touch: _Toucher) -> None:
+    """``TOUCH``: ``_k_loop_single``'s steps, two per iteration; step k issues touch set x
+    (even steps) or y (odd) after its real loads and consumes the other set (issued the step
+    before) after its products."""
+    from .matmul import _store_items
+
+    i2, i3 = ind + "    ", ind + "        "
+    load = _loader(c, L, edges, live_check, ops)
+    nsteps = -(-c.K // bk)
+    ks = nsteps * bk
+    touch.decls(L, ind)
+    L += [f"{ind}{{", f"{i2}let kb = 0u;"]
+    load(i2, c.K < bk)
+    L.append(f"{ind}}}")
+
+    def step(ii: str, k: str, st: str, other: str) -> None:
+        for o in ops:
+            _store_items(L, ii, o, lay.sh(""), lambda v: f"f16({v})", lay.pk(""))
+        L.extend([f"{ii}workgroupBarrier();", f"{ii}let kb = {k} + {u(bk)};"])
+        _next_loads(c, L, ii, bk, load)
+        touch.issue(L, ii, k, st)
+        lay.compute(L, ii, "", "")
+        touch.consume(L, ii, other)
+        L.append(f"{ii}workgroupBarrier();")
+
+    L += [f"{ind}for (var k0: u32 = 0u; k0 < {u(ks)}; k0 = k0 + {u(2 * bk)}) {{", f"{i2}{{"]
+    step(i3, "k0", "x", "y")
+    L += [f"{i2}}}", f"{i2}let k1 = k0 + {u(bk)};"]
+    L.append(f"{i2}if (k1 < {u(ks)}) {{" if nsteps % 2 else f"{i2}{{")
+    step(i3, "k1", "y", "x")
+    L += [f"{i2}}}", f"{ind}}}"]
+    touch.finish(L, ind, lay)
 
 
 def _with_set(ops, reg: str, emit) -> None:

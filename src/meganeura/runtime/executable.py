@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 from ..compile.executable import Copy, Dispatch, Executable, Loc, Stream, round4
 from ..errors import LimitError
@@ -94,6 +95,30 @@ class PinnedBuffers:
 
 SEGMENTS_ENV = "MEGANEURA_SUBMIT_SEGMENTS"
 DEFAULT_SEGMENTS = (12, 96)  # command index where each submitted segment ends (the rest last)
+# the cuts of a step encoded ahead (``GPUStream.prepare``): submitting a recorded command
+# buffer still costs Dawn about 2 µs per dispatch (it records the Vulkan commands then), a
+# dispatch runs 2-10 µs, so each segment may be a few times the work already queued
+PREPARED_SEGMENTS = (8, 24, 72, 216, 648)
+PREENCODE_ENV = "MEGANEURA_PREENCODE"
+
+
+def preencode_enabled(env: str | None = None) -> bool:
+    """Whether a stream encodes its next step right after submitting one
+    (``$MEGANEURA_PREENCODE``: 1, the default, or 0)."""
+    raw = (os.environ.get(PREENCODE_ENV, "1") if env is None else env).strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"${PREENCODE_ENV}={raw!r}: expected 1 (encode the next step while "
+                         "the GPU runs this one, the default) or 0")
+    return raw == "1"
+
+
+@dataclass
+class PreparedStep:
+    """A step encoded ahead: its command buffers, submitted in order, and the readback buffer
+    its fetch copies go to (None when the stream fetches nothing)."""
+
+    command_buffers: list
+    readback: object | None
 
 
 def segment_bounds(n: int, env: str | None = None) -> list[int]:
@@ -144,6 +169,7 @@ class GPUStream:
         self._segments: dict[tuple[int, int], list | None] = {}  # checked ranges (encode_range)
         self._bounds: tuple[str | None, list[int]] | None = None  # ($SEGMENTS_ENV, cuts)
         self.readback_pool: list = []  # readback buffers whose results were read
+        self.prepared: PreparedStep | None = None  # the next step, encoded ahead (submit)
 
     def buffer(self, loc: Loc):
         if loc.pool == "temp":
@@ -171,22 +197,68 @@ class GPUStream:
         return [CopyCommand(self.buffer(f.loc), f.loc.offset, dst, f.offset, f.nbytes)
                 for f in self.stream.fetch]
 
-    def submit(self):
-        """Encode and submit the stream once; returns a function that waits for the fetched
-        results and returns them by name (``dict`` when nothing is fetched)."""
+    def submit(self, fetch: bool = True):
+        """Run the stream once; returns a function that waits for the fetched results and
+        returns them by name (``dict`` when nothing is fetched; ``fetch=False``: the results
+        stay on the GPU, as the benchmarks time a step).  The step encoded ahead (``prepare``)
+        is submitted if there is one, else the step is encoded and submitted segment by
+        segment (``launch``); then, unless ``$MEGANEURA_PREENCODE`` is 0, the next step is
+        encoded while the GPU runs this one.  The command stream never changes (fixed buffers
+        and bind groups) and feeds are written with ``queue.write_buffer``, which the queue
+        orders before the next submit, so a step encoded ahead runs on the new feeds."""
+        ahead = preencode_enabled()  # a bad setting fails before anything is submitted
+        want = fetch and bool(self.stream.fetch)
+        step, self.prepared = self.prepared, None
+        if step is not None and (step.readback is not None) != want:
+            if step.readback is not None:  # never submitted: the buffer is free
+                self.readback_pool.append(step.readback)
+            step = None
+        self.pinned.materialize()  # deferred initial values (a sharing session) go first
+        if step is None:
+            dst = self._readback() if want else None
+            self.launch(self.fetch_copies(dst) if dst is not None else ())
+        else:
+            dst = step.readback
+            for cb in step.command_buffers:
+                self.dev.queue.submit([cb])
+        if ahead:
+            self.prepared = self.prepare(want)
+        return dict if dst is None else self._fetcher(dst)
+
+    def prepare(self, fetch: bool = True) -> PreparedStep:
+        """The next step's command buffers, cut at ``PREPARED_SEGMENTS`` (or
+        ``$MEGANEURA_SUBMIT_SEGMENTS``), with its result copies into a readback buffer
+        (``fetch``, where the stream fetches anything)."""
+        dst = self._readback() if fetch and self.stream.fetch else None
+        copies = self.fetch_copies(dst) if dst is not None else ()
+        raw = os.environ.get(SEGMENTS_ENV)
+        bounds = segment_bounds(len(self.commands), raw if raw is not None else
+                                ",".join(map(str, PREPARED_SEGMENTS)))
+        if len(bounds) == 2:
+            return PreparedStep([self.encode(copies)], dst)
+        last = len(bounds) - 2
+        cbs = [self.encode_range(a, b, copies if i == last else ())
+               for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        self.checked = True
+        return PreparedStep(cbs, dst)
+
+    def _readback(self):
+        """A readback buffer for one step's fetched results (pooled: buffers whose results were
+        read come back)."""
+        import wgpu
+
+        if self.readback_pool:
+            return self.readback_pool.pop()
+        return self.dev.device.create_buffer(size=self.stream.fetch_bytes,
+                                             usage=wgpu.BufferUsage.MAP_READ
+                                             | wgpu.BufferUsage.COPY_DST)
+
+    def _fetcher(self, dst):
+        """The function that waits for a step's results in ``dst`` (read lazily, maybe much
+        later) and gives the buffer back to the pool."""
         import wgpu
 
         layout = self.stream.fetch
-        if not layout:
-            self.launch()
-            return dict
-        # a readback buffer per submitted step (results are read lazily, maybe much later);
-        # buffers whose results were read go back to the pool
-        dst = self.readback_pool.pop() if self.readback_pool else \
-            self.dev.device.create_buffer(size=self.stream.fetch_bytes,
-                                          usage=wgpu.BufferUsage.MAP_READ
-                                          | wgpu.BufferUsage.COPY_DST)
-        self.launch(self.fetch_copies(dst))
 
         def fetch():
             dst.map_sync(wgpu.MapMode.READ)
@@ -205,8 +277,8 @@ class GPUStream:
         the whole encode.  On the H200 through Dawn a dispatch costs 4-10 µs of host time
         (bench/step_split.py, docs/benchmarks.md sixteenth session): with the default cuts
         the last segment's encode is most of the step and the GPU starves meanwhile (wall ≈
-        launch + GPU); finer cuts are the open next step.  ``extra_copies`` go at the very
-        end."""
+        launch + GPU), which is why ``submit`` encodes the next step ahead.  ``extra_copies``
+        go at the very end."""
         raw = os.environ.get(SEGMENTS_ENV)
         if self._bounds is None or self._bounds[0] != raw:  # parsed once per setting
             self._bounds = (raw, segment_bounds(len(self.commands), raw))
