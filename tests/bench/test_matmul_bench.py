@@ -84,7 +84,12 @@ def test_ablations_remove_what_they_say(mb):
     assert min(loads, stores, frags, bars, mma, out) > 0 and hoisted == 0
     assert [counts(mb._ablated(spec, w).wgsl) for w in mb.ABLATIONS] == [
         (0, stores, frags, bars, mma, 0, out), (0, 0, frags, bars, mma, 0, out),
-        (0, 0, 0, bars, mma, frags, out), (0, 0, 0, 0, mma, frags, out)]
+        (0, 0, 0, bars, mma, frags, out), (0, 0, 0, 0, mma, frags, out),
+        whole, whole,  # l1hit / l2hit: the same instructions, K wrapped
+        (loads, stores, 0, bars, mma, frags, out), (loads, stores, frags, 0, mma, 0, out)]
+    for what, wrap in mb.WRAP_K.items():
+        loop = mb._ablated(spec, what).wgsl.split("for (var k0", 1)[1]
+        assert loop.count(f"(kb % {wrap}u)") == loads + loop.count("= b1[")
 
 
 def test_b_stored_nk_reads_the_same_product(mb, gpu):
