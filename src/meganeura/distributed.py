@@ -484,6 +484,7 @@ class DataParallel:
             self._segments.append(_Segment(start, stop, bs, copies))
         self.stats.buckets, self.stats.segments = len(self.buckets), len(self._segments)
         self.stats.bytes_allreduced = sum(b.elements * 4 for b in self.buckets)
+        self._ahead: list | None = None  # the next step's segments, encoded ahead
 
     # -- training ---------------------------------------------------------------------------
     def step(self, **feeds) -> DPStep:
@@ -525,14 +526,29 @@ class DataParallel:
 
     def _submit_gradients(self, feeds: Mapping[str, np.ndarray]) -> None:
         """The gradient program, one submit per segment, each ending with its buckets' copies
-        into their staging buffers."""
+        into their staging buffers; the segments encoded ahead by the previous step when
+        there are (``$MEGANEURA_PREENCODE``).  They are encoded before ``_reduce`` maps the
+        staging buffers and submitted after it unmapped them."""
+        from .runtime.executable import preencode_enabled
         from .runtime.session import check_feeds
 
         arrays = check_feeds(self._feeds, feeds, self.grad.check_finite, self.grad.feed_ranges)
+        ahead = preencode_enabled()  # a bad setting fails before anything is submitted
         self.grad.buffers.write(arrays)
         queue = self.ctx.device.queue
-        for seg in self._segments:
-            queue.submit([self._stream.encode_range(seg.start, seg.stop, seg.copies)])
+        prepared, self._ahead = self._ahead, None
+        self._stream.pinned.materialize()
+        if prepared is None:
+            for seg in self._segments:
+                queue.submit([self._encode(seg)])
+        else:
+            for cb in prepared:
+                queue.submit([cb])
+        if ahead:  # the next step's segments, while the GPU runs these (GPUStream.submit)
+            self._ahead = [self._encode(seg) for seg in self._segments]
+
+    def _encode(self, seg: _Segment):
+        return self._stream.encode_range(seg.start, seg.stop, seg.copies)
 
     def _reduce(self, pending) -> float:
         """Read the buckets back in the order the GPU finishes them, starting each bucket's
