@@ -115,3 +115,19 @@ def test_preencode_setting_is_checked_before_anything_runs(monkeypatch, gpu):
     with pytest.raises(ValueError, match=PREENCODE_ENV):
         sess.step(**_feeds(1))
     assert all(np.array_equal(v, sess.get_params()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("impl,module", [("wgpu", "wgpu"), ("dawn", "wgpudawn")])
+def test_raw_calls_are_the_implementations_own_entry_points(impl, module):
+    """After the first checked encode, both implementations encode through their webgpu.h
+    functions directly; an unknown implementation keeps the wrappers."""
+    from types import SimpleNamespace
+
+    from meganeura.runtime.executable import _raw_calls
+
+    pytest.importorskip(module)
+    lib, null = _raw_calls(SimpleNamespace(implementation=impl))
+    for fn in ("SetPipeline", "SetBindGroup", "DispatchWorkgroups"):
+        assert callable(getattr(lib, f"wgpuComputePassEncoder{fn}"))
+    assert null is not None
+    assert _raw_calls(SimpleNamespace(implementation="reference")) is None

@@ -408,14 +408,19 @@ class CopyCommand:
 
 
 def _raw_calls(dev):
-    """wgpu-native's C entry points without wgpu-py's per-call error capture (~3 µs a call).
-    Used only after the first, fully checked encode of a plan: every later step encodes the
-    identical command stream.  None for other implementations."""
-    if dev.implementation != "wgpu":
-        return None
+    """The implementation's webgpu.h entry points, called straight through cffi: without
+    wgpu-py's per-call error capture (~3 µs a call on wgpu-native) and, on both, without the
+    Python wrapper's method calls per command.  Used only after the first, fully checked
+    encode of a plan: every later step encodes the identical command stream.  None for other
+    implementations."""
     try:
-        from wgpu.backends.wgpu_native._ffi import ffi, lib
-    except ImportError:  # pragma: no cover - another wgpu layout
+        if dev.implementation == "wgpu":
+            from wgpu.backends.wgpu_native._ffi import ffi, lib
+        elif dev.implementation == "dawn":
+            from wgpudawn.backends.dawn._ffi import ffi, lib
+        else:
+            return None
+    except ImportError:  # pragma: no cover - another package layout
         return None
     return lib, ffi.NULL
 
