@@ -363,6 +363,9 @@ export class Program {
     this._modules = modules;
     this._weights = weights;
     this._queue = Promise.resolve(); // runs one at a time: each maps its stream's readback buffer
+    // after each submit, encode the stream's next step while the GPU runs this one (false:
+    // encode each step when it is called)
+    this.preencode = true;
     this.lost = null;
     device.lost.then((info) => { this.lost = info.message || info.reason || "lost"; });
   }
@@ -497,7 +500,31 @@ export class Program {
     const d = this.device;
     for (const [name, bytes] of Object.entries(arrays)) this._write(name, bytes);
     d.pushErrorScope("validation");
-    const enc = d.createCommandEncoder();
+    // the step encoded ahead by the previous call (the command stream never changes; the feeds
+    // just written are queue operations ordered before this submit), then the next one, while
+    // the GPU runs this one
+    const cb = stream.prepared ?? this._encode(stream);
+    stream.prepared = null;
+    d.queue.submit([cb]);
+    if (this.preencode) stream.prepared = this._encode(stream);
+    const invalid = await d.popErrorScope();
+    if (invalid) {
+      stream.prepared = null;
+      throw new DeviceError(`the GPU rejected the ${stream.tag} stream: ${invalid.message}`);
+    }
+    if (!stream.readback) return {};
+    await stream.readback.mapAsync(GPUMapMode.READ);
+    const raw = stream.readback.getMappedRange().slice(0);
+    stream.readback.unmap();
+    const out = {};
+    for (const f of stream.fetch) out[f.name] = fromGPU(raw, f);
+    return out;
+  }
+
+  /** One step's command buffer: the stream's commands and the copies of its results into the
+   * readback buffer (mapped only between a submit and the next call's submit). */
+  _encode(stream) {
+    const enc = this.device.createCommandEncoder();
     let pass = null;
     for (const c of stream.commands) {
       if (c.copy) {
@@ -515,16 +542,7 @@ export class Program {
       enc.copyBufferToBuffer(this._buffer(stream.tag, f.loc), f.loc[2], stream.readback, f.offset,
                              round4(f.nbytes));
     }
-    d.queue.submit([enc.finish()]);
-    const invalid = await d.popErrorScope();
-    if (invalid) throw new DeviceError(`the GPU rejected the ${stream.tag} stream: ${invalid.message}`);
-    if (!stream.readback) return {};
-    await stream.readback.mapAsync(GPUMapMode.READ);
-    const raw = stream.readback.getMappedRange().slice(0);
-    stream.readback.unmap();
-    const out = {};
-    for (const f of stream.fetch) out[f.name] = fromGPU(raw, f);
-    return out;
+    return enc.finish();
   }
 
   /** Free the GPU buffers (the device stays usable for other programs). */

@@ -140,6 +140,44 @@ def test_browser_trains_a_step_like_python(gpu, page, site):
     np.testing.assert_allclose(after, s.run(x=x)["logits"], rtol=1e-5, atol=1e-5)
 
 
+STEPS_JS = """async ([url, batches, preencode]) => {
+  try {
+    const m = await import('/meganeura.js');
+    const p = await m.loadProgram(url);
+    p.preencode = preencode;
+    const losses = [], logits = [];
+    for (const [x, y] of batches) {
+      losses.push((await p.step({x: new Float32Array(x), y: new Int32Array(y)})).__loss__[0]);
+      logits.push(Array.from((await p.run({x: new Float32Array(x)})).logits));
+    }
+    return {losses, logits};
+  } catch (e) {
+    return {error: `${e.name}: ${e.message}`};
+  }
+}"""
+
+
+@pytest.mark.parametrize("preencode", [True, False])
+def test_browser_steps_encoded_ahead_see_new_feeds(gpu, page, site, preencode):
+    """Several steps and runs on changing batches, each stream's next step encoded ahead
+    (``Program.preencode``, the default) or on demand: the same losses and logits as Python."""
+    m = mlp_classifier(16, hidden=(16,))
+    s = mn.compile(m.graph, loss=m.loss, outputs={"logits": m.logits},
+                   optimizer=mn.optim.AdamW(lr=1e-2), portable=True)
+    s.init_params(seed=2)
+    s.export(site[0] / "steps")
+    x, y = load_digits("train")
+    batches = [(x[i * 16:(i + 1) * 16], y[i * 16:(i + 1) * 16]) for i in range(4)]
+    r = page.evaluate(STEPS_JS, ["steps/", [(a.ravel().tolist(), b.tolist())
+                                            for a, b in batches], preencode])
+    assert "error" not in r, r["error"]
+    for i, (xb, yb) in enumerate(batches):
+        np.testing.assert_allclose(r["losses"][i], s.step(x=xb, y=yb).loss, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(r["logits"][i], np.float32).reshape(16, 10),
+                                   s.run(x=xb)["logits"], rtol=1e-5, atol=1e-5)
+    assert len(set(r["losses"])) == len(batches)  # the batches differ, so must the losses
+
+
 def _broken(site, name: str, digits_dir: str = "digits") -> Path:
     root = site[0]
     shutil.rmtree(root / name, ignore_errors=True)
