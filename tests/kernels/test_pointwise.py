@@ -1,6 +1,8 @@
 """Pointwise emitter on the device vs numpy: broadcasting, views (transposes, slices with
 offsets, negative steps), multiple outputs, dtypes, wrapped grids, limits."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -236,3 +238,32 @@ def test_contiguous_input_at_an_offset(run, rng):
     k = _pk((8,), [view_of(base, base[1:])], [Instr("({0} * 2.0)", (("in", 0),), f32)])
     (y,) = run(k, [base], [((8,), f32)])
     np.testing.assert_array_equal(y, base[1:] * 2)
+
+
+@pytest.mark.parametrize("cols,config", [(8, (4,)), (8, (1,)), (6, ())])
+def test_outputs_written_into_strided_slots(run, rng, cols, config):
+    """``out_views``: two outputs side by side in every row of one buffer (a concat's slots:
+    the gate and up gradients of a fused projection), bound once; vec4 where the rows allow."""
+    rows = 5
+    a = rng.standard_normal((1, rows, cols)).astype(np.float32)
+    b = rng.standard_normal((1, rows, cols)).astype(np.float32)
+    shape = (1, rows, cols)
+    views = tuple(Strided(f32, shape, (rows * 2 * cols, 2 * cols, 1), off, rows * 2 * cols)
+                  for off in (0, cols))
+    k = PointwiseKernel(shape, (Strided.contiguous(f32, shape),) * 2,
+                        (Instr("({0} * {1})", (("in", 0), ("in", 1)), f32),
+                         Instr(ADD, (("in", 0), ("in", 1)), f32)), (0, 1), "slots", config,
+                        out_views=views)
+    out = ((1, rows, 2 * cols), f32)
+    y, _ = run(k, [a, b], [out, out], alias=(0, 1, 2, 2))
+    assert_close(y, np.concatenate([a * b, a + b], axis=-1), 1e-6, what="slots")
+    assert run.last_spec.n_bindings == 3
+    vec = run.last_spec.meta.get("variant") == "pointwise_x4"
+    assert vec == (config != (1,) and cols % 4 == 0)
+    bad = dict(out_views=views[:1])
+    with pytest.raises(CodegenError, match="1 output views for 2 outputs"):
+        codegen.emit(dataclasses.replace(k, **bad), run.dev.limits, run.dev.features)
+    wide = Strided(f32, shape, views[1].strides, cols, rows * 2 * cols - 1)
+    with pytest.raises(CodegenError, match="output 1 reads element"):
+        codegen.emit(dataclasses.replace(k, out_views=(views[0], wide)), run.dev.limits,
+                     run.dev.features)

@@ -373,9 +373,13 @@ def _outermost_slots(alias: dict[int, tuple[Value, int]]) -> dict[int, tuple[Val
     return {vid: outermost(vid) for vid in alias}
 
 
-def _slot_loc(container: Loc, cv: Value, off: int, v: Value) -> Loc:
+def _slot_loc(container: Loc, cv: Value, off: int, v: Value, strided: dict) -> Loc:
+    """Where value ``v`` lies in its (outermost) concat ``cv``'s buffer ``container``: its
+    own bytes at element ``off``, or for one written through a strided view
+    (``Schedule.strided``) the whole range of the concat it is a slot of."""
+    sized = strided.get(v.id, v)
     return Loc(container.pool, container.name, container.offset + off * cv.dtype.gpu_itemsize,
-               _nbytes(v.type))
+               _nbytes(sized.type))
 
 
 # -- make_plan --------------------------------------------------------------------------------
@@ -493,7 +497,8 @@ def _group_binds(c: _Candidate, k: LoweredKernel, slots: dict) -> list[Loc]:
         if loc is None and v.id in slots:
             cv, off = slots[v.id]
             container = c.placed.get(cv.id)
-            loc = _slot_loc(container, cv, off, v) if container is not None else None
+            loc = (_slot_loc(container, cv, off, v, c.sched.strided) if container is not None
+                   else None)
         elif loc is None:
             loc = c.placed.get(v.id)
         if loc is not None and loc.pool == "group":
@@ -592,7 +597,7 @@ def _finish(c: _Candidate) -> Plan:
         placed[vid] = Loc("temp", "", offsets[vid], nbytes)
     for vid, (cv, off) in slots.items():
         if vid in values:
-            placed[vid] = _slot_loc(placed[cv.id], cv, off, values[vid])
+            placed[vid] = _slot_loc(placed[cv.id], cv, off, values[vid], c.sched.strided)
     plan = _assemble(c, placed)
     plan.arena_bytes = arena_bytes
     return plan

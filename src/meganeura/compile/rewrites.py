@@ -155,9 +155,13 @@ def merged(a: LoweredKernel, b: LoweredKernel, keep: set[int]) -> LoweredKernel 
     for ins in db.instrs:
         args = tuple(remap[i] if kind == "in" else ("t", i + n) for kind, i in ins.args)
         instrs.append(ir.Instr(ins.expr, args, ins.dtype, ins.helpers))
+    views = ()
+    if da.out_views or db.out_views:  # outputs written into strided concat slots stay so
+        views = (tuple(da.out_views or (None,) * len(da.outputs))
+                 + tuple(db.out_views or (None,) * len(db.outputs)))
     desc = ir.PointwiseKernel(da.shape, tuple(inputs), tuple(instrs),
                               da.outputs + tuple(o + n for o in db.outputs),
-                              name=f"pw_{len(instrs)}")
+                              name=f"pw_{len(instrs)}", out_views=views)
     ops = f"{la.split(' ', 1)[0]}+{lb.split(' ', 1)[0]}"
     label = f"{ops} {da.shape} {la.rsplit(' ', 1)[-1]}|{lb.rsplit(' ', 1)[-1]}"
     return LoweredKernel(desc, bases, outs_a + outs_b, label)

@@ -61,6 +61,9 @@ class Schedule:
     slots: dict[int, tuple[Value, int]]  # value id -> (concat, element offset) it is computed in
     group_values: dict[str, Value]  # group name -> the planner value of the group's buffer
     needed: set[int]  # ids of the graph nodes the roots depend on
+    # slot values written through a strided view (``PointwiseKernel.out_views``): value id ->
+    # the concat whose whole range their kernel binds (their slot offset is 0)
+    strided: dict[int, Value] = dataclasses.field(default_factory=dict)
 
 _contiguous = ir.contiguous_strides
 
@@ -225,7 +228,7 @@ def schedule(program: Program, roots: list[Value], fuse: bool, *, alias_ok: bool
     needed = program.graph.ancestors(roots)
     pl.lower_nodes(needed)
     pl.copy_strided(contiguous)
-    return Schedule(pl.kernels, pl.views.resolve, pl.alias, group_values, needed)
+    return Schedule(pl.kernels, pl.views.resolve, pl.alias, group_values, needed, pl.strided)
 
 
 class _Planner:
@@ -240,6 +243,7 @@ class _Planner:
         self.kernels: list = []
         self.done: set[int] = set()  # values whose kernel has been emitted
         self.alias: dict[int, tuple[Value, int]] = {}  # value id -> (concat value, elem offset)
+        self.strided: dict[int, Value] = {}  # of those, written through strided views
         self.copies: dict[tuple, Value] = {}  # (value id, shape) -> its contiguous copy
         self.alias_ok = alias_ok  # values may be computed into their concat slot
         self.align = align  # binding offset alignment (bytes) of the device
@@ -610,9 +614,10 @@ class _Planner:
         block: a 1-D concat, or one along an axis with only unit dimensions before it (the
         heads of a batch-1 attention gradient).  Returns the input indices placed."""
         ax = concat.attrs["axis"] % max(v.ndim, 1)
-        if not (self.alias_ok and self.fuse) or v.id in self.root_ids or \
-                math.prod(v.shape[:ax]) != 1:
+        if not (self.alias_ok and self.fuse) or v.id in self.root_ids:
             return set()
+        if math.prod(v.shape[:ax]) != 1:
+            return self._strided_concat_slots(v, concat, ax, starts)
         inner = math.prod(v.shape[ax + 1:])
         starts = [st * inner for st in starts]  # element offsets of the slots
         by_base: dict[int, list] = {}
@@ -636,6 +641,54 @@ class _Planner:
             self.alias[base.id] = (v, at)
             placed.update(i for i, *_ in parts)
         return placed
+
+    def _strided_concat_slots(self, v: Value, concat: Node, ax: int,
+                              starts: list[int]) -> set[int]:
+        """Concat inputs whose slots are strided (a concat along an inner axis, e.g. the gate
+        and up gradients of a fused projection side by side in each row), each produced by
+        an elementwise kernel for this concat alone: that kernel writes it straight into the
+        concat's buffer through a strided view (``PointwiseKernel.out_views``), binding the
+        concat's whole range.  Returns the input indices placed."""
+        vstr = _contiguous(v.shape)
+        resolved = [self.views.resolve(x) for x in concat.inputs]
+        uses: dict[int, int] = {}
+        for base, _ in resolved:  # a base read by two slots stays where it is
+            uses[base.id] = uses.get(base.id, 0) + 1
+        placed = set()
+        for i, x in enumerate(concat.inputs):
+            base, s = resolved[i]
+            j = self._pointwise_producer(base)
+            if (j is None or base.id != x.id or uses[base.id] > 1
+                    or s.strides != _contiguous(x.shape)
+                    or s.offset or self.graph.leaf_of(base) is not None or base.id < 0
+                    or base.dtype != v.dtype or base.id not in self.materialized
+                    or base.id in self.root_ids or base.id in self.alias
+                    or tuple(self.kernels[j].desc.shape) != tuple(x.shape)
+                    or not self._only_feeds(base, concat)):
+                continue
+            view = ir.Strided(v.dtype, tuple(x.shape), vstr, starts[i] * vstr[ax], v.size)
+            self._write_through(j, base, view)
+            self.alias[base.id] = (v, 0)
+            self.strided[base.id] = v
+            placed.add(i)
+        return placed
+
+    def _pointwise_producer(self, base: Value) -> int | None:
+        """Index in ``self.kernels`` of the elementwise kernel that writes ``base`` (None when
+        another kind of kernel, or none, does)."""
+        for j in range(len(self.kernels) - 1, -1, -1):
+            if any(o.id == base.id for o in self.kernels[j].outs):
+                ok = isinstance(self.kernels[j].desc, ir.PointwiseKernel)
+                return j if ok else None
+        return None
+
+    def _write_through(self, j: int, base: Value, view: ir.Strided) -> None:
+        """Kernel ``j`` writes its output ``base`` through ``view``."""
+        k = self.kernels[j]
+        views = list(k.desc.out_views or (None,) * len(k.desc.outputs))
+        views[[o.id for o in k.outs].index(base.id)] = view
+        self.kernels[j] = dataclasses.replace(
+            k, desc=dataclasses.replace(k.desc, out_views=tuple(views)))
 
     def _only_feeds(self, value: Value, concat: Node) -> bool:
         """Every use of ``value`` is (through views) an input of ``concat``."""

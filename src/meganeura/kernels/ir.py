@@ -61,7 +61,7 @@ class Instr:
 @dataclass(frozen=True)
 class PointwiseKernel:
     """Fused elementwise DAG over iteration ``shape``: writes instruction ``outputs[k]``
-    (contiguous, row-major, ``shape``) to output binding k."""
+    (contiguous, row-major, ``shape``) to output binding k, or where ``out_views[k]`` says."""
 
     shape: tuple[int, ...]
     inputs: tuple[Strided, ...]
@@ -72,6 +72,10 @@ class PointwiseKernel:
     # four (``vec4`` loads and stores); empty: the heuristic (vec4 wherever every operand's
     # layout allows it).
     config: tuple = ()
+    # Empty, or per output None (contiguous) or a Strided over ``shape`` into its binding:
+    # where each element goes (an output computed straight into its strided slot of a
+    # concat's buffer, e.g. the gate and up gradients side by side in each row)
+    out_views: tuple = ()
 
 
 @dataclass(frozen=True)

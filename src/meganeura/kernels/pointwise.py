@@ -71,16 +71,43 @@ def _check(k: PointwiseKernel, shape, t) -> tuple[list[DType], list[int], dict]:
     strides = {i: bcast_strides(k.inputs[i], shape, f"{name} input {i}") for i in used}
     for i in used:
         check_extent(name, f"input {i}", k.inputs[i], shape, strides[i], t)
+    views = _out_views(k, shape, out_dtypes)
     for j, dt in enumerate(out_dtypes):
-        check_binding_size(name, f"output {j}", total, dt, t)
+        if views[j] is None:
+            check_binding_size(name, f"output {j}", total, dt, t)
+        else:
+            check_extent(name, f"output {j}", views[j], shape, views[j].strides, t)
     return out_dtypes, used, strides
 
 
-def _merged(shape, used, strides) -> tuple[tuple[int, ...], tuple[int, ...], dict]:
-    """The merged iteration shape, the output's strides over it and each used input's."""
+def _out_views(k: PointwiseKernel, shape, out_dtypes) -> list:
+    """``k.out_views`` checked: one entry per output, each None or a Strided of the output's
+    dtype over the iteration shape."""
+    if not k.out_views:
+        return [None] * len(k.outputs)
+    if len(k.out_views) != len(k.outputs):
+        raise CodegenError(f"kernel {k.name!r}: {len(k.out_views)} output views for "
+                           f"{len(k.outputs)} outputs")
+    for j, v in enumerate(k.out_views):
+        if v is not None and (tuple(v.shape) != tuple(shape) or v.dtype != out_dtypes[j]):
+            raise CodegenError(f"kernel {k.name!r}: output {j}'s view {v} is not a "
+                               f"{out_dtypes[j].name} view over the iteration shape {shape}")
+    return list(k.out_views)
+
+
+def _merged(shape, used, strides, views=()) -> tuple[tuple[int, ...], tuple[int, ...], dict,
+                                                      list]:
+    """The merged iteration shape, the output's strides over it, each used input's and each
+    output view's (None for contiguous outputs)."""
+    placed = [j for j, v in enumerate(views) if v is not None]
     mshape, mstrides = merge_dims(shape, [contiguous_strides(shape)]
-                                  + [strides[i] for i in used])
-    return mshape, mstrides[0], dict(zip(used, mstrides[1:], strict=False))
+                                  + [strides[i] for i in used]
+                                  + [views[j].strides for j in placed])
+    n = 1 + len(used)
+    out = [None] * len(views)
+    for q, j in enumerate(placed):
+        out[j] = mstrides[n + q]
+    return mshape, mstrides[0], dict(zip(used, mstrides[1:n], strict=False)), out
 
 
 def vector_modes(k: PointwiseKernel, shape, used, strides, alias=None) -> dict[int, str] | None:
@@ -88,9 +115,14 @@ def vector_modes(k: PointwiseKernel, shape, used, strides, alias=None) -> dict[i
     module docstring), or None when the variant is not legal: the innermost merged extent is
     not a multiple of 4, an input walks the vector axis with another stride or from an
     unaligned start, or one buffer range is bound both as vectors and as a splat scalar."""
-    mshape, out_st, in_st = _merged(shape, used, strides)
+    views = _out_views(k, shape, [k.instrs[o].dtype for o in k.outputs])
+    mshape, out_st, in_st, out_views = _merged(shape, used, strides, views)
     if not mshape or mshape[-1] % LANES:
         return None
+    for v, st in zip(views, out_views, strict=True):  # stored as aligned vectors
+        if v is not None and (st[-1] != 1 or v.offset % LANES
+                              or any(x % LANES for x in st[:-1])):
+            return None
     modes: dict[int, str] = {}
     for i in used:
         st, off = in_st[i], k.inputs[i].offset
@@ -138,38 +170,46 @@ def _config(k: PointwiseKernel, modes, total: int) -> tuple:
 
 
 def _scalar_loads(k: PointwiseKernel, shape, used, strides, bd: Bindings, body,
-                  ind) -> dict[int, str]:
+                  ind) -> tuple[dict[int, str], list[str]]:
     """Load every input read at element ``i``; an input that walks like the (contiguous)
-    output is indexed by the thread id itself, the others through coordinates."""
-    mshape, out_st, in_strides = _merged(shape, used, strides)
+    output is indexed by the thread id itself, the others through coordinates.  Returns the
+    inputs' names and each output's element index."""
+    views = _out_views(k, shape, [k.instrs[o].dtype for o in k.outputs])
+    mshape, out_st, in_strides, out_views = _merged(shape, used, strides, views)
     clines: list[str] = []
     coords = coords_code("i", mshape, "c", clines, ind)
     need_coords = False
     names: dict[int, str] = {}
+
+    def at(st, off: int) -> str:
+        nonlocal need_coords
+        if st == out_st:
+            return "i" if off == 0 else f"i + {u(off)}"
+        if not need_coords:
+            need_coords = True
+            body.extend(clines)
+        return index_code(coords, st, off)
+
     for i in used:
         s = k.inputs[i]
-        if in_strides[i] == out_st:
-            idx = "i" if s.offset == 0 else f"i + {u(s.offset)}"
-        else:
-            idx = index_code(coords, in_strides[i], s.offset)
-            if not need_coords:
-                need_coords = True
-                body += clines
-        body.append(f"{ind}let x{i} = {load(bd.name(i), idx, s.dtype)};")
+        body.append(f"{ind}let x{i} = {load(bd.name(i), at(in_strides[i], s.offset), s.dtype)};")
         names[i] = f"x{i}"
-    return names
+    return names, ["i" if v is None else at(st, v.offset)
+                   for v, st in zip(views, out_views, strict=True)]
 
 
 def _vector_loads(k: PointwiseKernel, shape, used, strides, modes, bd: Bindings, body,
-                  ind) -> list[dict[int, str]]:
+                  ind) -> tuple[list[dict[int, str]], list[str]]:
     """Load every input read by the four elements of vector ``v``; returns each lane's
-    operand expressions.  Coordinates are taken over the shape whose innermost extent counts
-    vectors, so a ``row`` input's vector index is its element index / 4 term by term."""
-    mshape, _, in_st = _merged(shape, used, strides)
+    operand expressions and each output's vector index.  Coordinates are taken over the
+    shape whose innermost extent counts vectors, so a ``row`` input's (or a strided output's)
+    vector index is its element index / 4 term by term."""
+    views = _out_views(k, shape, [k.instrs[o].dtype for o in k.outputs])
+    mshape, _, in_st, out_st = _merged(shape, used, strides, views)
     vshape = mshape[:-1] + (mshape[-1] // LANES,)
     clines: list[str] = []
     coords = coords_code("v", vshape, "c", clines, ind)
-    if any(m != "vec" for m in modes.values()):
+    if any(m != "vec" for m in modes.values()) or any(v is not None for v in views):
         body += clines
     lanes: list[dict[int, str]] = [{} for _ in range(LANES)]
     for i in used:
@@ -188,7 +228,9 @@ def _vector_loads(k: PointwiseKernel, shape, used, strides, modes, bd: Bindings,
         for c, lane in enumerate(lanes):
             comp = f"x{i}.{'xyzw'[c]}"
             lane[i] = f"({comp} != 0u)" if s.dtype is bool_ else comp
-    return lanes
+    return lanes, ["v" if v is None else index_code(coords, [x // LANES for x in st[:-1]] + [1],
+                                                   v.offset // LANES)
+                   for v, st in zip(views, out_st, strict=True)]
 
 
 def _vector_decls(bd: Bindings, n_in: int, modes: dict[int, str]) -> list[str]:
@@ -211,7 +253,7 @@ def _vector_body(k: PointwiseKernel, shape, used, strides, modes, bd: Bindings,
     ind = "    "
     body = [f"{ind}let v = ({grid.wg_expr}) * {u(WG)} + lid;",
             f"{ind}if (v >= {u(prod(shape) // LANES)}) {{", f"{ind}    return;", f"{ind}}}"]
-    lanes = _vector_loads(k, shape, used, strides, modes, bd, body, ind)
+    lanes, where = _vector_loads(k, shape, used, strides, modes, bd, body, ind)
     results = []
     for c, names in enumerate(lanes):
         def arg(a, names=names):
@@ -224,7 +266,7 @@ def _vector_body(k: PointwiseKernel, shape, used, strides, modes, bd: Bindings,
     for j, o in enumerate(k.outputs):
         dt = out_dtypes[j]
         vals = ", ".join(store_value(*res[o], dt) for res in results)
-        body.append(f"{ind}{bd.name(n_in + j)}[v] = vec4<{store_type(dt)}>({vals});")
+        body.append(f"{ind}{bd.name(n_in + j)}[{where[j]}] = vec4<{store_type(dt)}>({vals});")
     return body
 
 
@@ -268,7 +310,7 @@ def _scalar_body(k: PointwiseKernel, shape, used, strides, bd: Bindings, out_dty
     """``main``'s body of the one-element-per-invocation variant."""
     ind = "    "
     body = flat_index(grid, prod(shape), ind)
-    names = _scalar_loads(k, shape, used, strides, bd, body, ind)
+    names, where = _scalar_loads(k, shape, used, strides, bd, body, ind)
 
     def arg(a):
         kind, i = a
@@ -279,5 +321,6 @@ def _scalar_body(k: PointwiseKernel, shape, used, strides, bd: Bindings, out_dty
     res = emit_instrs(k.instrs, arg, "t", body, ind, helpers)
     for j, o in enumerate(k.outputs):
         v, dt = res[o]
-        body.append(f"{ind}{bd.name(len(k.inputs) + j)}[i] = {store_value(v, dt, out_dtypes[j])};")
+        body.append(f"{ind}{bd.name(len(k.inputs) + j)}[{where[j]}] = "
+                    f"{store_value(v, dt, out_dtypes[j])};")
     return body

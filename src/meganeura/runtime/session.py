@@ -431,6 +431,11 @@ class GPUSession(Session):
 
         export_session(self, path, weights)
 
-    def kernel_labels(self, inference: bool = False) -> list[str]:
+    def kernel_labels(self, inference: bool | None = None) -> list[str]:
+        """The dispatches' labels of one stream, in order: the training stream, or the
+        inference one with ``inference=True`` (default: training where the session has it,
+        else inference, so an inference-only session does not answer with nothing)."""
+        if inference is None:
+            inference = self.train is None
         s = self.infer if inference else self.train
         return [d.label for d in s.stream.dispatches] if s else []
