@@ -3,6 +3,8 @@ their bytes twice (read, then written) and an exported program keeps that record
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 import meganeura as mn
@@ -96,3 +98,45 @@ def test_tensor_core_attention_counts_as_tensor_cores():
     binds = [object() for _ in range(5)]
     assert emit_kernel(desc, binds, target, "fast").tensor_cores
     assert not emit_kernel(desc, binds, target, "strict").tensor_cores
+
+
+def test_ranges_written_through_strided_views_count_the_bytes_written():
+    """An output written through a strided view of a concat's buffer binds the whole buffer
+    but writes only its slots: the roofline counts those bytes (both outputs' when two share
+    the range), the whole range where anything else binds it."""
+    from meganeura.compile.emit import written_through_views
+    from meganeura.dtypes import f32
+    from meganeura.kernels import Instr, PointwiseKernel, Strided
+
+    shape = (1, 4, 8)
+    views = tuple(Strided(f32, shape, (64, 16, 1), off, 64) for off in (0, 8))
+    desc = PointwiseKernel(shape, (Strided.contiguous(f32, shape),) * 2,
+                           (Instr("{0}", (("in", 0),), f32), Instr("{0}", (("in", 1),), f32)),
+                           (0, 1), out_views=views)
+    assert written_through_views(desc, (0, 1, 2, 2), [0, 1, 2]) == ((2, 2 * 32 * 4),)
+    one = dataclasses.replace(desc, outputs=(0,), out_views=views[:1])
+    assert written_through_views(one, (0, 1, 2), [0, 1, 2]) == ((2, 32 * 4),)
+    assert written_through_views(one, (0, 1, 0), [0, 1]) == ()  # also read: the whole range
+    assert written_through_views(dataclasses.replace(one, out_views=()), (0, 1, 2), [0, 1, 2]) \
+        == ()
+    spec = KernelSpec("k", "", 3, (1, 1, 1))
+    locs = (Loc("temp", "", 0, 128), Loc("temp", "", 256, 128), Loc("temp", "", 512, 256))
+    assert Dispatch("k", spec, locs).bytes == 512
+    assert Dispatch("k", spec, locs, written=((2, 128),)).bytes == 384
+
+
+def test_strided_slot_writes_are_recorded_and_survive_export(gpu):
+    """A concat's halves written through strided views by separate kernels: each dispatch
+    binds the whole concat but counts the bytes of its own half, also after export."""
+    g = mn.Graph("halves")
+    x, y, w = g.param("x", (1, 6, 8)), g.param("y", (1, 6, 8)), g.param("w", (16, 3))
+    c = mn.ops.concat([(x * 2.0).exp(), y.tanh()], axis=-1)
+    s = mn.compile(g, outputs={"out": mn.ops.matmul(c, w)}, fuse=True)
+    placed = [d for d in s.executable.infer.dispatches if d.written]
+    assert placed, [d.label for d in s.executable.infer.dispatches]
+    for d in placed:
+        assert all(n < d.binds[j].nbytes for j, n in d.written)
+    manifest, modules = to_manifest(s.executable)
+    again = from_manifest(manifest, modules, {})
+    assert [d.written for d in again.infer.dispatches] == \
+        [d.written for d in s.executable.infer.dispatches]

@@ -10,6 +10,7 @@ attention backward stay strict."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from .. import kernels
@@ -54,7 +55,25 @@ def emit_kernel(desc, binds, target: Target, precision: str = "strict",
     if "wgsl" in _DEBUG:
         print(f"// ---- {label}\n{spec.wgsl}")
     return Dispatch(label, spec, tuple(binds[i] for i in kept),
-                    inplace_slots(alias, kept, n_in))
+                    inplace_slots(alias, kept, n_in), written_through_views(desc, alias, kept))
+
+
+def written_through_views(desc, alias, kept: list[int]) -> tuple[tuple[int, int], ...]:
+    """(position in ``kept``, bytes) of each range that only outputs written through strided
+    views bind (``PointwiseKernel.out_views``): the kernel writes its slots of the range, not
+    the whole of it, so the roofline counts those bytes."""
+    views = getattr(desc, "out_views", ())
+    if not views:
+        return ()
+    n_in = len(desc.inputs)
+    by_range: dict[int, int | None] = {}
+    for slot, r in enumerate(alias):
+        v = views[slot - n_in] if slot >= n_in else None
+        if v is None:
+            by_range[r] = None  # read, or written contiguously: the whole range moves
+        elif by_range.get(r, 0) is not None:
+            by_range[r] = by_range.get(r, 0) + math.prod(v.shape) * v.dtype.gpu_itemsize
+    return tuple((j, by_range[i]) for j, i in enumerate(kept) if by_range.get(i) is not None)
 
 
 def inplace_slots(alias, kept: list[int], n_in: int | None) -> tuple[int, ...]:

@@ -42,6 +42,9 @@ class Dispatch:
     # slots (indices into ``binds``) that are read and written: an input and an output of the
     # kernel bound to one range (an in-place update); their bytes move twice
     inplace: tuple[int, ...] = ()
+    # (slot, bytes) of ranges written only through strided output views (a concat's buffer
+    # bound whole for the slots this kernel fills): the bytes those views write
+    written: tuple[tuple[int, int], ...] = ()
 
     @property
     def variant(self) -> str:
@@ -59,7 +62,9 @@ class Dispatch:
         """Compulsory memory traffic of one dispatch: every bound range read or written once,
         an in-place range read and written (a lower bound on DRAM bytes; tiles re-read through
         caches are not counted)."""
-        return (sum(loc.nbytes for loc in set(self.binds))
+        partial = dict(self.written)
+        ranges = {loc: partial.get(i, loc.nbytes) for i, loc in enumerate(self.binds)}
+        return (sum(ranges.values())
                 + sum(self.binds[i].nbytes for i in set(self.inplace)))
 
     @property
@@ -173,6 +178,7 @@ def _stream_dict(s: Stream, module_index: dict[str, int]) -> dict:
         ops.append({"label": op.label, "module": idx, "entry": op.spec.entry,
                     "bindings": [_loc(b) for b in op.binds],
                     "inplace": list(op.inplace),
+                    "written": [list(w) for w in op.written],
                     "workgroups": list(op.spec.workgroups),
                     "meta": {k: v for k, v in op.spec.meta.items()
                              if k in ("variant", "archetype", "flops")}})
@@ -219,7 +225,8 @@ def _stream_from(d: dict, modules: list[str]) -> Stream:
                           tuple(op["workgroups"]), op.get("entry", "main"),
                           dict(op.get("meta", {})))
         ops.append(Dispatch(op["label"], spec, binds,
-                            tuple(int(i) for i in op.get("inplace", ()))))
+                            tuple(int(i) for i in op.get("inplace", ())),
+                            tuple((int(j), int(n)) for j, n in op.get("written", ()))))
     fetch = tuple(Fetch(f["name"], Loc(*f["loc"]), tensor_type(f), f["offset"], f["nbytes"])
                   for f in d["fetch"])
     return Stream(d["tag"], tuple(ops), d["arena_bytes"], dict(d["out_buffers"]), fetch,
