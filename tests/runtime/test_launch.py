@@ -131,3 +131,23 @@ def test_raw_calls_are_the_implementations_own_entry_points(impl, module):
         assert callable(getattr(lib, f"wgpuComputePassEncoder{fn}"))
     assert null is not None
     assert _raw_calls(SimpleNamespace(implementation="reference")) is None
+
+
+def test_a_failed_encode_ahead_keeps_this_step_and_fails_the_next(monkeypatch, gpu):
+    """The step is submitted before the next one is encoded: if that encode fails, this
+    step's results still arrive, and the next call (encoding on demand) raises the error."""
+    from meganeura.runtime.executable import GPUStream
+
+    monkeypatch.delenv(PREENCODE_ENV, raising=False)
+    sess = _mlp_session()
+    want = _mlp_session()
+    boom = RuntimeError("no memory for the readback buffer")
+
+    def failing(self, fetch=True):
+        raise boom
+    monkeypatch.setattr(GPUStream, "prepare", failing)
+    assert float(sess.step(**_feeds(0)).loss) == float(want.step(**_feeds(0)).loss)
+    assert sess.train.prepared is None
+    monkeypatch.setattr(GPUStream, "_readback", lambda self: (_ for _ in ()).throw(boom))
+    with pytest.raises(RuntimeError, match="no memory"):
+        sess.step(**_feeds(1))

@@ -222,7 +222,11 @@ class GPUStream:
             for cb in step.command_buffers:
                 self.dev.queue.submit([cb])
         if ahead:
-            self.prepared = self.prepare(want)
+            try:
+                self.prepared = self.prepare(want)
+            except Exception:  # noqa: BLE001 - this step is submitted and its results must
+                # stay reachable; the next call encodes on demand and raises the same error
+                self.prepared = None
         return dict if dst is None else self._fetcher(dst)
 
     def prepare(self, fetch: bool = True) -> PreparedStep:
