@@ -7,7 +7,9 @@ persistent tensors + inputs + the intermediate arena + fetched results, as the h
 lavapipe 32); default 256, WebGPU's largest, which every adapter accepts.
 ``--pipelines``: also count the distinct WGSL programs (pipelines) of the SGD training step,
 emitted for the H200's limits.  ``--max-bindings 16``: sibling-reduction groups as a device with
-16 storage buffers per stage gets them (the H200; default 8, what portable builds and CPUs get)."""
+16 storage buffers per stage gets them (the H200; default 8, what portable builds and CPUs get).
+``--no-strided-slots``: inner-axis concats copied by their own kernel instead of written through
+strided views (``compile.schedule.STRIDED_SLOTS``), the plans before the seventeenth session."""
 
 from __future__ import annotations
 
@@ -64,7 +66,12 @@ def main(argv=None):
     p.add_argument("--align", type=int, default=256)
     p.add_argument("--pipelines", action="store_true")
     p.add_argument("--max-bindings", type=int, default=8)
+    p.add_argument("--no-strided-slots", action="store_true")
     a = p.parse_args(argv)
+    if a.no_strided_slots:
+        from meganeura.compile import schedule
+
+        schedule.STRIDED_SLOTS = False
     rows = {}
     for name in a.workloads.split(","):
         w = WORKLOADS[name](quick=False, variant="main")

@@ -218,13 +218,33 @@ def test_reduce_epilogue_fusion(gpu):
     np.testing.assert_allclose(got["t"], want[1], rtol=1e-5)
 
 
+def _matches_reference(g, outputs: dict, check: str, seed: int, scale: float = 1.0,
+                       atol: float = 1e-6):
+    """``g`` compiled for ``outputs`` on random parameters; output ``check`` against the
+    float64 reference.  Returns the session."""
+    from meganeura import reference
+
+    s = mn.compile(g, outputs=outputs)
+    r_ = np.random.default_rng(seed)
+    params = {n: r_.normal(size=v.shape).astype(np.float32) * scale
+              for n, v in g.params.items()}
+    s.set_params(params)
+    want = reference.evaluate(g, [outputs[check]], params, np.float64)[0]
+    np.testing.assert_allclose(s.run()[check], want, rtol=1e-5, atol=atol)
+    return s
+
+
+def _concat_labels(s) -> list[str]:
+    labels = s.kernel_labels(inference=True)
+    assert labels
+    return [lbl for lbl in labels if lbl.startswith("concat")]
+
+
 def test_head_concats_are_written_in_place_even_nested(gpu):
     """Values made only to be concatenated along an axis with unit dimensions before it (the
     heads of a batch-1 attention gradient) are computed straight into their slots; a concat
     that itself only feeds an outer concat lies in the outer one's slot.  No concat kernel,
     results as the reference."""
-    from meganeura import reference
-
     g = mn.Graph("heads")
     p = g.param("p", (1, 3, 4, 8))
     q = g.param("q", (1, 2, 4, 8))
@@ -233,63 +253,42 @@ def test_head_concats_are_written_in_place_even_nested(gpu):
     b = q.tanh()
     c = mn.ops.concat([a, b], axis=1)  # (1, 5, 4, 8), only feeds the outer concat
     d = mn.ops.concat([c, r.sigmoid()], axis=1)  # (1, 6, 4, 8)
-    out = (d * d).sum(axis=(2, 3))
-    s = mn.compile(g, outputs={"out": out})
-    r_ = np.random.default_rng(0)
-    params = {n: r_.normal(size=v.shape).astype(np.float32) * 0.5 for n, v in g.params.items()}
-    s.set_params(params)
-    labels = s.kernel_labels(inference=True)
-    assert labels and not [lbl for lbl in labels if lbl.startswith("concat")], labels
-    want = reference.evaluate(g, [out], params, np.float64)[0]
-    np.testing.assert_allclose(s.run()["out"], want, rtol=1e-5)
+    s = _matches_reference(g, {"out": (d * d).sum(axis=(2, 3))}, "out", 0, scale=0.5,
+                           atol=0.0)
+    assert not _concat_labels(s)
 
 
 def test_inner_axis_concats_of_elementwise_results_are_written_through_strided_views(gpu):
     """A concat along the last axis of rows (the gate and up halves of a fused projection's
     gradient) of values made by elementwise kernels for it alone: the kernels write into the
-    concat's buffer through strided views (one of them vec4, one scalar), so no concat kernel
-    runs; an input with another reader keeps the concat.  Results as the reference."""
-    from meganeura import reference
-
+    concat's buffer through strided views (scalar stores here: rows of 21 elements rule out
+    vec4, which tests/kernels/test_pointwise.py covers), so no concat kernel runs; an input
+    with another reader, or one value in two slots, keeps the concat.  Results as the
+    reference."""
     g = mn.Graph("rows")
     x = g.param("x", (1, 6, 8))
     y = g.param("y", (1, 6, 5))
     w = g.param("w", (21, 3))
     a, b = (x * 2.0).exp(), y.tanh()
     c = mn.ops.concat([a, b, x.sigmoid()], axis=-1)  # (1, 6, 21)
-    out = mn.ops.matmul(c, w)
-    s = mn.compile(g, outputs={"out": out})
-    r_ = np.random.default_rng(3)
-    params = {n: r_.normal(size=v.shape).astype(np.float32) * 0.5 for n, v in g.params.items()}
-    s.set_params(params)
-    labels = s.kernel_labels(inference=True)
-    assert labels and not [lbl for lbl in labels if lbl.startswith("concat")], labels
+    s = _matches_reference(g, {"out": mn.ops.matmul(c, w)}, "out", 3, scale=0.5)
+    assert not _concat_labels(s)
     views = [v for d in s.infer.stream.dispatches if d.spec.meta.get("archetype") == "pointwise"
              for v in [d.spec.wgsl.count("* 21u")]]
     assert sum(views) >= 1  # rows of the concat's stride
-    want = reference.evaluate(g, [out], params, np.float64)[0]
-    np.testing.assert_allclose(s.run()["out"], want, rtol=1e-5, atol=1e-6)
     # ``a`` read by something else as well: its slot is not placed, the concat copies it
     g2 = mn.Graph("rows2")
     x2, y2, w2 = g2.param("x", (1, 6, 8)), g2.param("y", (1, 6, 8)), g2.param("w", (16, 3))
     a2 = (x2 * 2.0).exp()
     out2 = mn.ops.matmul(mn.ops.concat([a2, y2.tanh()], axis=-1), w2)
-    s2 = mn.compile(g2, outputs={"out": out2, "a": a2.sum()})
-    assert [lbl for lbl in s2.kernel_labels(inference=True) if lbl.startswith("concat")]
-    p2 = {n: r_.normal(size=v.shape).astype(np.float32) for n, v in g2.params.items()}
-    s2.set_params(p2)
-    want2 = reference.evaluate(g2, [out2], p2, np.float64)[0]
-    np.testing.assert_allclose(s2.run()["out"], want2, rtol=1e-5, atol=1e-5)
+    s2 = _matches_reference(g2, {"out": out2, "a": a2.sum()}, "out", 4, atol=1e-5)
+    assert _concat_labels(s2)
     # one value in two slots (itself and through a view) stays where it is: both are copied
     g3 = mn.Graph("rows3")
     x3, w3 = g3.param("x", (1, 8, 8)), g3.param("w", (16, 3))
     a3 = (x3 * 2.0).exp()
     out3 = mn.ops.matmul(mn.ops.concat([a3, a3.transpose((0, 2, 1))], axis=-1), w3)
-    s3 = mn.compile(g3, outputs={"out": out3})
-    p3 = {n: r_.normal(size=v.shape).astype(np.float32) for n, v in g3.params.items()}
-    s3.set_params(p3)
-    want3 = reference.evaluate(g3, [out3], p3, np.float64)[0]
-    np.testing.assert_allclose(s3.run()["out"], want3, rtol=1e-5, atol=1e-5)
+    _matches_reference(g3, {"out": out3}, "out", 5, atol=1e-5)
 
 
 def test_plain_split_k_sums_are_vec4_pointwise_kernels(gpu, monkeypatch):

@@ -617,7 +617,7 @@ class _Planner:
         if not (self.alias_ok and self.fuse) or v.id in self.root_ids:
             return set()
         if math.prod(v.shape[:ax]) != 1:
-            return self._strided_concat_slots(v, concat, ax, starts)
+            return self._strided_concat_slots(v, concat, ax, starts) if STRIDED_SLOTS else set()
         inner = math.prod(v.shape[ax + 1:])
         starts = [st * inner for st in starts]  # element offsets of the slots
         by_base: dict[int, list] = {}
@@ -656,11 +656,10 @@ class _Planner:
             uses[base.id] = uses.get(base.id, 0) + 1
         placed = set()
         for i, x in enumerate(concat.inputs):
-            base, s = resolved[i]
+            base = resolved[i][0]
             j = self._pointwise_producer(base)
+            # x itself (not a view of it) made by an elementwise kernel: no leaf, no temp
             if (j is None or base.id != x.id or uses[base.id] > 1
-                    or s.strides != _contiguous(x.shape)
-                    or s.offset or self.graph.leaf_of(base) is not None or base.id < 0
                     or base.dtype != v.dtype or base.id not in self.materialized
                     or base.id in self.root_ids or base.id in self.alias
                     or tuple(self.kernels[j].desc.shape) != tuple(x.shape)
@@ -835,6 +834,9 @@ def _divisor_at_most(k: int, want: int) -> int:
 
 
 SPLIT_SUM_POINTWISE = True  # plain split-K sums as vec4 pointwise kernels (bench/splitk_sum_bench)
+# inputs of inner-axis concats written through strided views (``_strided_concat_slots``; off:
+# copied by a concat kernel, for A/B: ``bench/plan_memory.py --no-strided-slots``)
+STRIDED_SLOTS = True
 
 
 def split_k_sum_pointwise(dtype, tmp_shape) -> ir.PointwiseKernel:

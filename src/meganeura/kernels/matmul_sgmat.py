@@ -65,7 +65,7 @@ shape, stride and epilogue works).
 from __future__ import annotations
 
 from ..dtypes import f16
-from .common import BUFFER_VIEW_FEATURE, CodegenError, make_grid, packed_staging, u
+from .common import BUFFER_VIEW_FEATURE, CodegenError, index_code, make_grid, packed_staging, u
 
 DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL, BSTREAM, EARLY, PF2, TOUCH, FAR = (  # Cfg.vr
     1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # bits
@@ -432,8 +432,6 @@ class _Toucher:
 
     def issue(self, L: list[str], ii: str, k: str, st: str) -> None:
         """Set ``st``'s touches of step ``k`` + ``ahead`` (clamped to the last whole step)."""
-        from .matmul import index_code
-
         c, kf = self.c, self.c.K - self.c.K % self.ops[0].bk
         bk = self.ops[0].bk
         L.append(f"{ii}let kt{st} = min({k} + {u(self.ahead * bk)}, {u(kf - bk)});")

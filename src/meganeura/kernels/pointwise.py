@@ -81,18 +81,22 @@ def _check(k: PointwiseKernel, shape, t) -> tuple[list[DType], list[int], dict]:
 
 
 def _out_views(k: PointwiseKernel, shape, out_dtypes) -> list:
-    """``k.out_views`` checked: one entry per output, each None or a Strided of the output's
-    dtype over the iteration shape."""
-    if not k.out_views:
-        return [None] * len(k.outputs)
-    if len(k.out_views) != len(k.outputs):
-        raise CodegenError(f"kernel {k.name!r}: {len(k.out_views)} output views for "
+    """``k.out_views`` checked (``_check``): one entry per output, each None or a Strided of
+    the output's dtype over the iteration shape."""
+    views = _views(k)
+    if len(views) != len(k.outputs):
+        raise CodegenError(f"kernel {k.name!r}: {len(views)} output views for "
                            f"{len(k.outputs)} outputs")
-    for j, v in enumerate(k.out_views):
+    for j, v in enumerate(views):
         if v is not None and (tuple(v.shape) != tuple(shape) or v.dtype != out_dtypes[j]):
             raise CodegenError(f"kernel {k.name!r}: output {j}'s view {v} is not a "
                                f"{out_dtypes[j].name} view over the iteration shape {shape}")
-    return list(k.out_views)
+    return views
+
+
+def _views(k: PointwiseKernel) -> list:
+    """Each output's view (None: contiguous), as ``_check`` validated them."""
+    return list(k.out_views) if k.out_views else [None] * len(k.outputs)
 
 
 def _merged(shape, used, strides, views=()) -> tuple[tuple[int, ...], tuple[int, ...], dict,
@@ -115,7 +119,7 @@ def vector_modes(k: PointwiseKernel, shape, used, strides, alias=None) -> dict[i
     module docstring), or None when the variant is not legal: the innermost merged extent is
     not a multiple of 4, an input walks the vector axis with another stride or from an
     unaligned start, or one buffer range is bound both as vectors and as a splat scalar."""
-    views = _out_views(k, shape, [k.instrs[o].dtype for o in k.outputs])
+    views = _views(k)
     mshape, out_st, in_st, out_views = _merged(shape, used, strides, views)
     if not mshape or mshape[-1] % LANES:
         return None
@@ -174,7 +178,7 @@ def _scalar_loads(k: PointwiseKernel, shape, used, strides, bd: Bindings, body,
     """Load every input read at element ``i``; an input that walks like the (contiguous)
     output is indexed by the thread id itself, the others through coordinates.  Returns the
     inputs' names and each output's element index."""
-    views = _out_views(k, shape, [k.instrs[o].dtype for o in k.outputs])
+    views = _views(k)
     mshape, out_st, in_strides, out_views = _merged(shape, used, strides, views)
     clines: list[str] = []
     coords = coords_code("i", mshape, "c", clines, ind)
@@ -204,7 +208,7 @@ def _vector_loads(k: PointwiseKernel, shape, used, strides, modes, bd: Bindings,
     operand expressions and each output's vector index.  Coordinates are taken over the
     shape whose innermost extent counts vectors, so a ``row`` input's (or a strided output's)
     vector index is its element index / 4 term by term."""
-    views = _out_views(k, shape, [k.instrs[o].dtype for o in k.outputs])
+    views = _views(k)
     mshape, _, in_st, out_st = _merged(shape, used, strides, views)
     vshape = mshape[:-1] + (mshape[-1] // LANES,)
     clines: list[str] = []

@@ -167,7 +167,7 @@ class GPUStream:
         self.checked = False  # set once an encode of this fixed stream passed validation
         self._raw_runs = None  # the stream with native handles, built at the first raw encode
         self._segments: dict[tuple[int, int], list | None] = {}  # checked ranges (encode_range)
-        self._bounds: tuple[str | None, list[int]] | None = None  # ($SEGMENTS_ENV, cuts)
+        self._bounds: dict[tuple, list[int]] = {}  # ($SEGMENTS_ENV, default cuts) -> bounds
         self.readback_pool: list = []  # readback buffers whose results were read
         self.prepared: PreparedStep | None = None  # the next step, encoded ahead (submit)
 
@@ -213,7 +213,9 @@ class GPUStream:
             if step.readback is not None:  # never submitted: the buffer is free
                 self.readback_pool.append(step.readback)
             step = None
-        self.pinned.materialize()  # deferred initial values (a sharing session) go first
+        # deferred initial values: written by the first encode, so already written whenever a
+        # prepared step exists; kept as a one-line guard of that invariant
+        self.pinned.materialize()
         if step is None:
             dst = self._readback() if want else None
             self.launch(self.fetch_copies(dst) if dst is not None else ())
@@ -235,9 +237,7 @@ class GPUStream:
         (``fetch``, where the stream fetches anything)."""
         dst = self._readback() if fetch and self.stream.fetch else None
         copies = self.fetch_copies(dst) if dst is not None else ()
-        raw = os.environ.get(SEGMENTS_ENV)
-        bounds = segment_bounds(len(self.commands), raw if raw is not None else
-                                ",".join(map(str, PREPARED_SEGMENTS)))
+        bounds = self._cuts(PREPARED_SEGMENTS)
         if len(bounds) == 2:
             return PreparedStep([self.encode(copies)], dst)
         last = len(bounds) - 2
@@ -283,10 +283,7 @@ class GPUStream:
         the last segment's encode is most of the step and the GPU starves meanwhile (wall ≈
         launch + GPU), which is why ``submit`` encodes the next step ahead.  ``extra_copies``
         go at the very end."""
-        raw = os.environ.get(SEGMENTS_ENV)
-        if self._bounds is None or self._bounds[0] != raw:  # parsed once per setting
-            self._bounds = (raw, segment_bounds(len(self.commands), raw))
-        bounds = self._bounds[1]
+        bounds = self._cuts(DEFAULT_SEGMENTS)
         if len(bounds) == 2:
             self.dev.queue.submit([self.encode(extra_copies)])
             return
@@ -294,6 +291,16 @@ class GPUStream:
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             self.dev.queue.submit([self.encode_range(a, b, extra_copies if i == last else ())])
         self.checked = True  # every command passed a checked encode (as a segment)
+
+    def _cuts(self, default: tuple[int, ...]) -> list[int]:
+        """``segment_bounds`` of this stream under ``$MEGANEURA_SUBMIT_SEGMENTS``, else
+        ``default``: parsed once per setting, not on every step."""
+        raw = os.environ.get(SEGMENTS_ENV)
+        key = (raw, default)
+        if key not in self._bounds:
+            self._bounds[key] = segment_bounds(
+                len(self.commands), raw if raw is not None else ",".join(map(str, default)))
+        return self._bounds[key]
 
     def encode(self, extra_copies=()):
         """The stream's command buffer (``extra_copies`` appended: result readback)."""
