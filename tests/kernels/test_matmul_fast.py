@@ -114,7 +114,9 @@ OPTION_CFGS = [Cfg("sgmat", 128, 128, 2, 4, 32, 1), Cfg("sgmat", 64, 64, 2, 2, 3
                Cfg("sgmat", 128, 256, 2, 4, 32, 1024), Cfg("sgmat", 64, 64, 2, 2, 16, 1024 | 258),
                Cfg("sgmat", 128, 128, 2, 2, 32, 64), Cfg("sgmat", 64, 128, 2, 2, 16, 64 | 7),
                Cfg("sgmat", 128, 128, 2, 2, 32, 2048 | 2), Cfg("sgmat", 64, 64, 2, 2, 16, 6144),
-               Cfg("sgmat", 64, 128, 2, 2, 16, 2048 | 64)]
+               Cfg("sgmat", 64, 128, 2, 2, 16, 2048 | 64), Cfg("sgmat", 128, 128, 2, 2, 32, 34),
+               Cfg("sgmat", 128, 128, 2, 2, 32, 8192 | 2), Cfg("sgmat", 128, 128, 2, 2, 32, 8226),
+               Cfg("sgmat", 64, 128, 2, 2, 32, 8192 | 64 | 32)]
 
 
 def _loop_body(wgsl: str) -> str:
@@ -358,7 +360,16 @@ def test_packed_staging_through_buffer_views(bk, vr):
     assert packed.meta["workgroup_storage"] == plain.meta["workgroup_storage"]
     blocks = codegen.emit(_desc(1, 1024, 1024, 256, config=g._replace(vr=32)), TC_LIMITS,
                           TC_FEATURES | {BV})
-    assert "buffer_view" not in blocks.wgsl
+    if bk == 32:  # constant offsets: block views of the same buffers, packed stores too
+        bw = blocks.wgsl
+        assert "let As = bufferView<array<array<f16, 640>, 8>>(&AsB, 0u);" in bw
+        assert "let Bs = bufferView<array<array<f16, 784>, 16>>(&BsB, 0u);" in bw
+        assert "Aw[(((ax0) / 16u) * 640u + (ax0) % 16u * 40u + ak0) / 4u] = " in bw
+        assert "Bw[(((bx0) / 16u) * 784u + bk0 * 24u + (bx0) % 16u) / 4u] = " in bw
+        assert "(&(*As)[fb + 0u], 0u, false, 40u)" in bw and "= f16(" not in _loop_body(bw)
+        assert blocks.meta["workgroup_storage"] == codegen.emit(
+            _desc(1, 1024, 1024, 256, config=g._replace(vr=32)), TC_LIMITS,
+            TC_FEATURES).meta["workgroup_storage"]
     # transposed operands: A's vec4 registers run along M, B's along K, so neither is four
     # adjacent staged elements and both keep their element stores
     rng = np.random.default_rng(0)
@@ -368,6 +379,44 @@ def test_packed_staging_through_buffer_views(bk, vr):
                      TC_LIMITS, TC_FEATURES | {BV}).wgsl
     assert "Aw[" not in t and "Bw[" not in t and "As[" in t and "Bs[" in t
 
+
+
+def _wgsl_int(expr: str, lid: int) -> int:
+    """Evaluate one of the kernels' integer ``let`` expressions (u32 arithmetic) for ``lid``."""
+    py = re.sub(r"(\d+)u\b", r"\1", expr).replace("/", "//").replace("~7", "~7 & 0xffffffff")
+    return eval(py, {"lid": lid})  # noqa: S307 - our own generated code, digits and operators
+
+
+def _store_wavefronts(addrs: list[int], nbytes: int) -> int:
+    """Shared-memory wavefronts of one subgroup's stores of ``nbytes`` at ``addrs``: the most
+    distinct 4-byte words any of the 32 banks is asked for (the hardware's replay count)."""
+    words: dict[int, set] = {}
+    for a in addrs:
+        for w in range(a // 4, (a + nbytes) // 4):
+            words.setdefault(w % 32, set()).add(w)
+    return max(len(v) for v in words.values())
+
+
+@pytest.mark.parametrize("vr", [2, 34])
+def test_interleaved_rows_stage_without_bank_conflicts(vr):
+    """Option bit 8192: A's staged rows are interleaved within groups of eight, so each
+    subgroup's 8-byte stores hit every bank twice (the minimum for 256 bytes) instead of some
+    bank three times; every (row, K chunk) of the tile is still staged exactly once."""
+    from meganeura.kernels.common import BUFFER_VIEW_FEATURE as BV
+
+    waves = {}
+    for ilv in (0, 8192):
+        g = Cfg("sgmat", 128, 128, 2, 2, 32, vr | ilv)
+        w = codegen.emit(_f16_desc(1, 512, 512, 256, g), TC_LIMITS, TC_FEATURES | {BV}).wgsl
+        lets = dict(re.findall(r"let (a[xk]\d+) = (.*);", w))
+        cells = [(_wgsl_int(lets[f"ax{l}"], lid), _wgsl_int(lets[f"ak{l}"], lid))
+                 for l in range(8) for lid in range(128)]
+        assert sorted(cells) == [(r, k) for r in range(128) for k in range(0, 32, 4)]
+        assert config_name(g).endswith("i" if ilv else "g" if vr == 2 else "gc")
+        # byte address of each subgroup's first store: rows of 40 f16 in both layouts
+        waves[ilv] = max(_store_wavefronts([2 * (r * 40 + k) for r, k in
+                                            cells[32 * s: 32 * s + 32]], 8) for s in range(32))
+    assert waves == {0: 3, 8192: 2}
 
 
 @pytest.mark.parametrize("packed", [True, False])

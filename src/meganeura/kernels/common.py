@@ -49,13 +49,14 @@ _PACKED_VIEWS = {"w": ("vec2<u32>", 4), "q": ("vec4<u32>", 8)}
 
 
 def packed_staging(name: str, n: int, views: Sequence[str] = ("w",),
-                   ind: str = "    ") -> tuple[str, list[str]]:
+                   ind: str = "    ", f16_view: str | None = None) -> tuple[str, list[str]]:
     """An f16 staging array ``name`` of ``n`` elements written packed (``BUFFER_VIEW_FEATURE``):
     its workgroup ``buffer`` declaration and the body's first lines, the views ``name``
-    (``array<f16, n>``, what fragment loads take: already a pointer) and, per suffix of
+    (``array<f16, n>``, or ``f16_view``, a type of the same size such as an array of
+    fragment blocks; what fragment loads take: already a pointer) and, per suffix of
     ``views``, ``name[0] + suffix`` (``w``: ``vec2<u32>``, four f16 each; ``q``:
     ``vec4<u32>``, eight)."""
-    lets = [f"{ind}let {name} = bufferView<array<f16, {n}>>(&{name}B, 0u);"]
+    lets = [f"{ind}let {name} = bufferView<{f16_view or f'array<f16, {n}>'}>(&{name}B, 0u);"]
     for v in views:
         t, per = _PACKED_VIEWS[v]
         lets.append(f"{ind}let {name[0]}{v} = bufferView<array<{t}, {n // per}>>(&{name}B, 0u);")

@@ -318,7 +318,7 @@ def config_name(g: Cfg) -> str:
         opts = "".join(ch for bit, ch in ((1, "d"), (4, "u"), (2, "g"), (8, "h"), (16, "l"),
                                           (32, "c"), (64, "t"), (128, "x"), (256, "o"),
                                           (512, "e"), (1024, "p"), (2048, "f"),
-                                          (4096, "z"))
+                                          (4096, "z"), (8192, "i"))
                        if g.vr & bit)
         return f"sgmat{g.tm}x{g.tn}_{g.rm}x{g.rn}k{g.bk}{opts}{'' if g.vl else 's'}"
     ks = f"_ks{g.ks}" if g.ks != 1 else ""
@@ -361,11 +361,12 @@ def _check_config(g: Cfg, name: str) -> Cfg:
             bad = "K slices (ks) exist for the tiled kernel only"
         elif min(g.rm, g.rn, g.bk) <= 0 or g.tm % (16 * g.rm) or g.tn % (16 * g.rn) or g.bk % 16:
             bad = "the tile must split into 16x16 fragments per subgroup and BK into 16s"
-        elif (not 0 <= g.vr < 8192 or g.vr & 1025 == 1025 or g.vr & 1536 == 1536
+        elif (not 0 <= g.vr < 16384 or g.vr & 1025 == 1025 or g.vr & 1536 == 1536
               or g.vr & 5 == 4 or g.vr & 272 == 272
               or g.vr & 513 == 513 or (g.vr & 2048 and g.vr & (1 | 512 | 1024))
               or g.vr & 6144 == 4096
-              or (g.vr & 128 and (g.vr & ~130 or g.bk != 16))):
+              or (g.vr & 128 and (g.vr & ~130 or g.bk != 16))
+              or (g.vr & 8192 and g.vr & 2048)):
             bad = ("vr holds the option bits 1 (double buffering), 2 (grouped rasterization), "
                    "4 (two K steps per iteration, with double buffering only), 8 (f16 "
                    "staging registers), 16 (A fragments loaded one at a time), 32 (constant "
@@ -373,7 +374,8 @@ def _check_config(g: Cfg, name: str) -> Cfg:
                    "from global memory, BK 16, with 2 only), 256 (B fragments one at a "
                    "time, not with 16), 512 (loads before the barrier, not with 1) and 1024 "
                    "(loads two steps ahead, not with 1 or 512), 2048 (L1 touch loads, not with 1, "
-                   "512 or 1024) and 4096 (touches two steps further, with 2048 only)")
+                   "512 or 1024), 4096 (touches two steps further, with 2048 only) and 8192 "
+                   "(A's staged rows interleaved, not with 2048)")
     elif g != GEMV:
         bad = "unknown kind"
     if bad:
@@ -608,6 +610,19 @@ class _Operand:
         self.reg = "r"  # the staging registers are <p><reg><l>; "q": a second set
         self.n = max(1, self.items // nthreads)
         self.part = self.items < nthreads
+        self.interleave = False  # ``interleave_rows``: the slow index permuted (coords)
+
+    def interleave_rows(self) -> bool:
+        """Permute the slow index (A's rows) within groups of eight, 0 2 4 6 1 3 5 7, so
+        that a subgroup's four rows of eight invocations each are every other row: with
+        rows of BK + 8 f16 (BK 32: 80 bytes) four consecutive rows put three 8-byte stores
+        on some bank, four alternate rows two (the minimum for 256 bytes;
+        ``staging_wavefronts``).  Applies where eight invocations cover a row and the rows
+        are a multiple of eight; returns whether it does."""
+        along = (self.bk if self.k_fast else self.T) // self.w
+        rows = self.T if self.k_fast else self.bk
+        self.interleave = along == 8 and rows % 8 == 0 and not self.part
+        return self.interleave
 
     def coords(self, L: list[str], ind: str, nthreads: int) -> None:
         """Each item's (row-or-column ``x``, ``kx``) within the tile (constant over K)."""
@@ -615,6 +630,9 @@ class _Operand:
         for l in range(self.n):
             e = f"(lid + {u(l * nthreads)})"
             fast, slow = f"{e} % {u(along)}", f"{e} / {u(along)}"
+            if self.interleave:  # s -> (s & ~7) | (s & 3) << 1 | (s >> 2) & 1
+                slow = (f"((({slow}) & ~7u) | ((({slow}) & 3u) << 1u) | "
+                        f"((({slow}) >> 2u) & 1u))")
             if w > 1:
                 fast = f"({fast}) * {u(w)}"
             x, kx = (slow, fast) if self.k_fast else (fast, slow)
@@ -744,12 +762,15 @@ def _k_loop(c: _Ctx, L: list[str], ind: str, bk: int, edges: bool, live_check: b
 
 def _operands(c: _Ctx, L: list[str], ind: str, TM: int, TN: int, bk: int, nthreads: int,
               vec: bool, f16_vec: bool = False, rt16: bool = False, wide: bool = False,
-              sets: str = "r"):
+              sets: str = "r", interleave=None):
     """Both operands' staging plans, their per-invocation coordinates and registers (one
-    set per letter of ``sets``)."""
+    set per letter of ``sets``); ``interleave(operand)``: whether to interleave its rows
+    (``_Operand.interleave_rows``)."""
     ops = [_Operand(c, w, T, bk, nthreads, vec, f16_vec, rt16, wide)
            for w, T in (("a", TM), ("b", TN))]
     for o in ops:
+        if interleave is not None and interleave(o):
+            o.interleave_rows()
         if o.items > nthreads and o.items % nthreads:
             raise CodegenError(f"kernel {c.name!r}: a {o.T}x{bk} tile does not split over "
                                f"{nthreads} invocations")

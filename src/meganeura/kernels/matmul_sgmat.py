@@ -67,8 +67,8 @@ from __future__ import annotations
 from ..dtypes import f16
 from .common import BUFFER_VIEW_FEATURE, CodegenError, index_code, make_grid, packed_staging, u
 
-DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL, BSTREAM, EARLY, PF2, TOUCH, FAR = (  # Cfg.vr
-    1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # bits
+DB, SWZ, UNROLL, HALF, LEAN, CONST, BT, GLOBAL, BSTREAM, EARLY, PF2, TOUCH, FAR, ILV = (
+    1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # Cfg.vr bits
 TOUCH_AHEAD = 3  # ``TOUCH``: steps ahead of the products a touch load reads (``FAR``: + 2)
 SECTOR = 32  # bytes the memory system moves per request (a touch load per sector)
 SWZ_ROWS = 8  # tile rows per rasterization group
@@ -112,7 +112,8 @@ def sgmat(c, t, g):
     L += [f"{ind}var c{i}_{j} = {FRAG_C}();" for i in range(FM) for j in range(FN)]
     ops = _operands(c, L, ind, TM, TN, BK, nthreads, bool(g.vl), f16_vec=True,
                     rt16=bool(g.vr & HALF), wide=WIDE and lay.packed,
-                    sets="rq" if g.vr & PF2 else "r")
+                    sets="rq" if g.vr & PF2 else "r",
+                    interleave=lambda o: bool(g.vr & ILV) and (o.which == "a" or lay.bt))
 
     edges = not (full_m and full_n) or live_check
     if g.vr & PF2:
@@ -205,7 +206,7 @@ class _Layout:
     def __init__(self, g, FM: int, FN: int, packed: bool = False):
         self.g, self.FM, self.FN = g, FM, FN
         self.blk, self.bt = bool(g.vr & CONST), bool(g.vr & BT)
-        self.packed = packed and not self.blk
+        self.packed = packed
         self.amp = "" if self.packed else "&"  # views already are pointers
         self.astr = g.bk + SG_PAD  # A's row stride (and transposed B's), f16 elements
         if not self.blk:  # flat B: BK rows of TN (or, ``BT``, TN rows of BK like A's)
@@ -217,14 +218,26 @@ class _Layout:
 
     def view_lets(self, nb: int) -> list[str]:
         """``packed``: the body's first lines, the f16 and packed views of the ``nb``-buffer
-        tiles."""
+        tiles (``CONST``: the f16 views are arrays of fragment blocks)."""
         if not self.packed:
             return []
-        return [ln for arr, n in self._arrays(nb)
-                for ln in packed_staging(arr, n, ("w", "q") if WIDE else ("w",))[1]]
+        views = ("w", "q") if WIDE else ("w",)
+        return [ln for (arr, n), f16_view in zip(self._arrays(nb), self._block_views(nb))
+                for ln in packed_staging(arr, n, views, f16_view=f16_view)[1]]
+
+    def _block_views(self, nb: int) -> tuple:
+        """``CONST``: the f16 view type of each tile (A: blocks of 16 rows, B: blocks of 16
+        columns, ``_Layout.decls``' shapes); flat layouts: (None, None), plain arrays."""
+        if not self.blk:
+            return (None, None)
+        return (f"array<array<f16, {16 * self.astr}>, {nb * self.units[0]}>",
+                f"array<array<f16, {self.bsz}>, {nb * self.units[1]}>")
 
     def _arrays(self, nb: int) -> tuple[tuple[str, int], ...]:
-        """(name, f16 elements) of the flat layout's two tiles for ``nb`` buffers."""
+        """(name, f16 elements) of the two tiles for ``nb`` buffers."""
+        if self.blk:
+            return (("As", nb * self.units[0] * 16 * self.astr),
+                    ("Bs", nb * self.units[1] * self.bsz))
         return (("As", nb * self.units[0]), ("Bs", nb * self.units[1]))
 
     def decls(self, nb: int) -> tuple[list[str], int]:
@@ -266,6 +279,8 @@ class _Layout:
 
         def f(arr, kx, x, along_k: bool, w: int = 4):
             view = f"{arr[0]}{'q' if w == 8 else 'w'}"  # vec4<u32> / vec2<u32> elements
+            if self.blk:
+                return _block_packed(self, view, arr, off, kx, x, along_k, w)
             if arr == "As" or self.bt:  # rows of A (and of transposed B) are K-contiguous
                 return (f"{view}[({off}({x}) * {u(self.astr)} + {kx}) / {u(w)}]" if along_k
                         else None)
@@ -275,6 +290,13 @@ class _Layout:
 
     def _frag(self, which: str, off: str, i: int, kk: int) -> str:
         """The arguments of one fragment load (pointer, offset, column-major, stride)."""
+        if self.blk and self.packed:  # a block of the view: (*As)[b], the view is a pointer
+            return self._frag_unpacked(which, off, i, kk).replace("&As[", "&(*As)[").replace(
+                "&Bs[", "&(*Bs)[")
+        return self._frag_unpacked(which, off, i, kk)
+
+    def _frag_unpacked(self, which: str, off: str, i: int, kk: int) -> str:
+        """``_frag`` with the tiles as arrays (``&As[...]``), not views."""
         astr = self.astr
         if which == "a":
             if not self.blk:
@@ -321,6 +343,23 @@ class _Layout:
             out += [b_load(j, kk) for j in range(FN)]
             for i in range(FM):
                 out += ([a_load(i, kk)] if g.vr & LEAN else []) + row(i, kk)
+
+
+def _block_packed(lay, view: str, arr: str, off: str, kx: str, x: str, along_k: bool,
+                  w: int):
+    """``CONST`` with packed staging: the packed element holding ``w`` staged elements from
+    (``x``, ``kx``) on, where they are adjacent in a block (A and transposed B along K, B's
+    column strips along N); None otherwise.  ``off`` counts blocks (``_Layout.units``)."""
+    blk = f"({off}({x}) / 16u)"
+    if arr == "As" or lay.bt:
+        if not along_k:
+            return None
+        flat = f"{blk} * {u(16 * lay.astr)} + ({x}) % 16u * {u(lay.astr)} + {kx}"
+    else:
+        if along_k:
+            return None
+        flat = f"{blk} * {u(lay.bsz)} + {kx} * {u(BS_ROW)} + ({x}) % 16u"
+    return f"{view}[({flat}) / {u(w)}]"
 
 
 def _tile_start(c, t, g, L: list[str], ind: str):
