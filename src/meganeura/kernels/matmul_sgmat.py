@@ -45,7 +45,9 @@ stores; with f32 operands 219 either way.
   and the block index is an ordinary array index (a ``min`` at worst).  B is stored as
   16-column strips of ``BS_ROW``-element rows (``BS_PAD`` between strips).  H200, 4096³:
   256x128 198.5 TFLOP/s against 82-105 without it, but 128x256 82 against 219 (188 with
-  robustness off): docs/benchmarks.md;
+  robustness off): docs/benchmarks.md.  With buffer views the blocks are views of the same
+  workgroup ``buffer``s and stage packed like the flat layouts (H100, 4096³ f16: 128x128
+  247.1 against 250.7 flat; docs/rejected-optimizations.md, eighteenth session);
 * ``BT`` — B stored transposed and loaded column-major: flat, TN rows of BK + 8 like A's (a
   K-contiguous B, e.g. a weight stored (N, K), then stages with A's packed stores: the
   heuristic sets it for such a B, ``matmul.with_b_layout``; H200 4096³ 163.8 -> 217.5 TFLOP/s
@@ -55,6 +57,10 @@ stores; with f32 operands 219 either way.
   bindings (L1/L2 serve the reuse between subgroups), one 16-deep slice ahead of its products,
   so there is no staging, no barrier and no f32 to f16 conversion in the loop.  H200, 4096³:
   45-75 TFLOP/s against 187 staged (kept selectable for re-measurement, not a candidate).
+
+* ``ILV`` — A's staged rows interleaved within groups of eight (``_Operand.interleave_rows``),
+  so a subgroup's packed stores hit each bank twice, not one bank three times (H100, 4096³
+  f16: 245.8 against 250.7, neutral; kept selectable).
 
 Results go straight from the fragments to C (``subgroupMatrixStore``) where a tile lies inside
 C and there is no epilogue; otherwise each fragment goes through a per-subgroup f32 scratch so
