@@ -294,21 +294,19 @@ class _Layout:
                     f"{view}[({off}({kx}) * {u(self.bstr)} + {x}) / {u(w)}]")
         return f
 
+    def _block(self, arr: str) -> str:
+        """``CONST``: the start of a pointer to one block of tile ``arr`` (a view is already a
+        pointer, so its block is ``&(*As)[b]``; an array's ``&As[b]``)."""
+        return f"&(*{arr})[" if self.packed else f"&{arr}["
+
     def _frag(self, which: str, off: str, i: int, kk: int) -> str:
         """The arguments of one fragment load (pointer, offset, column-major, stride)."""
-        if self.blk and self.packed:  # a block of the view: (*As)[b], the view is a pointer
-            return self._frag_unpacked(which, off, i, kk).replace("&As[", "&(*As)[").replace(
-                "&Bs[", "&(*Bs)[")
-        return self._frag_unpacked(which, off, i, kk)
-
-    def _frag_unpacked(self, which: str, off: str, i: int, kk: int) -> str:
-        """``_frag`` with the tiles as arrays (``&As[...]``), not views."""
         astr = self.astr
         if which == "a":
             if not self.blk:
                 return (f"{self.amp}As, {off}(fr + {u(16 * i)}) * {u(astr)} + {u(kk)}, false, "
                         f"{u(astr)}")
-            return f"&As[{off}fb + {u(i)}], {u(kk)}, false, {u(astr)}"
+            return f"{self._block('As')}{off}fb + {u(i)}], {u(kk)}, false, {u(astr)}"
         if not self.blk and self.bt:
             return (f"{self.amp}Bs, {off}(fc + {u(16 * i)}) * {u(astr)} + {u(kk)}, true, "
                     f"{u(astr)}")
@@ -316,8 +314,8 @@ class _Layout:
             return (f"{self.amp}Bs, {off}{u(kk * self.bstr)} + fc + {u(16 * i)}, false, "
                     f"{u(self.bstr)}")
         if self.bt:
-            return f"&Bs[{off}fcb + {u(i)}], {u(kk)}, true, {u(astr)}"
-        return f"&Bs[{off}fcb + {u(i)}], {u(kk * BS_ROW)}, false, {u(BS_ROW)}"
+            return f"{self._block('Bs')}{off}fcb + {u(i)}], {u(kk)}, true, {u(astr)}"
+        return f"{self._block('Bs')}{off}fcb + {u(i)}], {u(kk * BS_ROW)}, false, {u(BS_ROW)}"
 
     def compute(self, out: list[str], ii: str, aoff: str, boff: str) -> None:
         """One BK-deep step, per 16-deep slice: the B fragments, then the A fragments and the
