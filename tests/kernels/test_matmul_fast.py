@@ -360,16 +360,16 @@ def test_packed_staging_through_buffer_views(bk, vr):
     assert packed.meta["workgroup_storage"] == plain.meta["workgroup_storage"]
     blocks = codegen.emit(_desc(1, 1024, 1024, 256, config=g._replace(vr=32)), TC_LIMITS,
                           TC_FEATURES | {BV})
-    if bk == 32:  # constant offsets: block views of the same buffers, packed stores too
-        bw = blocks.wgsl
-        assert "let As = bufferView<array<array<f16, 640>, 8>>(&AsB, 0u);" in bw
-        assert "let Bs = bufferView<array<array<f16, 784>, 16>>(&BsB, 0u);" in bw
-        assert "Aw[(((ax0) / 16u) * 640u + (ax0) % 16u * 40u + ak0) / 4u] = " in bw
-        assert "Bw[(((bx0) / 16u) * 784u + bk0 * 24u + (bx0) % 16u) / 4u] = " in bw
-        assert "(&(*As)[fb + 0u], 0u, false, 40u)" in bw and "= f16(" not in _loop_body(bw)
-        assert blocks.meta["workgroup_storage"] == codegen.emit(
-            _desc(1, 1024, 1024, 256, config=g._replace(vr=32)), TC_LIMITS,
-            TC_FEATURES).meta["workgroup_storage"]
+    # constant offsets: block views of the same buffers, packed stores too
+    bw, astr, bsz = blocks.wgsl, bk + 8, bk * 24 + 16
+    assert f"let As = bufferView<array<array<f16, {16 * astr}>, 8>>(&AsB, 0u);" in bw
+    assert f"let Bs = bufferView<array<array<f16, {bsz}>, 16>>(&BsB, 0u);" in bw
+    assert f"Aw[(((ax0) / 16u) * {16 * astr}u + (ax0) % 16u * {astr}u + ak0) / 4u] = " in bw
+    assert f"Bw[(((bx0) / 16u) * {bsz}u + bk0 * 24u + (bx0) % 16u) / 4u] = " in bw
+    assert f"(&(*As)[fb + 0u], 0u, false, {astr}u)" in bw and "= f16(" not in _loop_body(bw)
+    assert blocks.meta["workgroup_storage"] == codegen.emit(
+        _desc(1, 1024, 1024, 256, config=g._replace(vr=32)), TC_LIMITS,
+        TC_FEATURES).meta["workgroup_storage"]
     # transposed operands: A's vec4 registers run along M, B's along K, so neither is four
     # adjacent staged elements and both keep their element stores
     rng = np.random.default_rng(0)

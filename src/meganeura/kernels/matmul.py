@@ -612,17 +612,16 @@ class _Operand:
         self.part = self.items < nthreads
         self.interleave = False  # ``interleave_rows``: the slow index permuted (coords)
 
-    def interleave_rows(self) -> bool:
+    def interleave_rows(self) -> None:
         """Permute the slow index (A's rows) within groups of eight, 0 2 4 6 1 3 5 7, so
         that a subgroup's four rows of eight invocations each are every other row: with
         rows of BK + 8 f16 (BK 32: 80 bytes) four consecutive rows put three 8-byte stores
-        on some bank, four alternate rows two (the minimum for 256 bytes;
-        ``staging_wavefronts``).  Applies where eight invocations cover a row and the rows
-        are a multiple of eight; returns whether it does."""
+        on some bank, four alternate rows two (the minimum for 256 bytes; the bank model in
+        tests/kernels/test_matmul_fast.py).  Applies only where eight invocations cover a
+        row and the rows are a multiple of eight (else a no-op)."""
         along = (self.bk if self.k_fast else self.T) // self.w
         rows = self.T if self.k_fast else self.bk
         self.interleave = along == 8 and rows % 8 == 0 and not self.part
-        return self.interleave
 
     def coords(self, L: list[str], ind: str, nthreads: int) -> None:
         """Each item's (row-or-column ``x``, ``kx``) within the tile (constant over K)."""
@@ -762,14 +761,14 @@ def _k_loop(c: _Ctx, L: list[str], ind: str, bk: int, edges: bool, live_check: b
 
 def _operands(c: _Ctx, L: list[str], ind: str, TM: int, TN: int, bk: int, nthreads: int,
               vec: bool, f16_vec: bool = False, rt16: bool = False, wide: bool = False,
-              sets: str = "r", interleave=None):
+              sets: str = "r", interleave: tuple[str, ...] = ()):
     """Both operands' staging plans, their per-invocation coordinates and registers (one
-    set per letter of ``sets``); ``interleave(operand)``: whether to interleave its rows
-    (``_Operand.interleave_rows``)."""
+    set per letter of ``sets``); the operands named in ``interleave`` ("a", "b") stage their
+    rows interleaved (``_Operand.interleave_rows``)."""
     ops = [_Operand(c, w, T, bk, nthreads, vec, f16_vec, rt16, wide)
            for w, T in (("a", TM), ("b", TN))]
     for o in ops:
-        if interleave is not None and interleave(o):
+        if o.which in interleave:
             o.interleave_rows()
         if o.items > nthreads and o.items % nthreads:
             raise CodegenError(f"kernel {c.name!r}: a {o.T}x{bk} tile does not split over "

@@ -56,8 +56,7 @@ stores; with f32 operands 219 either way.
   else) — no workgroup memory: every subgroup loads its fragments straight from the operand
   bindings (L1/L2 serve the reuse between subgroups), one 16-deep slice ahead of its products,
   so there is no staging, no barrier and no f32 to f16 conversion in the loop.  H200, 4096³:
-  45-75 TFLOP/s against 187 staged (kept selectable for re-measurement, not a candidate).
-
+  45-75 TFLOP/s against 187 staged (kept selectable for re-measurement, not a candidate);
 * ``ILV`` — A's staged rows interleaved within groups of eight (``_Operand.interleave_rows``),
   so a subgroup's packed stores hit each bank twice, not one bank three times (H100, 4096³
   f16: 245.8 against 250.7, neutral; kept selectable).
@@ -119,7 +118,7 @@ def sgmat(c, t, g):
     ops = _operands(c, L, ind, TM, TN, BK, nthreads, bool(g.vl), f16_vec=True,
                     rt16=bool(g.vr & HALF), wide=WIDE and lay.packed,
                     sets="rq" if g.vr & PF2 else "r",
-                    interleave=lambda o: bool(g.vr & ILV) and (o.which == "a" or lay.bt))
+                    interleave=(("a", "b") if lay.bt else ("a",)) if g.vr & ILV else ())
 
     edges = not (full_m and full_n) or live_check
     if g.vr & PF2:
